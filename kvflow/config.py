@@ -1,0 +1,234 @@
+"""Engine configuration: frozen dataclasses, one docstring per field, checked on creation.
+
+This module is pure Python (no torch): the scheduler in ``kvflow.core`` reads it.
+``kvflow.engine.args.EngineArgs`` is the one place that builds these from user input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvflow.errors import InvalidParameterError
+
+GiB = 1 << 30
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidParameterError(f"{param} {message}", param=param)
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Hyperparameters of a Llama-family model (names follow Hugging Face's config.json)."""
+
+    architecture: str
+    """HF class name: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, object], ...] | None = None
+    """Rope scaling parameters as sorted (key, value) pairs, e.g. llama3's factors."""
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """Bias on the q, k and v projections (Qwen2)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k before rotary (Qwen3)."""
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        _require(self.hidden_act == "silu", "hidden_act", f"must be silu, got {self.hidden_act}")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+                 "num_key_value_heads", "must divide num_attention_heads")
+
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embeddings included once when tied)."""
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        q = self.num_attention_heads * self.head_dim
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.attention_bias else 0)
+        mlp = 3 * h * self.intermediate_size
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * (attn + mlp + norms) + emb + h
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """2 (K and V) * layers * kv_heads * head_dim * bytes per value."""
+        return (2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+                * DTYPE_BYTES[dtype])
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArchConfig":
+        """Build from a Hugging Face config.json dictionary."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else {
+            "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+        }.get(cfg.get("model_type", ""), "LlamaForCausalLM")
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters")  # transformers >= 5 layout
+        if isinstance(rope_params, dict):
+            rope_theta = rope_theta or rope_params.get("rope_theta")
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_scaling or rope_params
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
+                None, "default"):
+            rope_scaling = None
+        if rope_scaling:
+            rope_scaling = tuple(sorted((k, v) for k, v in rope_scaling.items()
+                                        if k != "rope_theta"))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            hidden_act=cfg.get("hidden_act", "silu"),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to run and how."""
+
+    model: str
+    """The model as the user named it (preset name, HF directory or GGUF file)."""
+    path: str | None
+    """Resolved local path of the weights; None for dummy weights."""
+    load_format: str
+    """hf (safetensors directory), gguf or dummy (random weights)."""
+    arch: ModelArchConfig
+    """Architecture hyperparameters."""
+    dtype: str
+    """float32, bfloat16 or float16 (never 'auto' here: EngineArgs resolves it)."""
+    max_model_len: int
+    """Longest sequence (prompt + output) a request may have."""
+    tokenizer: str | None = None
+    """Path of the tokenizer (HF directory or GGUF file); None: token ids only."""
+    served_model_name: str = ""
+    """Name reported by the API; defaults to ``model``."""
+    seed: int = 0
+    """Seed for dummy weights and for requests without their own seed."""
+    generation_defaults: tuple[tuple[str, object], ...] = ()
+    """Sampling defaults from generation_config.json, as sorted (key, value) pairs."""
+
+    def __post_init__(self) -> None:
+        _require(self.load_format in ("hf", "gguf", "dummy"), "load_format",
+                 f"must be hf, gguf or dummy, got {self.load_format!r}")
+        _require(self.dtype in DTYPE_BYTES, "dtype",
+                 f"must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        _require(self.max_model_len >= 1, "max_model_len", "must be >= 1")
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of total GPU memory kvflow may use (weights + activations + KV cache)."""
+    kv_cache_memory: int | None = None
+    """KV cache budget in bytes. CPU default: 4 GiB. On GPU, overrides profiling."""
+    num_blocks_override: int | None = None
+    """Use exactly this many KV blocks (tests, reproducible benchmarks)."""
+    enable_prefix_caching: bool = False
+    """Reuse KV blocks of identical prompt prefixes across requests."""
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
+                 f"must be a power of two in [1, 256], got {self.block_size}")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                 f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None:
+            _require(self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 bytes")
+        if self.num_blocks_override is not None:
+            _require(self.num_blocks_override >= 1, "num_blocks_override", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_batched_tokens: int = 2048
+    """Token budget of one engine step (prefill chunks plus decode tokens)."""
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    max_model_len: int = 2048
+    """Longest sequence (copied from ModelConfig)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so decodes keep flowing."""
+    max_queued_requests: int | None = None
+    """Refuse new requests once this many wait (server back-pressure); None: no limit."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        if not self.enable_chunked_prefill:
+            _require(self.max_num_batched_tokens >= self.max_model_len,
+                     "max_num_batched_tokens",
+                     f"must be >= max_model_len ({self.max_model_len}) without chunked prefill")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs."""
+
+    device: str = "cpu"
+    """cpu or cuda (cuda:N for a given GPU)."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs."""
+
+    def __post_init__(self) -> None:
+        _require(self.device == "cpu" or self.device.startswith("cuda"), "device",
+                 f"must be cpu or cuda[:N], got {self.device!r}")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, in one object."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)

@@ -1,0 +1,103 @@
+"""The one object that carries a request's state inside the engine core (DESIGN rule 1).
+
+Only the scheduler and the KV cache manager change a Request.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from kvflow.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_IGNORED = 13  # refused: can never fit
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+
+class Request:
+    """A single sequence to generate (one sample: ``n > 1`` becomes n Requests)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] | set[int] = frozenset(),
+        arrival_time: float | None = None,
+        priority: int = 0,
+        fork_parent: "Request | None" = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0
+        # Set by the scheduler when the request is admitted (limits resolved there).
+        self.max_tokens: int = sampling_params.max_tokens or 0
+        # n > 1: the sample that computes the prompt; this one then shares its blocks.
+        self.fork_parent = fork_parent
+
+    # --- token bookkeeping -------------------------------------------------
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    # --- status -------------------------------------------------------------
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def sort_key(self) -> tuple[int, float, str]:
+        """Order of service: lower priority value first, then earlier arrival (FCFS)."""
+        return (self.priority, self.arrival_time, self.request_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_ids})")

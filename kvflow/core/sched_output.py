@@ -1,0 +1,79 @@
+"""Plain data passed between scheduler, worker and engine (no tensors, DESIGN rule 5).
+
+SchedulerOutput is a diff: a request's full data goes to the worker once (when it is
+first scheduled, or again after a preemption), afterwards only new block ids and counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvflow.sampling_params import SamplingParams
+
+# Logprobs of one position: token ids (the chosen/actual token first, then the top-N),
+# their logprobs, and the rank of the chosen token among the whole vocabulary (1 = top).
+LogprobsEntry = tuple[list[int], list[float], int]
+
+
+@dataclass
+class NewRequestData:
+    """Everything the worker needs to start (or resume) running a request."""
+
+    req_id: str
+    token_ids: list[int]  # prompt plus any tokens generated before a preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """What changed for a request the worker already holds."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One engine step: which requests run, how many tokens each, and with which blocks."""
+
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one model step produced, per request (plain lists)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # [] for a request still in the middle of its prompt
+    logprobs: list[list[LogprobsEntry] | None] | None = None
+    prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens (and maybe the end) of one request after one step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobsEntry] | None = None
+    new_prompt_logprobs: list[LogprobsEntry] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,30 @@
+"""Every environment variable kvflow reads, read here and nowhere else (DESIGN rule 9)."""
+
+from __future__ import annotations
+
+import os
+
+
+def log_level() -> str:
+    """KVFLOW_LOG_LEVEL: DEBUG, INFO (default), WARNING or ERROR."""
+    return os.environ.get("KVFLOW_LOG_LEVEL", "INFO").upper()
+
+
+def models_dir() -> str | None:
+    """KVFLOW_MODELS_DIR: an extra folder searched for models given by bare name."""
+    return os.environ.get("KVFLOW_MODELS_DIR") or None
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1 runs Triton kernels on CPU tensors (tests only)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def disable_triton() -> bool:
+    """KVFLOW_DISABLE_TRITON=1 makes the GPU path use the pure-torch references."""
+    return os.environ.get("KVFLOW_DISABLE_TRITON", "0") == "1"
+
+
+def no_progress_bar() -> bool:
+    """KVFLOW_NO_PROGRESS=1 hides tqdm progress bars (logs and CI)."""
+    return os.environ.get("KVFLOW_NO_PROGRESS", "0") == "1"

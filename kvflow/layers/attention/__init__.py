@@ -1,0 +1,42 @@
+"""Paged attention: one layer type, pluggable backends (torch reference, Triton)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvflow.layers.attention.backend import AttentionBackend, get_attention_backend
+from kvflow.layers.attention.metadata import AttentionMetadata
+from kvflow.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    """Rotary + KV cache write + paged attention for one layer.
+
+    ``kv_cache`` is bound by the model runner once the cache is allocated.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int,
+                 rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = head_dim ** -0.5
+        self.rotary = rotary
+        self.backend = backend
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H*D], k and v [T, KVH*D] -> [T, H*D]."""
+        t = q.shape[0]
+        out = self.backend.forward(
+            positions, q.view(t, self.num_heads, self.head_dim),
+            k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim),
+            self.kv_cache, self.rotary, self.scale, meta)
+        return out.reshape(t, self.num_heads * self.head_dim)
+
+
+__all__ = ["Attention", "AttentionBackend", "AttentionMetadata", "get_attention_backend"]

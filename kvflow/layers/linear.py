@@ -1,0 +1,117 @@
+"""Linear layers whose parameters know how to load themselves (DESIGN rule 6).
+
+Each parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)``. Merged
+layers (QKV as one GEMM, gate/up as one GEMM) place each checkpoint tensor into its
+slice of the merged weight. Quantization plugs in as a method object (``create_weights``,
+``apply``, ``process_weights_after_loading``); the models never branch on it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.errors import ModelLoadError
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into a parameter of the same shape."""
+    if param.shape != loaded.shape:
+        raise ModelLoadError(f"weight shape {tuple(loaded.shape)} does not match the "
+                             f"model's parameter shape {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearMethod:
+    """How a linear layer stores and applies its weight (the quantization hook)."""
+
+    def create_weights(self, layer: "LinearBase", dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: "LinearBase") -> None:
+        pass
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """A dense weight [out_features, in_features] in the model dtype; y = x W^T + b."""
+
+    def create_weights(self, layer: "LinearBase", dtype: torch.dtype) -> None:
+        weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size, dtype=dtype),
+                              requires_grad=False)
+        weight.weight_loader = layer.weight_loader
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b). ``output_sizes`` splits the output into independently loaded
+    shards (one entry for a plain layer)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
+                 dtype: torch.dtype, quant_method: LinearMethod | None = None,
+                 shard_ids: list[str | int] | None = None) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.output_size = sum(output_sizes)
+        self.shard_ids = shard_ids or list(range(len(output_sizes)))
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, dtype)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size, dtype=dtype),
+                                     requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: str | int | None = None) -> None:
+        if shard_id is None:
+            default_weight_loader(param, loaded)
+            return
+        if shard_id not in self.shard_ids:
+            raise ModelLoadError(f"unknown shard {shard_id!r} for a merged linear layer")
+        idx = self.shard_ids.index(shard_id)
+        start = sum(self.output_sizes[:idx])
+        size = self.output_sizes[idx]
+        default_weight_loader(param.data.narrow(0, start, size), loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}"
+
+
+class ReplicatedLinear(LinearBase):
+    """A plain linear layer."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                 quant_method: LinearMethod | None = None) -> None:
+        super().__init__(input_size, [output_size], bias, dtype, quant_method)
+
+
+class QKVLinear(LinearBase):
+    """q, k and v projections as one GEMM; loads shards 'q', 'k', 'v'."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, dtype: torch.dtype,
+                 quant_method: LinearMethod | None = None) -> None:
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias, dtype,
+                         quant_method, shard_ids=["q", "k", "v"])
+
+
+class MergedLinear(LinearBase):
+    """Several projections of the same input as one GEMM (gate/up); shards 0, 1, ..."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
+                 dtype: torch.dtype, quant_method: LinearMethod | None = None) -> None:
+        super().__init__(input_size, output_sizes, bias, dtype, quant_method)

@@ -1,0 +1,177 @@
+"""The Llama family in one implementation: Llama 2/3/3.1, Mistral, Qwen2/2.5 (QKV bias),
+Qwen3 (q/k RMSNorm), SmolLM2 (tied embeddings).
+
+Module names follow Hugging Face's so checkpoints load by name; q/k/v and gate/up are
+merged into one GEMM each and load shard by shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvflow.config import ModelArchConfig
+from kvflow.errors import ModelLoadError
+from kvflow.layers.activation import SiluAndMul
+from kvflow.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from kvflow.layers.embedding import LMHead, VocabEmbedding
+from kvflow.layers.linear import (LinearMethod, MergedLinear, QKVLinear, ReplicatedLinear,
+                                  default_weight_loader)
+from kvflow.layers.norm import RMSNorm
+from kvflow.layers.rotary import RotaryEmbedding
+
+# (merged parameter, checkpoint name, shard) for the merged GEMMs.
+STACKED_PARAMS = [
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
+                 rotary: RotaryEmbedding, quant: LinearMethod | None) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, self.num_heads,
+                                  self.num_kv_heads, cfg.attention_bias, dtype, quant)
+        self.o_proj = ReplicatedLinear(self.num_heads * cfg.head_dim, cfg.hidden_size, False,
+                                       dtype, quant)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(self.num_heads, cfg.head_dim, self.num_kv_heads, rotary, backend)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 KVH) * D]
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size,
+                             self.qkv_proj.kv_size], dim=-1)
+        if hasattr(self, "q_norm"):
+            t = hidden.shape[0]
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
+        return self.o_proj(self.attn(positions, q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype,
+                 quant: LinearMethod | None) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False,
+                                         dtype, quant)
+        self.down_proj = ReplicatedLinear(cfg.intermediate_size, cfg.hidden_size, False,
+                                          dtype, quant)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
+                 rotary: RotaryEmbedding, quant: LinearMethod | None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, dtype, backend, rotary, quant)
+        self.mlp = LlamaMLP(cfg, dtype, quant)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, meta: AttentionMetadata):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
+                 max_position: int, quant: LinearMethod | None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        # One rotary table shared by every layer.
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta,
+                                 cfg.rope_scaling_dict)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, dtype, backend, rotary, quant)
+            for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
+                 max_position: int, quant: LinearMethod | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype, backend, max_position, quant)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] in float32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint tensors by Hugging Face name; every parameter must be filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            for merged, ckpt, shard in STACKED_PARAMS:
+                if f".{ckpt}." in name:
+                    target = name.replace(f".{ckpt}.", f".{merged}.")
+                    if target not in params:
+                        break
+                    param = params[target]
+                    param.weight_loader(param, tensor, shard)
+                    loaded.add(f"{target}:{shard}")
+                    break
+            else:
+                if name not in params:
+                    continue  # extra tensors some checkpoints carry
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(name)
+        self._check_complete(params, loaded)
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            merged = [s for m, _, s in STACKED_PARAMS if f".{m}." in name]
+            if merged:
+                missing += [f"{name}:{s}" for s in merged if f"{name}:{s}" not in loaded]
+            elif name not in loaded:
+                missing.append(name)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ModelLoadError(f"the checkpoint lacks {len(missing)} weights: {shown}")

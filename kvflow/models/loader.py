@@ -1,0 +1,96 @@
+"""Build a model on its device and fill its weights: HF safetensors, GGUF, or dummy."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+
+from kvflow.config import ModelConfig
+from kvflow.errors import ModelLoadError
+from kvflow.layers.attention import AttentionBackend
+from kvflow.logger import init_logger
+from kvflow.models.llama import LlamaForCausalLM
+
+logger = init_logger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}
+
+
+def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of a Hugging Face directory: sharded or single safetensors, else .bin."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"cannot read {index}: {e}") from None
+        files = [os.path.join(path, f) for f in files]
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if files:
+        from safetensors import safe_open
+
+        for file in files:
+            if not os.path.isfile(file):
+                raise ModelLoadError(f"weight file {file} listed in the index is missing")
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            except ModelLoadError:
+                raise
+            except Exception as e:  # SafetensorError and friends on damaged files
+                raise ModelLoadError(f"{file} is not a readable safetensors file (truncated "
+                                     f"or corrupt?): {e}") from None
+        return
+    bins = sorted(glob.glob(os.path.join(path, "*.bin")))
+    if not bins:
+        raise ModelLoadError(f"{path} has no *.safetensors or *.bin weight files")
+    for file in bins:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ModelLoadError(f"{file} is not a readable PyTorch checkpoint: {e}") from None
+        yield from state.items()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights with realistic scale: N(0, 0.02) matrices, norms near 1."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.uniform_(0.9, 1.1, generator=gen)
+        elif name.endswith("bias"):
+            p.normal_(0.0, 0.02, generator=gen)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+
+
+def load_model(config: ModelConfig, device: torch.device,
+               backend: AttentionBackend) -> LlamaForCausalLM:
+    """Construct the model directly on ``device`` and load its weights."""
+    dtype = TORCH_DTYPES[config.dtype]
+    with torch.device(device):
+        model = LlamaForCausalLM(config.arch, dtype, backend,
+                                 max_position=max(config.max_model_len,
+                                                  config.arch.max_position_embeddings))
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    elif config.load_format == "gguf":
+        from kvflow.models.gguf_file import iter_gguf_weights
+
+        model.load_weights(iter_gguf_weights(config.path, config.arch))
+    else:
+        model.load_weights(iter_hf_weights(config.path))
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    return model.eval()

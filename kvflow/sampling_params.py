@@ -1,0 +1,148 @@
+"""Sampling parameters of one request (pure Python: the scheduler reads them too)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvflow.errors import InvalidParameterError
+
+# Below this temperature sampling is greedy (argmax), as in vLLM and OpenAI.
+GREEDY_TEMPERATURE = 1e-5
+# The most top-N logprobs a request may ask for, per generated or prompt token.
+MAX_LOGPROBS = 20
+
+
+class OutputKind(enum.Enum):
+    """What each RequestOutput carries while a request runs."""
+
+    CUMULATIVE = 0  # the whole text so far (offline API)
+    DELTA = 1  # only what is new since the last output (streaming)
+    FINAL_ONLY = 2  # nothing until the request finishes
+
+
+def _check(ok: bool, param: str, rule: str, value: object) -> None:
+    if not ok:
+        raise InvalidParameterError(f"{param} must be {rule}, got {value!r}", param=param)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop. Field names follow vLLM's."""
+
+    n: int = 1
+    """Number of samples to return for the prompt; they share the prompt's KV blocks."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 keeps all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated."""
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens in prompt or output."""
+    seed: int | None = None
+    """Per-request seed: the same output whatever else shares the batch."""
+    stop: str | list[str] | None = None
+    """Strings that end generation; removed from the output unless asked otherwise."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation (in addition to end-of-sequence)."""
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence tokens."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None means up to the model's context length."""
+    min_tokens: int = 0
+    """Fewest tokens to generate before end-of-sequence or stop ids may end the request."""
+    logprobs: int | None = None
+    """Return this many top logprobs (plus the sampled token's) per generated token."""
+    prompt_logprobs: int | None = None
+    """Return this many top logprobs per prompt token."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+    spaces_between_special_tokens: bool = True
+    """Put a space between special tokens in the text (when they are not skipped)."""
+    detokenize: bool = True
+    """Produce text; when False only token ids are returned (stop strings unavailable)."""
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+    """Cumulative, delta (streaming) or final-only outputs."""
+    # Derived in __post_init__:
+    stop_strings: list[str] = field(init=False, default_factory=list)
+    all_stop_token_ids: set[int] = field(init=False, default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == -1:
+            self.top_k = 0
+        try:
+            self._validate()
+        except TypeError as e:  # e.g. a string where a number belongs
+            raise InvalidParameterError(f"invalid sampling parameter type: {e}") from None
+        if self.temperature < GREEDY_TEMPERATURE:
+            # Greedy: the filters cannot change the argmax, so turn them off.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
+        _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
+               "-1, 0 (disabled) or an integer >= 1", self.top_k)
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]",
+               self.presence_penalty)
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]",
+               self.frequency_penalty)
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0",
+               self.repetition_penalty)
+        if self.seed is not None:
+            _check(isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                   and -(2**63) <= self.seed < 2**63, "seed", "a 64-bit integer", self.seed)
+        if self.max_tokens is not None:
+            _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+                   "an integer >= 1", self.max_tokens)
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+               "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens",
+                   f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(isinstance(value, int) and 0 <= value <= MAX_LOGPROBS, name,
+                       f"an integer in [0, {MAX_LOGPROBS}]", value)
+        for s in self.stop_strings:
+            _check(isinstance(s, str) and len(s) > 0, "stop", "a list of non-empty strings", s)
+        for t in self.stop_token_ids or []:
+            _check(isinstance(t, int) and t >= 0, "stop_token_ids",
+                   "a list of non-negative token ids", t)
+        if self.stop_strings and not self.detokenize:
+            raise InvalidParameterError("stop strings need detokenize=True", param="stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def clone(self, **changes: object) -> "SamplingParams":
+        """A copy with some fields changed (validated again)."""
+        base = {k: getattr(self, k) for k in self.__dataclass_fields__
+                if self.__dataclass_fields__[k].init}
+        base.update(changes)
+        return SamplingParams(**base)
+
+
+__all__ = ["SamplingParams", "OutputKind", "GREEDY_TEMPERATURE", "MAX_LOGPROBS"]
