@@ -8,6 +8,7 @@ from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import (
     CachedRequestData,
+    EngineCoreRequest,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
@@ -18,5 +19,5 @@ from kvflow.core.scheduler import Scheduler, check_request_fits
 __all__ = [
     "BlockPool", "KVBlock", "KVCacheManager", "Request", "RequestStatus", "Scheduler",
     "SchedulerOutput", "NewRequestData", "CachedRequestData", "ModelRunnerOutput",
-    "EngineCoreOutput", "check_request_fits",
+    "EngineCoreOutput", "EngineCoreRequest", "check_request_fits",
 ]

@@ -16,6 +16,19 @@ LogprobsEntry = tuple[list[int], list[float], int]
 
 
 @dataclass
+class EngineCoreRequest:
+    """A tokenized, validated request for the engine core (one sample of a prompt)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # n == 1 here: samples are separate requests
+    eos_token_ids: list[int]
+    arrival_time: float
+    priority: int = 0
+    fork_of: str | None = None  # id of the sibling sample whose prompt blocks to share
+
+
+@dataclass
 class NewRequestData:
     """Everything the worker needs to start (or resume) running a request."""
 

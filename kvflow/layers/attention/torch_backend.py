@@ -77,8 +77,7 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta.block_tables[:nd],
-                                    meta.seq_lens[:nd], max(meta.seq_lens_cpu[:nd]), scale)
+            self._decodes(q, out, kv_cache, meta, scale)
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in range(nd, meta.num_reqs):
             s, e = qsl[i], qsl[i + 1]
@@ -98,18 +97,35 @@ class TorchAttentionBackend:
             out[s:e] = o.transpose(0, 1)
         return out
 
+    # Decodes are batched in groups of similar context length, so padding each group to
+    # its longest context wastes little.
+    DECODE_GROUP = 16
+
+    def _decodes(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float) -> None:
+        lens = meta.seq_lens_cpu[: meta.num_decodes]
+        order = sorted(range(len(lens)), key=lens.__getitem__)
+        for g in range(0, len(order), self.DECODE_GROUP):
+            idx = order[g: g + self.DECODE_GROUP]
+            rows = torch.tensor(idx, device=q.device)
+            max_len = lens[idx[-1]]
+            out[rows] = self._decode(q[rows], kv_cache, meta.block_tables[rows],
+                                     meta.seq_lens[rows], max_len, scale)
+
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-        """One new token per request, all requests in one SDPA call. q [B, H, D]."""
-        _, _, bs, kvh, d = kv_cache.shape
+        """One new token per request, all in one SDPA call. q [B, H, D] -> [B, H, D]."""
+        _, nb, bs, kvh, d = kv_cache.shape
         b = q.shape[0]
         nblk = -(-max_len // bs)
-        kv = kv_cache[:, block_tables[:, :nblk].long()]  # [2, B, nblk, BS, KVH, D]
-        kv = kv.view(2, b, nblk * bs, kvh, d).transpose(2, 3)  # [2, B, KVH, L, D]
         length = nblk * bs
+        idx = block_tables[:, :nblk].reshape(-1).long()
+        # Whole blocks are contiguous rows of a [num_blocks, BS * KVH * D] view.
+        k = kv_cache[0].view(nb, -1).index_select(0, idx).view(b, length, kvh, d)
+        v = kv_cache[1].view(nb, -1).index_select(0, idx).view(b, length, kvh, d)
         mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None].long()
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kv[0], kv[1], attn_mask=mask[:, None, None, :], scale=scale,
-            enable_gqa=True)  # [B, H, 1, D]
+            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)  # [B, H, 1, D]
         return o.squeeze(2)

@@ -1,0 +1,1 @@
+"""Benchmarks: ``kvflow bench throughput | latency`` against peers in the same run."""

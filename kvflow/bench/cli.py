@@ -1,0 +1,58 @@
+"""Argument parsing for ``kvflow bench``."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvflow.engine.args import EngineArgs
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(p, model_positional=False)
+    p.add_argument("--backend", choices=["kvflow", "hf", "both"], default="kvflow",
+                   help="kvflow, hf (transformers generate, padded static batches) or both "
+                   "in the same run")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature for both backends (0 = greedy)")
+    p.add_argument("--save-result", default=None, help="write the result JSON here")
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (throughput, latency)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+
+    tp = kinds.add_parser("throughput", help="offline throughput on a dataset")
+    _common(tp)
+    tp.add_argument("--dataset", choices=["random"], default="random")
+    tp.add_argument("--num-prompts", type=int, default=64)
+    tp.add_argument("--input-len", type=int, default=256)
+    tp.add_argument("--output-len", type=int, default=128)
+    tp.add_argument("--range-ratio", type=float, default=0.0,
+                    help="lengths uniform in [len * (1 - r), len * (1 + r)]")
+    tp.add_argument("--min-input-len", type=int, default=None, help="overrides the range")
+    tp.add_argument("--max-input-len", type=int, default=None)
+    tp.add_argument("--min-output-len", type=int, default=None)
+    tp.add_argument("--max-output-len", type=int, default=None)
+    tp.add_argument("--hf-batch-size", type=int, default=None,
+                    help="static batch size of the hf backend (default: all prompts)")
+
+    def run_tp(ns):
+        from kvflow.bench.offline import run_throughput
+
+        return run_throughput(ns)
+    tp.set_defaults(func=run_tp)
+
+    lat = kinds.add_parser("latency", help="latency of one batch, ms per output token")
+    _common(lat)
+    lat.add_argument("--batch-size", type=int, default=1)
+    lat.add_argument("--input-len", type=int, default=128)
+    lat.add_argument("--output-len", type=int, default=256)
+    lat.add_argument("--num-iters", type=int, default=5)
+    lat.add_argument("--hf-cache-implementation", default=None,
+                     help="hf backend cache, e.g. static (default: dynamic)")
+
+    def run_lat(ns):
+        from kvflow.bench.offline import run_latency
+
+        return run_latency(ns)
+    lat.set_defaults(func=run_lat)

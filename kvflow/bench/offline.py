@@ -1,0 +1,219 @@
+"""``kvflow bench throughput`` and ``kvflow bench latency`` (offline, one process)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shlex
+import sys
+import time
+
+import numpy as np
+import torch
+
+from kvflow.bench.datasets import BenchRequest, length_range, random_requests
+from kvflow.bench.machine import git_commit, machine_info
+from kvflow.engine.args import EngineArgs
+
+
+def _workload(ns: argparse.Namespace, vocab_size: int, special: set[int]
+              ) -> list[BenchRequest]:
+    in_rng = length_range(ns.input_len, ns.range_ratio, ns.min_input_len, ns.max_input_len)
+    out_rng = length_range(ns.output_len, ns.range_ratio, ns.min_output_len,
+                           ns.max_output_len)
+    return random_requests(ns.num_prompts, in_rng, out_rng, vocab_size, ns.seed, special)
+
+
+def _special_ids(config) -> set[int]:
+    arch = config.model.arch
+    return set(arch.eos_token_ids) | ({arch.bos_token_id} if arch.bos_token_id is not None
+                                      else set())
+
+
+def _sampling(ns, output_len: int):
+    from kvflow.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=ns.temperature,
+                          detokenize=False)
+
+
+def _save(ns: argparse.Namespace, result: dict) -> None:
+    result = {"command": "kvflow " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+              "commit": git_commit(), "machine": machine_info(),
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **result}
+    if ns.save_result:
+        os.makedirs(os.path.dirname(os.path.abspath(ns.save_result)), exist_ok=True)
+        with open(ns.save_result, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"saved {ns.save_result}")
+
+
+def _backends(ns) -> list[str]:
+    # The peer runs first: kvflow sizes its KV cache from the memory left free.
+    return ["hf", "kvflow"] if ns.backend == "both" else [ns.backend]
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _device(config) -> str:
+    return config.device.device
+
+
+def run_throughput(ns: argparse.Namespace) -> int:
+    args = EngineArgs.from_cli_args(ns)
+    config = args.create_engine_config()
+    requests = _workload(ns, config.model.arch.vocab_size, _special_ids(config))
+    n_in = sum(len(r.prompt_token_ids) for r in requests)
+    n_out = sum(r.output_len for r in requests)
+    workload = {"num_prompts": len(requests), "input_tokens": n_in, "output_tokens": n_out,
+                "input_len_range": [min(len(r.prompt_token_ids) for r in requests),
+                                    max(len(r.prompt_token_ids) for r in requests)],
+                "output_len_range": [min(r.output_len for r in requests),
+                                     max(r.output_len for r in requests)],
+                "seed": ns.seed, "temperature": ns.temperature}
+    results: dict = {"workload": workload, "engine_config": _config_summary(config)}
+    for backend in _backends(ns):
+        if backend == "kvflow":
+            elapsed, extra = _kvflow_throughput(args, config, requests, ns)
+        else:
+            elapsed, extra = _hf_throughput(config, requests, ns)
+        _release_memory()
+        fig = {"elapsed_s": elapsed, "requests_per_s": len(requests) / elapsed,
+               "total_tokens_per_s": (n_in + n_out) / elapsed,
+               "output_tokens_per_s": n_out / elapsed, **extra}
+        results[backend] = fig
+        print(f"[{backend}] Throughput: {fig['requests_per_s']:.2f} requests/s, "
+              f"{fig['total_tokens_per_s']:.2f} total tokens/s, "
+              f"{fig['output_tokens_per_s']:.2f} output tokens/s")
+    if "kvflow" in results and "hf" in results:
+        ratio = results["kvflow"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
+        results["kvflow_over_hf"] = ratio
+        print(f"kvflow / hf output tokens/s: {ratio:.2f}x")
+    _save(ns, results)
+    return 0
+
+
+def _config_summary(config) -> dict:
+    return {"model": config.model.model, "load_format": config.model.load_format,
+            "dtype": config.model.dtype, "device": config.device.device,
+            "max_model_len": config.model.max_model_len,
+            "block_size": config.cache.block_size,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "enforce_eager": config.device.enforce_eager}
+
+
+def _kvflow_throughput(args, config, requests, ns) -> tuple[float, dict]:
+    from kvflow.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(config)
+    _run_kvflow(engine, requests[: min(4, len(requests))], ns, tag="warmup")
+    stats = _run_kvflow(engine, requests, ns, tag="bench")
+    return stats.pop("elapsed_s"), stats
+
+
+def _run_kvflow(engine, requests: list[BenchRequest], ns, tag: str) -> dict:
+    for i, r in enumerate(requests):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": r.prompt_token_ids},
+                           _sampling(ns, r.output_len))
+    device = engine.config.device.device
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    steps = 0
+    preempt0 = engine.core.scheduler.num_preemptions
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "steps": steps,
+            "preemptions": engine.core.scheduler.num_preemptions - preempt0}
+
+
+def _hf_throughput(config, requests, ns) -> tuple[float, dict]:
+    from kvflow.bench.hf_backend import load_hf_model, run_hf_throughput
+    from kvflow.models.loader import TORCH_DTYPES
+
+    device = _device(config)
+    hf = load_hf_model(config.model.model, config.model.load_format,
+                       TORCH_DTYPES[config.model.dtype], device, config.model.seed)
+    run_hf_throughput(hf, requests[:1], 1, device, ns.temperature)  # warm-up
+    batch = ns.hf_batch_size or len(requests)
+    elapsed = run_hf_throughput(hf, requests, batch, device, ns.temperature)
+    return elapsed, {"hf_batch_size": batch}
+
+
+def run_latency(ns: argparse.Namespace) -> int:
+    """A batch of ``--batch-size`` prompts, ``--input-len`` in, ``--output-len`` out,
+    repeated ``--num-iters`` times; reports end-to-end latency and ms per output token
+    (decode time, i.e. latency minus the latency of a 1-token run, over output_len - 1)."""
+    args = EngineArgs.from_cli_args(ns)
+    config = args.create_engine_config()
+    special = _special_ids(config)
+    reqs = random_requests(ns.batch_size, (ns.input_len, ns.input_len), (1, 1),
+                           config.model.arch.vocab_size, ns.seed, special)
+    prompts = [r.prompt_token_ids for r in reqs]
+    results: dict = {"workload": {"batch_size": ns.batch_size, "input_len": ns.input_len,
+                                  "output_len": ns.output_len, "num_iters": ns.num_iters},
+                     "engine_config": _config_summary(config)}
+    for backend in _backends(ns):
+        run = _latency_runner(backend, config, ns)
+        run(prompts, 1)
+        run(prompts, ns.output_len)  # warm-up
+        prefill = [run(prompts, 1) for _ in range(max(1, ns.num_iters // 2))]
+        full = [run(prompts, ns.output_len) for _ in range(ns.num_iters)]
+        lat = float(np.median(full))
+        decode_ms = (lat - float(np.median(prefill))) / max(1, ns.output_len - 1) * 1000
+        fig = {"latency_s_median": lat, "latency_s_mean": float(np.mean(full)),
+               "latency_s_p99": float(np.percentile(full, 99)),
+               "prefill_s_median": float(np.median(prefill)),
+               "ms_per_output_token": decode_ms,
+               "decode_tokens_per_s_per_seq": 1000 / decode_ms,
+               "output_tokens_per_s": ns.batch_size * ns.output_len / lat}
+        results[backend] = fig
+        del run
+        _release_memory()
+        print(f"[{backend}] latency {lat:.3f} s (median of {ns.num_iters}), prefill "
+              f"{fig['prefill_s_median'] * 1000:.1f} ms, {decode_ms:.2f} ms/token, "
+              f"{fig['decode_tokens_per_s_per_seq']:.1f} tokens/s per sequence")
+    if "kvflow" in results and "hf" in results:
+        results["kvflow_over_hf_decode"] = (results["kvflow"]["decode_tokens_per_s_per_seq"]
+                                            / results["hf"]["decode_tokens_per_s_per_seq"])
+    _save(ns, results)
+    return 0
+
+
+def _latency_runner(backend: str, config, ns):
+    device = _device(config)
+    if backend == "kvflow":
+        from kvflow.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
+        counter = iter(range(1 << 30))
+
+        def run(prompts, out_len):
+            reqs = [BenchRequest(p, out_len) for p in prompts]
+            return _run_kvflow(engine, reqs, ns, tag=f"lat{next(counter)}")["elapsed_s"]
+        return run
+    from kvflow.bench.hf_backend import hf_generate_batch, load_hf_model
+    from kvflow.models.loader import TORCH_DTYPES
+
+    hf = load_hf_model(config.model.model, config.model.load_format,
+                       TORCH_DTYPES[config.model.dtype], device, config.model.seed)
+
+    def run(prompts, out_len):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf_generate_batch(hf, prompts, out_len, device, ns.temperature,
+                          ns.hf_cache_implementation)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+    return run

@@ -1,0 +1,144 @@
+"""The ``kvflow`` command: generate, chat, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from kvflow.engine.args import EngineArgs
+from kvflow.errors import KvflowError
+
+EXAMPLE_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for learning a new language.",
+]
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+
+
+def _sampling_params(ns: argparse.Namespace, **extra):
+    from kvflow.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
+                          top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+                          repetition_penalty=ns.repetition_penalty, seed=ns.sampling_seed,
+                          **extra)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from kvflow.llm import LLM
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
+    prompts = ns.prompt or EXAMPLE_PROMPTS
+    params = _sampling_params(ns)
+    start = time.perf_counter()
+    if ns.no_chat_template or llm.get_tokenizer() is None \
+            or llm.get_tokenizer().chat_template is None:
+        outputs = llm.generate(prompts, params)
+    else:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(prompts, outputs):
+        print(f"\n>>> {prompt}\n{out.outputs[0].text.strip()}")
+    n_in = sum(len(o.prompt_token_ids) for o in outputs)
+    n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    print(f"\n{len(outputs)} prompts, {n_in} prompt tokens, {n_out} generated tokens in "
+          f"{elapsed:.2f} s: {n_out / elapsed:.1f} output tokens/s, "
+          f"{(n_in + n_out) / elapsed:.1f} total tokens/s")
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.sampling_params import OutputKind
+
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
+    tok = engine.tokenizer
+    if tok is None or tok.chat_template is None:
+        print("error: this model has no chat template", file=sys.stderr)
+        return 2
+    history: list[dict] = []
+    if ns.system:
+        history.append({"role": "system", "content": ns.system})
+    print("kvflow chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        history.append({"role": "user", "content": user})
+        prompt = tok.apply_chat_template(history, add_generation_prompt=True)
+        ids = tok.encode(prompt, add_special_tokens=False)
+        params = _sampling_params(ns, output_kind=OutputKind.DELTA)
+        rid = f"chat-{turn}"
+        turn += 1
+        try:
+            engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        except KvflowError as e:
+            print(f"error: {e}", file=sys.stderr)
+            history.pop()
+            continue
+        reply = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    reply.append(c.text)
+                    print(c.text, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvflow", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate answers to prompts and report speed")
+    EngineArgs.add_cli_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: "
+                     "a few example questions")
+    gen.add_argument("--no-chat-template", action="store_true",
+                     help="send prompts as raw text instead of chat messages")
+    _add_sampling_args(gen, max_tokens=128)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat, streaming as tokens arrive")
+    EngineArgs.add_cli_args(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_args(chat, max_tokens=512)
+    chat.set_defaults(func=cmd_chat)
+
+    from kvflow.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except KvflowError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

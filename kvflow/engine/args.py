@@ -1,0 +1,154 @@
+"""Engine arguments: one definition for the CLI (``kvflow generate/serve/bench``) and the
+Python API (``LLM(model, **engine_args)``). Each field's help text is its CLI help."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from kvflow.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
+                           SchedulerConfig)
+from kvflow.errors import InvalidParameterError
+from kvflow.models.registry import DEFAULT_MODEL, resolve_model
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
+          "mb": 10**6, "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30,
+          "t": 1 << 40, "tib": 1 << 40}
+
+
+def parse_bytes(value: str | int | float | None) -> int | None:
+    """A size: an int is bytes; a string like '4GiB', '512MiB', '4g' or a bare number
+    (GiB, as is a float) is converted."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float):
+        return int(value * (1 << 30))
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InvalidParameterError(f"kv_cache_memory must be a size like 4GiB or 512MiB, "
+                                    f"got {value!r}", param="kv_cache_memory")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    return int(number * (_UNITS[unit] if unit else 1 << 30))
+
+
+def _arg(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class EngineArgs:
+    model: str = _arg(DEFAULT_MODEL, "model: a preset name (smollm2-135m is embedded), a "
+                      "local Hugging Face directory, or a GGUF file", positional=True)
+    tokenizer: str | None = _arg(None, "tokenizer path (default: the model's own)")
+    load_format: str = _arg("auto", "auto, hf (safetensors), gguf, or dummy (random weights "
+                            "for an architecture preset)",
+                            choices=["auto", "hf", "gguf", "dummy"])
+    dtype: str = _arg("auto", "weights and activations dtype; auto = bfloat16 on GPU, "
+                      "float32 on CPU", choices=["auto", "float32", "bfloat16", "float16"])
+    device: str = _arg("auto", "cpu, cuda or cuda:N; auto picks cuda when available")
+    max_model_len: int | None = _arg(None, "longest prompt + output per request (default: "
+                                     "the model's context length)")
+    seed: int = _arg(0, "seed for dummy weights and for requests without their own seed")
+    served_model_name: str | None = _arg(None, "model name reported by the API")
+    skip_tokenizer_init: bool = _arg(False, "run without a tokenizer (token ids in and out)")
+    block_size: int = _arg(16, "tokens per KV cache block")
+    gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, "
+                                         "activations and KV cache")
+    kv_cache_memory: str | None = _arg(None, "KV cache size, e.g. 4GiB (CPU default 4GiB; "
+                                       "on GPU overrides profiling)")
+    num_gpu_blocks_override: int | None = _arg(None, "use exactly this many KV blocks")
+    enable_prefix_caching: bool = _arg(False, "reuse KV blocks of shared prompt prefixes")
+    max_num_batched_tokens: int | None = _arg(None, "token budget per step (default 8192 "
+                                              "on GPU, 2048 on CPU)")
+    max_num_seqs: int | None = _arg(None, "most requests running at once (default 256 on "
+                                    "GPU, 128 on CPU)")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
+    max_queued_requests: int | None = _arg(None, "refuse requests beyond this many waiting")
+    enforce_eager: bool = _arg(False, "never use CUDA graphs")
+
+    # --- CLI --------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser,
+                     model_positional: bool = True) -> argparse.ArgumentParser:
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            flag = "--" + f.name.replace("_", "-")
+            kwargs = {"help": meta["help"], "default": f.default}
+            if f.name == "model" and model_positional:
+                parser.add_argument("model", nargs="?", default=f.default, help=meta["help"])
+                parser.add_argument("--model", dest="model_flag", default=None,
+                                    help=argparse.SUPPRESS)
+                continue
+            if f.type in ("bool", bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = _cli_type(f.type)
+                if "choices" in meta:
+                    kwargs["choices"] = meta["choices"]
+            parser.add_argument(flag, **kwargs)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
+                  if hasattr(ns, f.name)}
+        if getattr(ns, "model_flag", None):
+            values["model"] = ns.model_flag
+        return cls(**values)
+
+    # --- resolution -----------------------------------------------------------------
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve 'auto' values against the machine and the model, then validate."""
+        device = self._resolve_device()
+        on_gpu = device.startswith("cuda")
+        resolved = resolve_model(self.model, self.load_format)
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+        max_len = self.max_model_len or resolved.arch.max_position_embeddings
+        if max_len < 1:
+            raise InvalidParameterError("max_model_len must be >= 1", param="max_model_len")
+        tokenizer = None if self.skip_tokenizer_init else (self.tokenizer or resolved.tokenizer)
+        model = ModelConfig(
+            model=self.model, path=resolved.path, load_format=resolved.load_format,
+            arch=resolved.arch, dtype=dtype, max_model_len=max_len, tokenizer=tokenizer,
+            served_model_name=self.served_model_name or self.model, seed=self.seed,
+            generation_defaults=tuple(sorted(resolved.generation_defaults.items())))
+        cache = CacheConfig(
+            block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory=parse_bytes(self.kv_cache_memory),
+            num_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching)
+        batched = self.max_num_batched_tokens or (8192 if on_gpu else 2048)
+        if not self.enable_chunked_prefill:
+            batched = max(batched, max_len)
+        scheduler = SchedulerConfig(
+            max_num_batched_tokens=batched,
+            max_num_seqs=self.max_num_seqs or (256 if on_gpu else 128),
+            max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
+            max_queued_requests=self.max_queued_requests)
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler,
+                            device=DeviceConfig(device=device,
+                                                enforce_eager=self.enforce_eager))
+
+    def _resolve_device(self) -> str:
+        if self.device != "auto":
+            if self.device.startswith("cuda"):
+                import torch
+
+                if not torch.cuda.is_available():
+                    raise InvalidParameterError("device cuda was asked for but no CUDA GPU "
+                                                "is available", param="device")
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _cli_type(annotation):
+    text = str(annotation)
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str

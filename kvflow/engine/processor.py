@@ -1,0 +1,110 @@
+"""Input processing: prompt forms -> validated token ids -> EngineCoreRequests.
+
+Runs where the tokenizer lives (in the API process under the server), so a request the
+engine core can never run is refused before it crosses the process boundary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvflow.config import EngineConfig
+from kvflow.core.sched_output import EngineCoreRequest
+from kvflow.core.scheduler import check_request_fits
+from kvflow.errors import InvalidParameterError
+from kvflow.sampling_params import SamplingParams
+
+PromptType = str | list[int] | Mapping
+
+
+@dataclass
+class ProcessedRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    core_requests: list[EngineCoreRequest]
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """Engine-core id of sample ``index`` of a request with ``n`` samples."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer, num_blocks: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.num_blocks = num_blocks
+        eos = set(config.model.arch.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos)
+        self.vocab_size = config.model.arch.vocab_size
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults applied."""
+        return SamplingParams(**dict(self.config.model.generation_defaults))
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self.encode(prompt["prompt"])
+            raise InvalidParameterError("a prompt dict needs 'prompt' (text) or "
+                                        "'prompt_token_ids'", param="prompt")
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise InvalidParameterError(
+            f"a prompt must be a string, a list of token ids or a dict, got "
+            f"{type(prompt).__name__}", param="prompt")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidParameterError(
+                "this model has no tokenizer (dummy weights or skip_tokenizer_init); pass "
+                "prompts as token ids", param="prompt")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _check_ids(self, ids) -> list[int]:
+        ids = list(ids)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidParameterError(
+                    f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}",
+                    param="prompt")
+        return ids
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
+                arrival_time: float | None = None, priority: int = 0) -> ProcessedRequest:
+        if params is None:
+            params = self.default_sampling_params()
+        if not isinstance(params, SamplingParams):
+            raise InvalidParameterError("sampling_params must be a SamplingParams",
+                                        param="sampling_params")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidParameterError(f"priority must be an integer, got {priority!r}",
+                                        param="priority")
+        if params.detokenize is False and params.stop_strings:
+            raise InvalidParameterError("stop strings need detokenize=True", param="stop")
+        text, ids = self.tokenize_prompt(prompt)
+        cfg = self.config
+        check_request_fits(len(ids), params.max_tokens, cfg.model.max_model_len,
+                           cfg.cache.block_size, self.num_blocks)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        n = params.n
+        core = []
+        for i in range(n):
+            child = params if n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            core.append(EngineCoreRequest(
+                request_id=child_request_id(request_id, i, n), prompt_token_ids=ids,
+                sampling_params=child, eos_token_ids=self.eos_token_ids,
+                arrival_time=arrival, priority=priority,
+                fork_of=None if i == 0 else child_request_id(request_id, 0, n)))
+        return ProcessedRequest(request_id, text, ids, params, core)

@@ -1,0 +1,1 @@
+"""The worker: model runner, persistent batch, KV cache tensors, executor."""

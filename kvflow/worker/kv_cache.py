@@ -1,0 +1,73 @@
+"""KV cache tensors: how many blocks fit, allocation, and binding to attention layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvflow.config import GiB, EngineConfig
+from kvflow.errors import InvalidParameterError, OutOfMemoryError
+from kvflow.layers.attention import Attention
+from kvflow.logger import init_logger
+
+logger = init_logger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 4 * GiB
+
+
+def block_bytes(config: EngineConfig) -> int:
+    """Bytes of one KV block across all layers (K and V)."""
+    return config.cache.block_size * config.model.arch.kv_bytes_per_token(config.model.dtype)
+
+
+def num_blocks_for_budget(config: EngineConfig, budget_bytes: int) -> int:
+    return max(0, int(budget_bytes) // block_bytes(config))
+
+
+def check_capacity(config: EngineConfig, num_blocks: int) -> None:
+    """The cache must hold at least one sequence of max_model_len tokens."""
+    bs = config.cache.block_size
+    need = -(-config.model.max_model_len // bs)
+    if num_blocks < need:
+        per_token = config.model.arch.kv_bytes_per_token(config.model.dtype)
+        raise OutOfMemoryError(
+            f"the KV cache holds {num_blocks * bs} tokens ({num_blocks} blocks) but one "
+            f"sequence of max_model_len={config.model.max_model_len} tokens needs {need} "
+            f"blocks ({need * bs * per_token / GiB:.2f} GiB); lower --max-model-len or give "
+            f"the cache more memory (--kv-cache-memory on CPU, --gpu-memory-utilization on GPU)")
+
+
+def allocate_kv_cache(config: EngineConfig, num_blocks: int,
+                      device: torch.device) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, KVH, D] tensor per layer."""
+    arch = config.model.arch
+    from kvflow.models.loader import TORCH_DTYPES
+
+    shape = (2, num_blocks, config.cache.block_size, arch.num_key_value_heads, arch.head_dim)
+    # Zeroed so no stale NaN can leak through masked attention. On the CPU, fresh pages
+    # from the OS are already zero: empty() avoids touching gigabytes at startup.
+    alloc = torch.empty if device.type == "cpu" else torch.zeros
+    try:
+        return [alloc(shape, dtype=TORCH_DTYPES[config.model.dtype], device=device)
+                for _ in range(arch.num_hidden_layers)]
+    except (RuntimeError, torch.OutOfMemoryError) as e:
+        raise OutOfMemoryError(f"cannot allocate the KV cache ({num_blocks} blocks): {e}") \
+            from None
+
+
+def bind_kv_cache(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if len(layers) != len(kv_caches):
+        raise InvalidParameterError("KV cache and model disagree on the number of layers")
+    for layer, cache in zip(layers, kv_caches):
+        layer.kv_cache = cache
+
+
+def log_kv_cache(config: EngineConfig, num_blocks: int) -> None:
+    bs = config.cache.block_size
+    tokens = num_blocks * bs
+    gib = num_blocks * block_bytes(config) / GiB
+    concurrency = tokens / config.model.max_model_len
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB; maximum concurrency "
+                "at max_model_len=%d: %.2fx", num_blocks, bs, tokens, gib,
+                config.model.max_model_len, concurrency)

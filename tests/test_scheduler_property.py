@@ -1,0 +1,106 @@
+"""Random workloads with random aborts: every request ends, no block leaks, every
+reference count returns to zero, and the scheduler's invariants hold at every step."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvflow.config import SchedulerConfig
+from kvflow.core import ModelRunnerOutput, Request, RequestStatus, Scheduler
+from kvflow.errors import PromptTooLongError
+from kvflow.sampling_params import SamplingParams
+
+EOS = 2
+
+request_st = st.tuples(
+    st.integers(1, 40),  # prompt length
+    st.integers(1, 24),  # max_tokens
+    st.integers(0, 6),  # arrival step
+    st.integers(1, 3),  # n samples (siblings fork the first one's prompt)
+    st.one_of(st.none(), st.integers(0, 30)),  # abort at this step (None: never)
+    st.integers(0, 2),  # priority
+)
+
+
+def check_invariants(s: Scheduler) -> None:
+    pool = s.kv.pool
+    refs = [0] * pool.num_blocks
+    for r in s.requests.values():
+        for b in r.block_ids:
+            refs[b] += 1
+        assert len(r.block_ids) * s.block_size >= r.num_computed_tokens
+        if r.status == RequestStatus.RUNNING:
+            assert r.num_computed_tokens <= r.num_tokens
+    assert refs == s.kv.ref_counts()
+    assert pool.num_free_blocks == sum(1 for x in refs if x == 0)
+    assert len(s.running) <= s.config.max_num_seqs
+    running_ids = {r.request_id for r in s.running}
+    waiting_ids = {r.request_id for r in s.waiting}
+    assert not running_ids & waiting_ids
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=st.lists(request_st, min_size=1, max_size=12),
+       num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 2, 4, 8]),
+       budget=st.integers(4, 64), max_seqs=st.integers(1, 8),
+       eos_every=st.integers(3, 50), chunked=st.booleans())
+def test_random_workloads(reqs, num_blocks, block_size, budget, max_seqs, eos_every, chunked):
+    max_len = 64
+    if not chunked:
+        budget = max(budget, max_len)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                  max_model_len=max_len, enable_chunked_prefill=chunked),
+                  block_size, num_blocks)
+    pending = sorted(enumerate(reqs), key=lambda x: x[1][2])
+    accepted: dict[str, int | None] = {}
+    step = 0
+    counter = 0
+    while pending or s.has_unfinished_requests():
+        while pending and pending[0][1][2] <= step:
+            i, (plen, max_tokens, _, n, abort_at, prio) = pending.pop(0)
+            params = SamplingParams(max_tokens=max_tokens)
+            first = None
+            for k in range(n):
+                rid = f"{k}_{i}"
+                r = Request(rid, [5] * plen, params, eos_token_ids={EOS}, arrival_time=step,
+                            priority=prio, fork_parent=first)
+                try:
+                    s.add_request(r)
+                except PromptTooLongError:
+                    assert plen + max_tokens > max_len or \
+                        -(-(plen + max_tokens) // block_size) > num_blocks
+                    break
+                accepted[rid] = abort_at
+                first = first or r
+        aborts = [rid for rid, at in accepted.items() if at == step and rid in s.requests]
+        s.finish_requests(aborts)
+        so = s.schedule()
+        assert so.total_num_scheduled_tokens <= budget
+        check_invariants(s)
+        ids, sampled = [], []
+        for rid, num in so.num_scheduled_tokens.items():
+            r = s.requests[rid]
+            assert num >= 1
+            ids.append(rid)
+            counter += 1
+            token = EOS if counter % eos_every == 0 else 7
+            sampled.append([token] if r.num_computed_tokens == r.num_tokens else [])
+        outs = s.update_from_output(so, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled))
+        for o in outs:
+            assert o.req_id in accepted
+        check_invariants(s)
+        step += 1
+        assert step < 5000, "the scheduler stopped making progress"
+    assert not s.running and not s.waiting and not s.pending_forks
+    assert all(r == 0 for r in s.kv.ref_counts())
+    assert s.kv.num_free_blocks == num_blocks
+
+
+def test_core_imports_without_torch():
+    code = ("import sys, kvflow.core, kvflow.config, kvflow.sampling_params; "
+            "assert 'torch' not in sys.modules, 'kvflow.core imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True)
