@@ -137,9 +137,10 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig) -> Iterator[tuple[str, t
         except Exception as e:
             raise ModelLoadError(f"{path}: tensor {t.name} cannot be dequantized "
                                  f"({type(e).__name__}: {e})") from None
-        data = np.asarray(data, dtype=np.float32).reshape(tuple(reversed(
+        # A copy: unquantized tensors come back as read-only views of the memory map.
+        data = np.array(data, dtype=np.float32).reshape(tuple(reversed(
             [int(x) for x in t.shape])))
         if permute and m and part in ("attn_q", "attn_k"):
             heads = arch.num_attention_heads if part == "attn_q" else arch.num_key_value_heads
             data = _unpermute(data, heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(data))
+        yield name, torch.from_numpy(data)

@@ -37,6 +37,11 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.params: list[SamplingParams] = []
+        # Edits to block_table since the last take_block_table_ops(), in order, so a
+        # device copy can follow with small updates: ("write", row, col, ids) or
+        # ("move", dst_row, src_row).
+        self.record_ops = False
+        self._ops: list[tuple] = []
 
     @property
     def num_reqs(self) -> int:
@@ -57,6 +62,8 @@ class InputBatch:
         nb = len(data.block_ids)
         self.block_table[row, :nb] = data.block_ids
         self.num_blocks[row] = nb
+        if self.record_ops and nb:
+            self._ops.append(("write", row, 0, list(data.block_ids)))
         return row
 
     def append_blocks(self, req_id: str, block_ids: list[int]) -> None:
@@ -66,6 +73,8 @@ class InputBatch:
         nb = int(self.num_blocks[row])
         self.block_table[row, nb: nb + len(block_ids)] = block_ids
         self.num_blocks[row] = nb + len(block_ids)
+        if self.record_ops:
+            self._ops.append(("write", row, nb, list(block_ids)))
 
     def append_token(self, row: int, token_id: int) -> None:
         self.token_ids[row, self.num_tokens[row]] = token_id
@@ -88,8 +97,14 @@ class InputBatch:
                 arr[row] = arr[last]
             nb = self.num_blocks[last]
             self.block_table[row, :nb] = self.block_table[last, :nb]
+            if self.record_ops:
+                self._ops.append(("move", row, last))
         self.req_ids.pop()
         self.params.pop()
+
+    def take_block_table_ops(self) -> list[tuple]:
+        ops, self._ops = self._ops, []
+        return ops
 
     def output_token_ids(self, row: int) -> np.ndarray:
         return self.token_ids[row, self.num_prompt_tokens[row]: self.num_tokens[row]]

@@ -16,6 +16,7 @@ from kvflow.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from kvflow.logger import init_logger
 from kvflow.models.loader import load_model
 from kvflow.worker import kv_cache
+from kvflow.worker.block_table import DeviceBlockTable
 from kvflow.worker.input_batch import InputBatch, RequestExtras
 
 logger = init_logger(__name__)
@@ -61,6 +62,14 @@ class ModelRunner:
                                 max_blocks)
         self.extras: dict[str, RequestExtras] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs = None  # CudaGraphRunner once captured
+        self.device_block_table = None
+        self.num_sms = 1
+        if self.device.type == "cuda":
+            self.batch.record_ops = True
+            self.device_block_table = DeviceBlockTable(config.scheduler.max_num_seqs,
+                                                       max_blocks, self.device)
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     # --- KV cache ---------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -96,7 +105,10 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(so)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            hidden = self.graphs.run(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return self._sample(inputs, hidden)
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -138,20 +150,30 @@ class ModelRunner:
         slots = b.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = nc + n
         max_seq = int(seq_lens.max())
-        block_tables = b.block_table[rows, : -(-max_seq // bs)]
         sample_reqs = np.nonzero(seq_lens == b.num_tokens[rows])[0]
         logits_indices = qsl[1:][sample_reqs] - 1
         plp = self._plan_prompt_logprobs(req_ids, rows, nc, n, qsl)
 
         dev = self.device
+        width = -(-max_seq // bs)
+        if self.device_block_table is not None:
+            self.device_block_table.apply(b.take_block_table_ops())
+            block_tables = self.device_block_table.gather(_to(rows, dev, torch.int64), width)
+        else:
+            block_tables = torch.from_numpy(b.block_table[rows, :width])
+        num_decodes = int((n == 1).sum())
+        splits = 1
+        if self.use_kernels and num_decodes:
+            splits = self._num_kv_splits(num_decodes, max_seq)
         meta = AttentionMetadata(
-            num_actual_tokens=total, num_reqs=num_reqs, num_decodes=int((n == 1).sum()),
+            num_actual_tokens=total, num_reqs=num_reqs, num_decodes=num_decodes,
             max_query_len=int(n.max()), max_seq_len=max_seq,
             slot_mapping=_to(slots, dev, torch.int64),
             query_start_loc=_to(qsl, dev, torch.int32),
             seq_lens=_to(seq_lens, dev, torch.int32),
-            block_tables=_to(block_tables, dev, torch.int32),
-            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
+            block_tables=block_tables,
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
+            num_kv_splits=splits)
         return StepInputs(
             req_ids=req_ids, rows=rows, input_ids=_to(input_ids, dev, torch.int64),
             positions=_to(positions, dev, torch.int64), meta=meta, sample_reqs=sample_reqs,
@@ -183,6 +205,12 @@ class ModelRunner:
             spans.append((rid, start, len(indices), k))
             extras.prompt_logprobs_done = last
         return indices, targets, spans
+
+    def _num_kv_splits(self, num_decodes: int, max_seq_len: int) -> int:
+        from kvflow.kernels.paged_attention import choose_num_kv_splits
+
+        return choose_num_kv_splits(num_decodes, max_seq_len,
+                                    self.config.model.arch.num_key_value_heads, self.num_sms)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
         b = self.batch
@@ -287,10 +315,9 @@ class ModelRunner:
 
 
 def _to(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
+    """A host array as a tensor on ``device`` (a small pageable copy on the GPU: it
+    waits for no kernel)."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
 
 
 def _kernels_available() -> bool:

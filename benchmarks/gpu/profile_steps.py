@@ -1,0 +1,130 @@
+"""Per-kernel breakdown (torch profiler) of one engine step, against its own ceiling.
+
+Steps: a decode step at batch 1 and at batch 256 (context ~1k), and one 8k-token prefill
+step, on Llama-3.1-8B shape with dummy bf16 weights. Kernels are grouped by name; the
+step's floor is max(bytes moved / HBM bandwidth, FLOPs / matmul rate). Eager mode is
+profiled so each kernel is visible (a CUDA graph replays the same kernels); the graph
+step time is measured separately with CUDA events.
+
+    python benchmarks/gpu/profile_steps.py --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvflow.engine.args import EngineArgs
+from kvflow.engine.llm_engine import LLMEngine
+from kvflow.sampling_params import SamplingParams
+
+HBM_BYTES_PER_S = 4.2e12
+MATMUL_FLOPS = 790e12
+
+
+def step_floor(arch, num_tokens: int, num_seqs: int, context: int) -> dict:
+    """Bytes and FLOPs a step must move/do at least (weights once, KV of each sequence)."""
+    weight_bytes = arch.num_params * 2
+    kv_read = num_seqs * context * arch.kv_bytes_per_token("bfloat16")
+    matmul_flops = 2 * (arch.num_params - arch.vocab_size * arch.hidden_size) * num_tokens \
+        + 2 * arch.vocab_size * arch.hidden_size * num_seqs
+    q_heads = arch.num_attention_heads * arch.head_dim
+    if num_tokens == num_seqs:  # decode: each token attends to its context
+        attn_flops = 4 * q_heads * context * num_tokens * arch.num_hidden_layers
+    else:  # one causal prefill of num_tokens
+        attn_flops = 2 * q_heads * num_tokens * num_tokens * arch.num_hidden_layers
+    t_bytes = (weight_bytes + kv_read) / HBM_BYTES_PER_S
+    t_flops = (matmul_flops + attn_flops) / MATMUL_FLOPS
+    return {"bytes": weight_bytes + kv_read, "flops": matmul_flops + attn_flops,
+            "floor_ms": 1e3 * max(t_bytes, t_flops),
+            "bound": "memory" if t_bytes >= t_flops else "compute"}
+
+
+def run_to_state(engine, batch: int, prompt_len: int, decode_steps: int, tag: str) -> None:
+    params = SamplingParams(max_tokens=decode_steps + 50, ignore_eos=True, temperature=0,
+                            detokenize=False)
+    for i in range(batch):
+        engine.add_request(f"{tag}{i}", {"prompt_token_ids": [(7 * i + j) % 30000 + 100
+                                                              for j in range(prompt_len)]},
+                           params)
+    while engine.core.scheduler.waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.scheduler.running):
+        engine.step()
+    for _ in range(decode_steps):
+        engine.step()
+
+
+def profile_step(engine, label: str, floor: dict, prepare=lambda: None) -> dict:
+    prepare()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    kernels = defaultdict(lambda: [0.0, 0])
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            kernels[e.key][0] += e.device_time_total / 1e3
+            kernels[e.key][1] += e.count
+    total_gpu = sum(v[0] for v in kernels.values())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    prepare()
+    torch.cuda.synchronize()
+    start.record()
+    engine.step()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
+    print(f"\n== {label}: GPU kernel time {total_gpu:.3f} ms, step (events) {wall:.3f} ms, "
+          f"floor {floor['floor_ms']:.3f} ms ({floor['bound']}-bound) ==")
+    for name, (ms, count) in top:
+        print(f"  {ms:8.3f} ms  {100 * ms / total_gpu:5.1f}%  x{count:<4d} {name[:90]}")
+    return {"label": label, "gpu_kernel_ms": total_gpu, "step_ms_events": wall, **floor,
+            "kernels": [{"name": n, "ms": ms, "count": c} for n, (ms, c) in top]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ns = ap.parse_args()
+    results = []
+    for label, batch, prompt, eager, extra in [
+        ("decode batch 1 (ctx ~1k, eager)", 1, 1024, True, {}),
+        ("decode batch 256 (ctx ~1k, eager)", 256, 1024, True, {}),
+        ("prefill 8192 tokens", 1, 8192, True, {"max_num_batched_tokens": 8192}),
+    ]:
+        args = EngineArgs(model=ns.model, load_format="dummy", enforce_eager=eager,
+                          max_model_len=16384, max_num_seqs=256, **extra)
+        engine = LLMEngine.from_engine_args(args)
+        arch = engine.config.model.arch
+        prepare = lambda: None  # noqa: E731
+        if label.startswith("prefill"):
+            params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+            counter = iter(range(100))
+
+            def prepare():
+                while engine.has_unfinished_requests():
+                    engine.step()
+                engine.add_request(f"p{next(counter)}", {"prompt_token_ids": [
+                    (j * 13) % 30000 + 100 for j in range(8192)]}, params)
+            prepare()
+            engine.step()  # warm-up: compile the prefill kernels
+            floor = step_floor(arch, 8192, 1, 8192)
+        else:
+            run_to_state(engine, batch, prompt, 3, "r")
+            floor = step_floor(arch, batch, batch, prompt + 4)
+        results.append(profile_step(engine, label, floor, prepare))
+        del engine
+        torch.cuda.empty_cache()
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

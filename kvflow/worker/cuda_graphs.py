@@ -1,0 +1,119 @@
+"""CUDA graphs for decode steps: one graph per batch size on a ladder, captured at
+startup; a decode batch is padded up to the next captured size and replayed.
+
+A graph reads its inputs from static buffers (token ids, positions, slots, sequence
+lengths, block tables) and leaves the final hidden states in a static output, so a
+decode step costs a few small copies and one replay instead of hundreds of kernel
+launches. (Logits stay outside: [batch, vocab] outputs for every captured size would
+pin gigabytes in the graph pool.)
+Padding rows write nothing to the cache (slot -1) and attend to one key of block 0.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvflow.config import GiB
+from kvflow.layers.attention import AttentionMetadata
+from kvflow.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Design context length for the split-KV choice baked into each graph: long enough to
+# split at small batch, short enough not to over-split typical chats.
+GRAPH_SPLIT_CONTEXT = 4096
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 8)) + list(range(272, 1025, 16))
+    return [s for s in sizes if s <= max_num_seqs] or [1]
+
+
+class CudaGraphRunner:
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        cfg = runner.config
+        self.sizes = graph_batch_sizes(cfg.scheduler.max_num_seqs)
+        max_bs = self.sizes[-1]
+        dev = runner.device
+        self.max_blocks = runner.device_block_table.table.shape[1]
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros((max_bs, self.max_blocks), dtype=torch.int32,
+                                        device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        r = self.runner
+        return AttentionMetadata(
+            num_actual_tokens=bs, num_reqs=bs, num_decodes=bs, max_query_len=1,
+            max_seq_len=r.config.model.max_model_len, slot_mapping=self.slot_mapping[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs], query_start_loc_cpu=[], seq_lens_cpu=[],
+            num_kv_splits=r._num_kv_splits(bs, min(GRAPH_SPLIT_CONTEXT,
+                                                   r.config.model.max_model_len)))
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        return self.runner.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        dev = self.runner.device
+        torch.cuda.synchronize(dev)
+        free_before = torch.cuda.mem_get_info(dev)[0]
+        start = time.perf_counter()
+        for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool
+            for _ in range(2):  # compile kernels, settle cuBLAS workspaces
+                self._forward(bs)
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.hidden[bs] = self._forward(bs)
+            self.pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(dev)
+        used = free_before - torch.cuda.mem_get_info(dev)[0]
+        logger.info("captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s using "
+                    "%.2f GiB", len(self.graphs), self.sizes[0], self.sizes[-1],
+                    time.perf_counter() - start, used / GiB)
+
+    def can_run(self, inputs) -> bool:
+        meta = inputs.meta
+        return (meta.num_decodes == meta.num_reqs and meta.num_reqs <= self.sizes[-1]
+                and not inputs.plp_indices)
+
+    def run(self, inputs) -> torch.Tensor:
+        """Replay the smallest graph that fits; returns hidden states [R, hidden]."""
+        meta = inputs.meta
+        n = meta.num_reqs
+        bs = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n].copy_(inputs.input_ids)
+        self.positions[:n].copy_(inputs.positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        if bs > n:  # padding rows: no cache write, one key of block 0
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].fill_(1)
+            self.block_tables[n:bs, 0].fill_(0)
+        self.graphs[bs].replay()
+        return self.hidden[bs][:n]
+
+
+def warmup_and_capture(runner) -> None:
+    """Compile the Triton kernels on a small mixed step, then capture decode graphs."""
+    if runner.config.device.enforce_eager or not runner.use_kernels:
+        logger.info("CUDA graphs off (%s)", "--enforce-eager" if runner.config.device.enforce_eager
+                    else "no Triton kernels")
+        return
+    graphs = CudaGraphRunner(runner)
+    graphs.capture()
+    runner.graphs = graphs

@@ -1,0 +1,28 @@
+"""Shared fixtures. GPU tests are marked ``gpu`` and skipped when no CUDA GPU is present."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("KVFLOW_NO_PROGRESS", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default model (SmolLM2-135M-Instruct, float32 on CPU), shared."""
+    from kvflow import LLM
+
+    return LLM("smollm2-135m", device="cpu", max_model_len=2048, kv_cache_memory="512MiB")
