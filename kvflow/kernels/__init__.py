@@ -1,0 +1,15 @@
+"""Triton kernels for the GPU path, one kernel per file.
+
+Each module holds one fused operation and names the pure-torch reference it matches
+(the references live beside the layers that use them, in ``kvflow.layers``):
+
+- ``paged_attention``: flash-attention over the paged KV cache for mixed prefill/decode
+  batches, with a split-KV (flash-decoding) path for long contexts at small batch.
+- ``rms_norm``: RMSNorm and residual-add + RMSNorm over ``[..., hidden]``.
+- ``rotary_kv``: rotary embedding of q and k fused with the KV-cache write.
+- ``silu_and_mul``: ``silu(gate) * up`` on the merged gate/up projection.
+
+Every launch is free of host synchronisation (grid sizes come from tensor shapes and
+Python ints the caller passes), so the kernels can be captured in CUDA graphs once they
+have been compiled by a warm-up call. Tests run them under ``TRITON_INTERPRET=1`` on CPU.
+"""

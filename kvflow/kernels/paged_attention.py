@@ -1,0 +1,396 @@
+"""Paged flash-attention for a mixed batch (decodes first, then prefill chunks), with a
+split-KV (flash-decoding) path for long decode contexts.
+
+Reference: ``kvflow.layers.attention.torch_backend.paged_attention_ref``.
+
+Layouts: q [T, H, D]; kv_cache [2, NB, BS, KVH, D] (0 = K, 1 = V); block_tables int32
+[R, max_blocks]; query_start_loc int32 [R+1]; seq_lens int32 [R] (context length after
+this step). Request i's q_len_i queries sit at positions seq_len_i - q_len_i ..
+seq_len_i - 1 and attend causally to keys 0..pos.
+
+Algorithm (one kernel body, two launches):
+
+* Each program owns one KV head and a tile of BLOCK_M = BLOCK_Q * G_PAD query rows: BLOCK_Q
+  tokens x the G query heads that share the KV head (GQA packed into M, padded to a power
+  of two). Row r is token ``r // G_PAD``, head ``kvh * G + r % G_PAD``. So every K/V tile
+  is loaded once per KV head and used by the whole group through ``tl.dot``.
+* It walks its keys in BLOCK_N tiles, gathering each key row through the block table
+  (``block_tables[req, n // BS] * BS + n % BS``), so BLOCK_N is independent of the cache
+  block size and each row is a contiguous D-vector (16-byte vector loads). Online softmax
+  in float32 with exp2 (scale folded with log2 e); P is rounded to the KV dtype for the
+  P @ V dot. Tiles entirely below the first query's position run without masks; only
+  the diagonal/tail tiles apply the causal mask (and load masks).
+* Decode launch: requests [0, num_decodes), BLOCK_Q = 1, G_PAD = max(16, pow2(G)) (the
+  minimum M of tl.dot), grid ``(1, num_decodes, KVH * num_kv_splits)``. With
+  num_kv_splits = S > 1, split s handles keys [s*c, (s+1)*c) with
+  ``c = roundup(cdiv(seq_len, S), BLOCK_N)`` (computed on device per request), and
+  writes a normalised partial output and its log2-sum-exp (float32) to a workspace; a
+  second kernel, grid ``(num_decodes, H)``, merges the S partials.
+* Prefill launch: requests [num_decodes, R), grid ``(cdiv(max_query_len, BLOCK_Q),
+  R - num_decodes, KVH)``; q-blocks past a request's q_len exit at once. The q-block axis
+  is walked from the last block (longest causal range) first, and sits on the fastest
+  grid axis so blocks of one request run together and share its KV prefix in L2.
+
+Tile configs (``default_tile_configs``; no autotune, so a decode launch is cheap and
+graph-capturable after one warm-up call compiles it):
+  decode  BLOCK_M=16 (G_PAD), BLOCK_N=64, 4 warps, 3 stages with >= 160 KB shared memory
+          (A100/H100/H200), else 2
+  prefill BLOCK_M=128 (BLOCK_Q = 128 / G_PAD: 128 tokens at GQA 1, 32 at 4, 16 at 8),
+          BLOCK_N=64, 8 warps (4 for D <= 64), 3 stages (2 on ~100 KB parts)
+  fp32 / D=256 halve BLOCK_N (and prefill BLOCK_M). ``TileConfig`` overrides them
+  (benchmarks/kernels/bench_kernels.py --sweep times alternatives).
+
+Expected traffic and work (elem = bytes per value, 2 for bf16):
+  decode: bytes = sum_i seq_len_i * KVH * D * 2 * elem (K and V read exactly once)
+          + 2 * B * H * D * elem (q, out); with splits + B*H*S*(D+1)*4*2 workspace.
+          Llama-3.1-8B layer (4 KiB of K+V per token): B=256 x 4096 ctx reads 4.29 GB
+          -> ~1.02 ms at 4.2 TB/s; B=1 x 4096 ctx reads 16.8 MB -> ~4 us (launch- and
+          latency-bound: this is where the split-KV path matters).
+  prefill: FLOPs = 4 * H * D * sum_i sum_q (keys visible to q) (QK^T and PV);
+          one 8192-token causal chunk, H=32, D=128: 4*32*128*8192*8193/2 = 550 GFLOP
+          -> ~0.70 ms at 790 TFLOP/s.
+
+Limits: "decodes" must have q_len <= 1 (speculative drafts go through the prefill
+launch). A short chunk after a long cached prefix gets only cdiv(q_len, BLOCK_Q) * KVH
+programs (prefill has no split-KV). Checked by compiling every default and sweep config
+ahead of time for sm_90 and sm_80 with Triton 3.6 and 3.9: K/V loads compile to 16-byte
+cp.async; prefill uses wgmma on sm_90, decode (M=16) uses mma.sync.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos, offs_n, offs_d,
+               stride_kb, stride_kt, qk_scale,
+               BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+               MASKED: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One BLOCK_N tile of keys [start, start + BLOCK_N): online-softmax update."""
+    n = start + offs_n  # [BLOCK_N] key positions
+    if MASKED:
+        n_ok = n < hi
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0)
+    else:
+        blk = tl.load(bt_row + n // BLOCK_SIZE)
+    kv_off = blk.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_kt  # [BLOCK_N]
+    ptr_off = kv_off[:, None] + offs_d[None, :]  # [BLOCK_N, D_PAD]
+    if MASKED:
+        ld_mask = n_ok[:, None]
+        if D_PAD != HEAD_DIM:
+            ld_mask = ld_mask & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_base + ptr_off, mask=ld_mask, other=0.0)
+        v = tl.load(v_base + ptr_off, mask=ld_mask, other=0.0)
+    elif D_PAD != HEAD_DIM:
+        d_mask = (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_base + ptr_off, mask=d_mask, other=0.0)
+        v = tl.load(v_base + ptr_off, mask=d_mask, other=0.0)
+    else:
+        k = tl.load(k_base + ptr_off)
+        v = tl.load(v_base + ptr_off)
+
+    if UPCAST:  # CPU interpreter: its tl.dot multiplies bf16 as raw uint16
+        k = k.to(tl.float32)
+        v_dot = v.to(tl.float32)
+    else:
+        v_dot = v
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(v_dot.dtype), v_dot,
+                                        input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["req_offset", "num_splits"])
+def _paged_attn_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
+        req_offset, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_bt, stride_kb, stride_kt, stride_kh,
+        GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr):
+    num_qb = tl.num_programs(0)
+    qb = num_qb - 1 - tl.program_id(0)  # longest causal range first
+    req = tl.program_id(1) + req_offset
+    kvh = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if qb * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx = seq_len - q_len  # cached prefix before this step's queries
+
+    offs_m = tl.arange(0, BLOCK_Q * G_PAD)  # BLOCK_M query rows
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    tok = qb * BLOCK_Q + offs_m // G_PAD  # [BLOCK_M] query index within the request
+    hh = offs_m % G_PAD
+    head = kvh * GROUP + hh
+    row_ok = (tok < q_len) & (hh < GROUP)
+    pos = ctx + tok  # absolute position of each query row
+    row = (q_start + tok).to(tl.int64)
+    q_mask = row_ok[:, None]
+    if D_PAD != HEAD_DIM:
+        q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=q_mask, other=0.0)  # [BLOCK_M, D_PAD]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys this q-block needs: [0, hi); split s of S takes [lo, hi) of it.
+    hi = tl.minimum(seq_len, ctx + (qb + 1) * BLOCK_Q)
+    lo = 0
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(hi, lo + chunk)
+    # Keys <= the block's first query position are visible to every row: no masks.
+    full_hi = tl.minimum(hi, ctx + qb * BLOCK_Q + 1)
+    full_end = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
+    bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_kh
+    for start in range(lo, full_end, BLOCK_N):
+        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos,
+                                   offs_n, offs_d, stride_kb, stride_kt, qk_scale,
+                                   BLOCK_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, UPCAST)
+    for start in range(full_end, hi, BLOCK_N):
+        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos,
+                                   offs_n, offs_d, stride_kb, stride_kt, qk_scale,
+                                   BLOCK_SIZE, HEAD_DIM, D_PAD, True, DOT_PREC, UPCAST)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty split or empty context -> zeros
+    o = acc / l_safe[:, None]
+    if SPLIT:
+        # Partial results of decode request `req`: [num_decodes, H, S, D_PAD] and [.., S].
+        num_heads = tl.num_programs(2) // num_splits * GROUP
+        part_row = (req.to(tl.int64) * num_heads + head) * num_splits + split
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
+        tl.store(part_o_ptr + part_row[:, None] * D_PAD + offs_d[None, :], o,
+                 mask=row_ok[:, None])
+    else:
+        tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh
+                 + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits,
+                         stride_ot, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                         S_PAD: tl.constexpr):
+    """out[req, h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + req)
+    if tl.load(qsl_ptr + req + 1) == q_start:  # request without a query (padding)
+        return
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    base = (req.to(tl.int64) * tl.num_programs(1) + head) * num_splits
+    s_ok = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * D_PAD + offs_d[None, :],
+                mask=s_ok[:, None], other=0.0)  # [S_PAD, D_PAD]
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # empty splits weigh 0
+    denom = tl.sum(w, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    res = tl.sum(o * w[:, None], axis=0) / denom
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape of one attention launch (a tuning hook for benchmarks)."""
+
+    block_m: int  # query rows per program (BLOCK_Q tokens x G_PAD heads); decode: G_PAD
+    block_n: int  # keys per inner-loop tile
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=None)
+def _max_shared_mem(device_index: int) -> int:
+    try:
+        props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+        return int(props["max_shared_mem"])
+    except Exception:  # older drivers: guess from the architecture
+        major, minor = torch.cuda.get_device_capability(device_index)
+        return 227 * 1024 if (major, minor) in ((9, 0), (10, 0)) else (
+            163 * 1024 if (major, minor) == (8, 0) else 99 * 1024)
+
+
+def _smem(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 227 * 1024  # interpreter: configs do not matter
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _max_shared_mem(index)
+
+
+def default_tile_configs(head_dim: int, group: int, dtype: torch.dtype,
+                         device: torch.device) -> tuple[TileConfig, TileConfig]:
+    """(decode, prefill) launch shapes for this head dim, GQA group and dtype.
+
+    Decode: 16 query rows (the GQA group, padded to tl.dot's minimum M), 64-key tiles,
+    4 warps, 3 pipeline stages where shared memory allows (>= 160 KB per block:
+    A100/H100/H200; 96 KB of K/V stages, so two programs share an H200 SM).
+    Prefill: 128 query rows, 64-key tiles, 8 warps (4 for D <= 64), 3 stages.
+    fp32 and D=256 halve the tiles; ~100 KB parts (sm_86/89) get 2 stages.
+    """
+    return _default_tile_configs(head_dim, group, dtype, _smem(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _default_tile_configs(head_dim: int, group: int, dtype: torch.dtype,
+                          smem: int) -> tuple[TileConfig, TileConfig]:
+    d_pad = triton.next_power_of_2(head_dim)
+    elem = dtype.itemsize
+    big = elem * d_pad > 256
+    block_n = 32 if big else 64
+    large_smem = smem >= 160 * 1024
+    kv_stage = 2 * block_n * d_pad * elem  # K and V tiles of one pipeline stage
+    dec_m = max(16, triton.next_power_of_2(group))
+    dec_stages = 3 if large_smem else 2
+    pre_m = 64 if big else 128
+    pre_stages = 3 if large_smem and pre_m * d_pad * elem + 3 * kv_stage <= 160 * 1024 else 2
+    pre_n = block_n if large_smem or d_pad < 128 else 32
+    return (TileConfig(dec_m, block_n, 4, dec_stages),
+            TileConfig(pre_m, pre_n, 8 if d_pad > 64 else 4, pre_stages))
+
+
+def choose_num_kv_splits(num_decodes: int, max_seq_len: int, num_heads_kv: int,
+                         num_sms: int) -> int:
+    """Split count for the decode launch: a power of two in [1, 64].
+
+    Splits until decode programs (num_decodes * num_heads_kv * S) reach about four per
+    SM (a decode program keeps one 32 KB K+V tile in flight and uses ~40 KB of shared
+    memory, so four or more fit an SM and together cover HBM latency), never leaving a
+    split fewer than 256 keys of the longest context. Llama-3.1-8B (KVH 8) on an H200
+    (132 SMs): batch 1 -> 16 splits at 4k context, 64 at >= 16k; batch 16 -> 4;
+    batch >= 66 -> 1.
+    Pass the same arguments for every replay of a captured CUDA graph (e.g. max_seq_len
+    = max_model_len): any S is correct for any seq_lens, only speed depends on it.
+    """
+    base = max(1, num_decodes * num_heads_kv)
+    target = 4 * num_sms
+    if base >= target:
+        return 1
+    want = triton.cdiv(target, base)
+    cap = max(1, max_seq_len // _MIN_TOKENS_PER_SPLIT)
+    splits = max(1, min(want, cap, _MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                    num_decodes: int, max_query_len: int, max_seq_len: int,
+                    num_kv_splits: int = 1, out: torch.Tensor | None = None,
+                    decode_config: TileConfig | None = None,
+                    prefill_config: TileConfig | None = None) -> torch.Tensor:
+    """Causal attention of q [T, H, D] over each request's paged context -> [T, H, D].
+
+    R = seq_lens.shape[0] requests; requests [0, num_decodes) have exactly one query
+    (q_len 0 is allowed for padding), the rest are prefill chunks of at most
+    ``max_query_len`` tokens. ``num_kv_splits`` > 1 splits the decode requests' contexts
+    across programs (flash-decoding). ``max_seq_len`` does not size any grid; it is kept
+    for callers' heuristics. Output rows past ``query_start_loc[R]`` are left unwritten.
+    ``decode_config`` / ``prefill_config`` override the default tiles (benchmarks).
+    """
+    t, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    assert kv_cache.shape[0] == 2 and kv_cache.shape[-1] == head_dim
+    assert num_heads % num_kv_heads == 0, "H must be a multiple of KVH"
+    assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
+    assert seq_lens.dtype == torch.int32 and query_start_loc.dtype == torch.int32
+    num_reqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty((t, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    del max_seq_len
+
+    group = num_heads // num_kv_heads
+    g_pad = triton.next_power_of_2(group)
+    d_pad = triton.next_power_of_2(head_dim)
+    dec_cfg, pre_cfg = default_tile_configs(head_dim, group, q.dtype, q.device)
+    dec_cfg = decode_config or dec_cfg
+    pre_cfg = prefill_config or pre_cfg
+    k_cache, v_cache = kv_cache[0], kv_cache[1]  # [NB, BS, KVH, D] each
+    common = (scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+              block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    # The CPU interpreter's tl.dot is wrong for bf16 (it multiplies the raw uint16 bits):
+    # there, dot operands are widened to float32 after the same roundings.
+    consts = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
+                  DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                  UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16)
+
+    if num_decodes > 0:
+        splits = max(1, int(num_kv_splits))
+        if splits > 1:
+            part_o = torch.empty((num_decodes, num_heads, splits, d_pad), dtype=torch.float32,
+                                 device=q.device)
+            part_lse = torch.empty((num_decodes, num_heads, splits), dtype=torch.float32,
+                                   device=q.device)
+        else:
+            part_o = part_lse = out  # unused
+        _paged_attn_kernel[(1, num_decodes, num_kv_heads * splits)](
+            q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+            part_o, part_lse, 0, splits, *common,
+            G_PAD=max(g_pad, dec_cfg.block_m), BLOCK_Q=1, BLOCK_N=dec_cfg.block_n,
+            SPLIT=splits > 1, num_warps=dec_cfg.num_warps, num_stages=dec_cfg.num_stages,
+            **consts)
+        if splits > 1:
+            _merge_splits_kernel[(num_decodes, num_heads)](
+                part_o, part_lse, out, query_start_loc, splits, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=triton.next_power_of_2(splits),
+                num_warps=4 if splits * d_pad <= 4096 else 8)
+
+    num_prefills = num_reqs - num_decodes
+    if num_prefills > 0 and max_query_len > 0:
+        block_q = max(1, pre_cfg.block_m // g_pad)
+        grid = (triton.cdiv(max_query_len, block_q), num_prefills, num_kv_heads)
+        _paged_attn_kernel[grid](
+            q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+            out, out, num_decodes, 1, *common,
+            G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=pre_cfg.block_n, SPLIT=False,
+            num_warps=pre_cfg.num_warps, num_stages=pre_cfg.num_stages, **consts)
+    return out
+
+
+def attention_bytes_flops(q_lens: list[int], seq_lens: list[int], num_heads: int,
+                          num_kv_heads: int, head_dim: int, elem: int) -> tuple[int, int]:
+    """Ideal (bytes, FLOPs) of one call: every K/V row read once per KV head, q read and
+    out written once; FLOPs of QK^T and PV over the causally visible keys."""
+    kv_bytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * elem
+    qo_bytes = sum(q_lens) * num_heads * head_dim * 2 * elem
+    visible = sum(n * (s - n) + n * (n + 1) // 2 for n, s in zip(q_lens, seq_lens))
+    return kv_bytes + qo_bytes, 4 * num_heads * head_dim * visible
+
+
+__all__ = ["TileConfig", "attention_bytes_flops", "choose_num_kv_splits", "default_tile_configs",
+           "paged_attention"]
