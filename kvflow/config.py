@@ -196,6 +196,8 @@ class SchedulerConfig:
     """Split long prompts across steps so decodes keep flowing."""
     max_queued_requests: int | None = None
     """Refuse new requests once this many wait (server back-pressure); None: no limit."""
+    async_scheduling: bool = False
+    """Schedule and launch step N+1 while step N runs on the GPU (overlapped steps)."""
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")

@@ -48,6 +48,13 @@ class EngineDeadError(KvflowError):
     error_type = "service_unavailable"
 
 
+class EngineNotReadyError(KvflowError):
+    """The engine is still starting (model loading); the client should retry shortly."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+
+
 class QueueFullError(KvflowError):
     """The waiting queue is at its limit; the client should retry later."""
 

@@ -34,7 +34,7 @@ def check_invariants(s: Scheduler) -> None:
             refs[b] += 1
         assert len(r.block_ids) * s.block_size >= r.num_computed_tokens
         if r.status == RequestStatus.RUNNING:
-            assert r.num_computed_tokens <= r.num_tokens
+            assert r.num_computed_tokens <= r.num_tokens_scheduled_for
     assert refs == s.kv.ref_counts()
     assert pool.num_free_blocks == sum(1 for x in refs if x == 0)
     assert len(s.running) <= s.config.max_num_seqs
@@ -43,12 +43,15 @@ def check_invariants(s: Scheduler) -> None:
     assert not running_ids & waiting_ids
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=st.lists(request_st, min_size=1, max_size=12),
        num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 2, 4, 8]),
        budget=st.integers(4, 64), max_seqs=st.integers(1, 8),
-       eos_every=st.integers(3, 50), chunked=st.booleans())
-def test_random_workloads(reqs, num_blocks, block_size, budget, max_seqs, eos_every, chunked):
+       eos_every=st.integers(3, 50), chunked=st.booleans(), overlap=st.booleans())
+def test_random_workloads(reqs, num_blocks, block_size, budget, max_seqs, eos_every, chunked,
+                          overlap):
+    """``overlap``: step N+1 is scheduled before step N's tokens are known, as the GPU
+    engine does to keep the device busy."""
     max_len = 64
     if not chunked:
         budget = max(budget, max_len)
@@ -59,7 +62,8 @@ def test_random_workloads(reqs, num_blocks, block_size, budget, max_seqs, eos_ev
     accepted: dict[str, int | None] = {}
     step = 0
     counter = 0
-    while pending or s.has_unfinished_requests():
+    inflight = None
+    while pending or s.has_unfinished_requests() or inflight:
         while pending and pending[0][1][2] <= step:
             i, (plen, max_tokens, _, n, abort_at, prio) = pending.pop(0)
             params = SamplingParams(max_tokens=max_tokens)
@@ -85,17 +89,27 @@ def test_random_workloads(reqs, num_blocks, block_size, budget, max_seqs, eos_ev
         for rid, num in so.num_scheduled_tokens.items():
             r = s.requests[rid]
             assert num >= 1
+            assert r.num_placeholders <= (2 if overlap else 1)
             ids.append(rid)
             counter += 1
             token = EOS if counter % eos_every == 0 else 7
-            sampled.append([token] if r.num_computed_tokens == r.num_tokens else [])
-        outs = s.update_from_output(so, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled))
-        for o in outs:
-            assert o.req_id in accepted
+            # A sampling chunk ends where the token it samples (a placeholder) begins.
+            samples = (r.num_placeholders > 0
+                       and r.num_computed_tokens == r.num_tokens_scheduled_for - 1)
+            sampled.append([token] if samples else [])
+        current = (so, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled))
+        if so.is_empty:
+            current = None  # nothing to launch (as in EngineCore.step)
+        if overlap:
+            current, inflight = inflight, current
+        if current is not None:
+            for o in s.update_from_output(*current):
+                assert o.req_id in accepted
         check_invariants(s)
         step += 1
         assert step < 5000, "the scheduler stopped making progress"
     assert not s.running and not s.waiting and not s.pending_forks
+    assert inflight is None
     assert all(r == 0 for r in s.kv.ref_counts())
     assert s.kv.num_free_blocks == num_blocks
 

@@ -15,6 +15,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature for both backends (0 = greedy)")
     p.add_argument("--save-result", default=None, help="write the result JSON here")
+    p.add_argument("--measure-gpu-idle", action="store_true",
+                   help="report the GPU idle time between engine steps (CUDA events)")
 
 
 def add_bench_parser(sub) -> None:

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import shlex
-import sys
 import time
 
 import numpy as np
 import torch
 
 from kvflow.bench.datasets import BenchRequest, length_range, random_requests
-from kvflow.bench.machine import git_commit, machine_info
+from kvflow.bench.machine import save_result
 from kvflow.engine.args import EngineArgs
 
 
@@ -40,14 +36,7 @@ def _sampling(ns, output_len: int):
 
 
 def _save(ns: argparse.Namespace, result: dict) -> None:
-    result = {"command": "kvflow " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-              "commit": git_commit(), "machine": machine_info(),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **result}
-    if ns.save_result:
-        os.makedirs(os.path.dirname(os.path.abspath(ns.save_result)), exist_ok=True)
-        with open(ns.save_result, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"saved {ns.save_result}")
+    save_result(ns.save_result, result)
 
 
 def _backends(ns) -> list[str]:
@@ -114,7 +103,13 @@ def _kvflow_throughput(args, config, requests, ns) -> tuple[float, dict]:
 
     engine = LLMEngine(config)
     _run_kvflow(engine, requests[: min(4, len(requests))], ns, tag="warmup")
+    meter = _attach_idle_meter(engine, ns)
     stats = _run_kvflow(engine, requests, ns, tag="bench")
+    if meter is not None:
+        stats["gpu_idle"] = meter.report()
+        print(f"[kvflow] GPU idle between steps: "
+              f"{stats['gpu_idle']['idle_ms_per_step'] * 1000:.0f} us/step "
+              f"({100 * stats['gpu_idle']['idle_fraction']:.1f}% of the time)")
     return stats.pop("elapsed_s"), stats
 
 
@@ -134,6 +129,18 @@ def _run_kvflow(engine, requests: list[BenchRequest], ns, tag: str) -> dict:
     elapsed = time.perf_counter() - start
     return {"elapsed_s": elapsed, "steps": steps,
             "preemptions": engine.core.scheduler.num_preemptions - preempt0}
+
+
+def _attach_idle_meter(engine, ns):
+    """With --measure-gpu-idle, time the gaps the CPU leaves between GPU steps."""
+    if engine is None or not getattr(ns, "measure_gpu_idle", False) \
+            or not torch.cuda.is_available():
+        return None
+    from kvflow.worker.idle_meter import GpuIdleMeter
+
+    meter = GpuIdleMeter()
+    engine.core.executor.runner.idle_meter = meter
+    return meter
 
 
 def _hf_throughput(config, requests, ns) -> tuple[float, dict]:
@@ -167,6 +174,7 @@ def run_latency(ns: argparse.Namespace) -> int:
         run(prompts, 1)
         run(prompts, ns.output_len)  # warm-up
         prefill = [run(prompts, 1) for _ in range(max(1, ns.num_iters // 2))]
+        meter = _attach_idle_meter(run.engine, ns)
         full = [run(prompts, ns.output_len) for _ in range(ns.num_iters)]
         lat = float(np.median(full))
         decode_ms = (lat - float(np.median(prefill))) / max(1, ns.output_len - 1) * 1000
@@ -176,6 +184,12 @@ def run_latency(ns: argparse.Namespace) -> int:
                "ms_per_output_token": decode_ms,
                "decode_tokens_per_s_per_seq": 1000 / decode_ms,
                "output_tokens_per_s": ns.batch_size * ns.output_len / lat}
+        if meter is not None:
+            fig["gpu_idle"] = meter.report()
+            run.engine.core.executor.runner.idle_meter = None
+            print(f"[{backend}] GPU idle between steps: "
+                  f"{fig['gpu_idle']['idle_ms_per_step'] * 1000:.0f} us/step "
+                  f"({100 * fig['gpu_idle']['idle_fraction']:.1f}% of the time)")
         results[backend] = fig
         del run
         _release_memory()
@@ -200,6 +214,7 @@ def _latency_runner(backend: str, config, ns):
         def run(prompts, out_len):
             reqs = [BenchRequest(p, out_len) for p in prompts]
             return _run_kvflow(engine, reqs, ns, tag=f"lat{next(counter)}")["elapsed_s"]
+        run.engine = engine
         return run
     from kvflow.bench.hf_backend import hf_generate_batch, load_hf_model
     from kvflow.models.loader import TORCH_DTYPES
@@ -216,4 +231,5 @@ def _latency_runner(backend: str, config, ns):
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         return time.perf_counter() - start
+    run.engine = None
     return run

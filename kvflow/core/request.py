@@ -55,6 +55,9 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens a scheduled step will sample but whose values are not known yet
+        # (at most one per step in flight).
+        self.num_placeholders = 0
         self.block_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -81,6 +84,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens_scheduled_for(self) -> int:
+        """Known tokens plus those being sampled: what the next step continues from."""
+        return len(self.all_token_ids) + self.num_placeholders
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -107,6 +107,7 @@ class Scheduler:
         computed_before: dict[str, int] = {}
         order: list[Request] = []
         preempted: list[Request] = []
+        samples: set[str] = set()  # requests whose chunk this step ends in a sample
 
         def take(req: Request, n: int, ids: list[int]) -> None:
             nonlocal budget
@@ -114,6 +115,9 @@ class Scheduler:
             new_block_ids[req.request_id] = ids
             computed_before[req.request_id] = req.num_computed_tokens
             req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens_scheduled_for:
+                req.num_placeholders += 1  # this step samples its next token
+                samples.add(req.request_id)
             budget -= n
             order.append(req)
 
@@ -121,8 +125,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:
+            n = min(req.num_tokens_scheduled_for - req.num_computed_tokens, budget)
+            if n <= 0 or self._will_finish(req):
                 i += 1
                 continue
             ids = self.kv.allocate_slots(req, n)
@@ -132,6 +136,8 @@ class Scheduler:
                 self.running.pop(vi)
                 if victim.request_id in num_scheduled:  # already given tokens this step
                     budget += num_scheduled.pop(victim.request_id)
+                    if victim.request_id in samples:
+                        victim.num_placeholders -= 1
                     del new_block_ids[victim.request_id], computed_before[victim.request_id]
                     order.remove(victim)
                 self._preempt(victim)
@@ -151,6 +157,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if req.num_placeholders:
+                break  # preempted while its last token was in flight: wait for it
             parent = req.fork_parent
             if parent is not None and not req.block_ids:
                 # K/V the parent computes in this very step are not in the cache yet.
@@ -174,6 +182,13 @@ class Scheduler:
 
         return self._build_output(order, num_scheduled, new_block_ids, computed_before,
                                   preempted)
+
+    def _will_finish(self, req: Request) -> bool:
+        """True when the tokens in flight already reach max_tokens or max_model_len."""
+        if not req.num_placeholders:
+            return False
+        return (req.num_output_tokens + req.num_placeholders >= req.max_tokens
+                or req.num_tokens_scheduled_for >= self.config.max_model_len)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -216,12 +231,13 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         for rid in sched_out.num_scheduled_tokens:
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None or req.is_finished():
                 continue  # finished or aborted while the step ran
             i = row.get(rid)
             sampled = runner_out.sampled_token_ids[i] if i is not None else []
             new_tokens: list[int] = []
             for token in sampled:
+                req.num_placeholders -= 1
                 req.append_output_token(token)
                 new_tokens.append(token)
                 if self._check_stop(req, token):
@@ -238,7 +254,8 @@ class Scheduler:
                     new_prompt_logprobs=prompt_lp, finish_reason=req.finish_reason,
                     stop_reason=req.stop_reason, num_cached_tokens=req.num_cached_tokens))
             if req.is_finished():
-                self.running.remove(req)
+                # A request preempted while this step ran waits instead of running.
+                (self.running if req in self.running else self.waiting).remove(req)
                 self._drop(req)
         return outputs
 

@@ -67,6 +67,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
     max_queued_requests: int | None = _arg(None, "refuse requests beyond this many waiting")
     enforce_eager: bool = _arg(False, "never use CUDA graphs")
+    async_scheduling: bool | None = _arg(None, "prepare and launch step N+1 while step N runs "
+                                         "(default: on for GPU, off for CPU)")
 
     # --- CLI --------------------------------------------------------------------
     @classmethod
@@ -81,7 +83,7 @@ class EngineArgs:
                 parser.add_argument("--model", dest="model_flag", default=None,
                                     help=argparse.SUPPRESS)
                 continue
-            if f.type in ("bool", bool):
+            if "bool" in str(f.type):
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["type"] = _cli_type(f.type)
@@ -105,7 +107,8 @@ class EngineArgs:
         on_gpu = device.startswith("cuda")
         resolved = resolve_model(self.model, self.load_format)
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-        max_len = self.max_model_len or resolved.arch.max_position_embeddings
+        max_len = (resolved.arch.max_position_embeddings if self.max_model_len is None
+                   else self.max_model_len)
         if max_len < 1:
             raise InvalidParameterError("max_model_len must be >= 1", param="max_model_len")
         tokenizer = None if self.skip_tokenizer_init else (self.tokenizer or resolved.tokenizer)
@@ -119,14 +122,18 @@ class EngineArgs:
             kv_cache_memory=parse_bytes(self.kv_cache_memory),
             num_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching)
-        batched = self.max_num_batched_tokens or (8192 if on_gpu else 2048)
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 8192 if on_gpu else 2048
         if not self.enable_chunked_prefill:
             batched = max(batched, max_len)
         scheduler = SchedulerConfig(
             max_num_batched_tokens=batched,
-            max_num_seqs=self.max_num_seqs or (256 if on_gpu else 128),
+            max_num_seqs=(256 if on_gpu else 128) if self.max_num_seqs is None
+            else self.max_num_seqs,
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
-            max_queued_requests=self.max_queued_requests)
+            max_queued_requests=self.max_queued_requests,
+            async_scheduling=on_gpu if self.async_scheduling is None else self.async_scheduling)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(device=device,
                                                 enforce_eager=self.enforce_eager))

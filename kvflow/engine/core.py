@@ -13,6 +13,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest
 from kvflow.core.scheduler import Scheduler
+from kvflow.errors import QueueFullError
 from kvflow.logger import init_logger
 from kvflow.worker.executor import Executor
 
@@ -28,6 +29,8 @@ class SchedulerStats:
     kv_cache_usage: float
     num_preemptions: int
     num_blocks: int
+    num_free_blocks: int = 0
+    num_steps: int = 0  # steps that ran the model, since start
 
 
 class EngineCore:
@@ -37,6 +40,8 @@ class EngineCore:
         self.executor = Executor(config)
         self.num_blocks = self.executor.initialize()
         self.scheduler = Scheduler(config.scheduler, config.cache.block_size, self.num_blocks)
+        self.num_steps = 0
+        self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet collected
         logger.info("engine core ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -47,6 +52,27 @@ class EngineCore:
             eos_token_ids=frozenset(req.eos_token_ids), arrival_time=req.arrival_time,
             priority=req.priority, fork_parent=parent))
 
+    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        """Queue the samples of one request, all or none.
+
+        Raises QueueFullError when ``max_queued_requests`` are already waiting (server
+        back-pressure; an empty queue always takes the request), or the error of a sample
+        that can never run.
+        """
+        limit = self.config.scheduler.max_queued_requests
+        waiting = self.scheduler.num_waiting
+        if limit is not None and waiting and waiting + len(reqs) > limit:
+            raise QueueFullError(f"the server is busy: {waiting} requests are waiting "
+                                 f"(limit {limit}); retry later")
+        added: list[str] = []
+        try:
+            for req in reqs:
+                self.add_request(req)
+                added.append(req.request_id)
+        except Exception:
+            self.abort_requests(added)
+            raise
+
     def abort_requests(self, req_ids: list[str]) -> None:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
@@ -55,20 +81,38 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED, stop_reason)
 
     def step(self) -> list[EngineCoreOutput]:
+        """Run one step; returns the outputs of the step that completed.
+
+        With async scheduling, this schedules and launches step N+1 before it waits for
+        step N, so the GPU always has the next step queued while the CPU updates state:
+        the outputs returned are step N's.
+        """
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty and not sched_out.finished_req_ids:
-            return []
-        runner_out = self.executor.execute_model(sched_out)
-        return self.scheduler.update_from_output(sched_out, runner_out)
+        handle = None
+        if not sched_out.is_empty or sched_out.finished_req_ids:
+            handle = self.executor.execute_model_async(sched_out)
+            if not sched_out.is_empty:
+                self.num_steps += 1
+        if not self.config.scheduler.async_scheduling:
+            if handle is None:
+                return []
+            return self.scheduler.update_from_output(sched_out, handle.result())
+        outputs: list[EngineCoreOutput] = []
+        if self._in_flight is not None:
+            prev_out, prev_handle = self._in_flight
+            outputs = self.scheduler.update_from_output(prev_out, prev_handle.result())
+        self._in_flight = (sched_out, handle) if handle is not None else None
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler
         return SchedulerStats(num_running=s.num_running, num_waiting=s.num_waiting,
                               kv_cache_usage=s.kv.usage, num_preemptions=s.num_preemptions,
-                              num_blocks=self.num_blocks)
+                              num_blocks=self.num_blocks,
+                              num_free_blocks=s.kv.num_free_blocks, num_steps=self.num_steps)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

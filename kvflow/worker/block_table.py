@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kvflow.worker.transfer import to_device
+
 
 class DeviceBlockTable:
     def __init__(self, max_reqs: int, max_blocks: int, device: torch.device) -> None:
@@ -23,10 +25,9 @@ class DeviceBlockTable:
 
         def flush() -> None:
             if rows:
-                idx = (torch.tensor(rows, device=self.device),
-                       torch.tensor(cols, device=self.device))
-                self.table.index_put_(idx, torch.tensor(vals, dtype=torch.int32,
-                                                        device=self.device))
+                idx = (to_device(rows, self.device, torch.int64),
+                       to_device(cols, self.device, torch.int64))
+                self.table.index_put_(idx, to_device(vals, self.device, torch.int32))
                 rows.clear(), cols.clear(), vals.clear()
 
         for op in ops:

@@ -57,7 +57,7 @@ class CudaGraphRunner:
             max_seq_len=r.config.model.max_model_len, slot_mapping=self.slot_mapping[:bs],
             query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs], query_start_loc_cpu=[], seq_lens_cpu=[],
-            num_kv_splits=r._num_kv_splits(bs, min(GRAPH_SPLIT_CONTEXT,
+            num_kv_splits=r.num_kv_splits(bs, min(GRAPH_SPLIT_CONTEXT,
                                                    r.config.model.max_model_len)))
 
     def _forward(self, bs: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvflow.config import EngineConfig
 from kvflow.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from kvflow.worker.model_runner import ModelRunner
+from kvflow.worker.model_runner import ModelRunner, StepHandle
 
 
 class Executor:
@@ -22,6 +22,10 @@ class Executor:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(so)
+
+    def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
+        """Launch a step; ``result()`` on the handle waits for it."""
+        return self.runner.execute_model_async(so)
 
     def shutdown(self) -> None:
         self.runner = None

@@ -3,40 +3,44 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvflow.config import GiB, EngineConfig
 from kvflow.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
-from kvflow.layers.attention import AttentionMetadata, get_attention_backend
+from kvflow.layers.attention import get_attention_backend
 from kvflow.layers.custom_op import use_kernels
-from kvflow.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from kvflow.layers.sampler import Sampler, gather_logprobs
 from kvflow.logger import init_logger
 from kvflow.models.loader import load_model
 from kvflow.worker import kv_cache
 from kvflow.worker.block_table import DeviceBlockTable
 from kvflow.worker.input_batch import InputBatch, RequestExtras
+from kvflow.worker.sampling_meta import build_sampling_metadata
+from kvflow.worker.step_inputs import PLACEHOLDER, StepInputs, build_step_inputs
+from kvflow.worker.transfer import to_device, to_host_async
 
 logger = init_logger(__name__)
 
 
-@dataclass
-class StepInputs:
-    """The tensors and bookkeeping of one step (requests in decode-first order)."""
+class StepHandle:
+    """A launched step: its GPU work is queued; ``result()`` waits for it alone (not for
+    steps queued after it) and returns the sampled tokens as plain lists."""
 
-    req_ids: list[str]
-    rows: np.ndarray  # [R] batch rows
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
-    sample_reqs: np.ndarray  # [S] indices into req_ids of requests that sample this step
-    logits_indices: torch.Tensor  # [S] flat token index whose hidden state gives logits
-    # Prompt logprobs: flat token indices, target token ids, and per-request spans.
-    plp_indices: list[int]
-    plp_targets: list[int]
-    plp_spans: list[tuple[str, int, int, int]]  # (req_id, start, end, num_logprobs)
+    def __init__(self, runner: "ModelRunner", inputs: StepInputs | None, host: dict,
+                 event: torch.cuda.Event | None) -> None:
+        self.runner = runner
+        self.inputs = inputs
+        self.host = host  # pinned copies of the step's outputs
+        self.event = event
+        self._result: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._result is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self._result = self.runner.finish_step(self)
+        return self._result
 
 
 class ModelRunner:
@@ -65,6 +69,11 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner once captured
         self.device_block_table = None
         self.num_sms = 1
+        # Tokens sampled by the last launched step, still on the device: req_id ->
+        # (position in its sequence, index into last_sampled).
+        self.last_sampled: torch.Tensor | None = None
+        self.pending: dict[str, tuple[int, int]] = {}
+        self.idle_meter = None  # a GpuIdleMeter while a benchmark measures GPU idle time
         if self.device.type == "cuda":
             self.batch.record_ops = True
             self.device_block_table = DeviceBlockTable(config.scheduler.max_num_seqs,
@@ -99,26 +108,35 @@ class ModelRunner:
         warmup_and_capture(self)
 
     # --- one step ---------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(so).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
+        """Queue a step's GPU work and return at once (CPU: runs it)."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        inputs = self.prepare_inputs(so)
+            return StepHandle(self, None, {}, None)
+        if self.idle_meter is not None:
+            self.idle_meter.step_start()
+        inputs = build_step_inputs(self, so)
         if self.graphs is not None and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        return self._sample(inputs, hidden)
+        return self._launch_sampling(inputs, hidden)
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        b = self.batch
         for rid in so.finished_req_ids:
-            self.batch.remove(rid)
+            b.remove(rid)
             self.extras.pop(rid, None)
+            self.pending.pop(rid, None)
         for rid in so.preempted_req_ids:
-            self.batch.remove(rid)  # extras (seeded generator) survive the preemption
+            b.remove(rid)  # extras (seeded generator) survive the preemption
+            self.pending.pop(rid, None)
         for new in so.new_reqs:
-            self.batch.add(new)
+            b.add(new)
             if new.req_id not in self.extras:
                 extras = RequestExtras()
                 if new.sampling_params.seed is not None:
@@ -126,198 +144,101 @@ class ModelRunner:
                         new.sampling_params.seed)
                 self.extras[new.req_id] = extras
         for cached in so.cached_reqs:
-            self.batch.append_blocks(cached.req_id, cached.new_block_ids)
-            self.batch.num_computed[self.batch.index[cached.req_id]] = cached.num_computed_tokens
+            b.append_blocks(cached.req_id, cached.new_block_ids)
+            b.num_computed[b.index[cached.req_id]] = cached.num_computed_tokens
 
-    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        b, bs = self.batch, self.block_size
-        ids = list(so.num_scheduled_tokens)
-        n = np.fromiter((so.num_scheduled_tokens[r] for r in ids), dtype=np.int64,
-                        count=len(ids))
-        order = np.argsort(n > 1, kind="stable")  # decodes first
-        n = n[order]
-        req_ids = [ids[i] for i in order]
-        rows = np.fromiter((b.index[r] for r in req_ids), dtype=np.int64, count=len(ids))
-        num_reqs = len(req_ids)
-        nc = b.num_computed[rows]
-        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(n, out=qsl[1:])
-        total = int(qsl[-1])
-        tok_req = np.repeat(np.arange(num_reqs), n)
-        positions = nc[tok_req] + (np.arange(total) - qsl[:-1][tok_req])
-        tok_rows = rows[tok_req]
-        input_ids = b.token_ids[tok_rows, positions]
-        slots = b.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = nc + n
-        max_seq = int(seq_lens.max())
-        sample_reqs = np.nonzero(seq_lens == b.num_tokens[rows])[0]
-        logits_indices = qsl[1:][sample_reqs] - 1
-        plp = self._plan_prompt_logprobs(req_ids, rows, nc, n, qsl)
-
-        dev = self.device
-        width = -(-max_seq // bs)
-        if self.device_block_table is not None:
-            self.device_block_table.apply(b.take_block_table_ops())
-            block_tables = self.device_block_table.gather(_to(rows, dev, torch.int64), width)
-        else:
-            block_tables = torch.from_numpy(b.block_table[rows, :width])
-        num_decodes = int((n == 1).sum())
-        splits = 1
-        if self.use_kernels and num_decodes:
-            splits = self._num_kv_splits(num_decodes, max_seq)
-        meta = AttentionMetadata(
-            num_actual_tokens=total, num_reqs=num_reqs, num_decodes=num_decodes,
-            max_query_len=int(n.max()), max_seq_len=max_seq,
-            slot_mapping=_to(slots, dev, torch.int64),
-            query_start_loc=_to(qsl, dev, torch.int32),
-            seq_lens=_to(seq_lens, dev, torch.int32),
-            block_tables=block_tables,
-            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
-            num_kv_splits=splits)
-        return StepInputs(
-            req_ids=req_ids, rows=rows, input_ids=_to(input_ids, dev, torch.int64),
-            positions=_to(positions, dev, torch.int64), meta=meta, sample_reqs=sample_reqs,
-            logits_indices=_to(logits_indices, dev, torch.int64), plp_indices=plp[0],
-            plp_targets=plp[1], plp_spans=plp[2])
-
-    def _plan_prompt_logprobs(self, req_ids, rows, nc, n, qsl):
-        """Which positions of this step's prompt chunks still owe prompt logprobs.
-
-        The hidden state at position p scores prompt token p + 1.
-        """
-        indices: list[int] = []
-        targets: list[int] = []
-        spans: list[tuple[str, int, int, int]] = []
-        for i, rid in enumerate(req_ids):
-            k = self.batch.params[rows[i]].prompt_logprobs
-            if k is None:
-                continue
-            extras = self.extras[rid]
-            num_prompt = int(self.batch.num_prompt_tokens[rows[i]])
-            first = max(int(nc[i]), extras.prompt_logprobs_done)
-            last = min(int(nc[i] + n[i]), num_prompt - 1)  # exclusive bound on p
-            if first >= last:
-                continue
-            start = len(indices)
-            indices.extend(range(int(qsl[i]) + first - int(nc[i]),
-                                 int(qsl[i]) + last - int(nc[i])))
-            targets.extend(self.batch.token_ids[rows[i], first + 1: last + 1].tolist())
-            spans.append((rid, start, len(indices), k))
-            extras.prompt_logprobs_done = last
-        return indices, targets, spans
-
-    def _num_kv_splits(self, num_decodes: int, max_seq_len: int) -> int:
+    def num_kv_splits(self, num_decodes: int, max_seq_len: int) -> int:
+        if not self.use_kernels:
+            return 1
         from kvflow.kernels.paged_attention import choose_num_kv_splits
 
         return choose_num_kv_splits(num_decodes, max_seq_len,
                                     self.config.model.arch.num_key_value_heads, self.num_sms)
 
-    def _sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def pending_source(self, req_id: str, position: int) -> int:
+        """Index into ``last_sampled`` of the in-flight token at ``position``."""
+        pos, idx = self.pending[req_id]
+        if pos != position:
+            raise RuntimeError(f"request {req_id}: token {position} is unknown")
+        return idx
+
+    def _launch_sampling(self, inputs: StepInputs, hidden: torch.Tensor) -> StepHandle:
         b = self.batch
-        num_reqs = len(inputs.req_ids)
-        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
-        logprob_lists: list[list[LogprobsEntry] | None] = [None] * num_reqs
+        host: dict = {}
         if len(inputs.sample_reqs):
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             sample_rows = inputs.rows[inputs.sample_reqs]
-            meta = self._sampling_metadata(sample_rows, [inputs.req_ids[i]
-                                                         for i in inputs.sample_reqs])
+            sample_ids = [inputs.req_ids[i] for i in inputs.sample_reqs]
+            meta = build_sampling_metadata(self, sample_rows, sample_ids)
             out = self.sampler(logits, meta)
-            sampled = out.sampled.tolist()  # the step's one host sync
-            lp = None
+            host["sampled"] = to_host_async(out.sampled)
             if out.logprobs is not None:
-                lp = (out.logprob_token_ids.tolist(), out.logprobs.tolist(),
-                      out.sampled_ranks.tolist())
-            for j, i in enumerate(inputs.sample_reqs):
+                host["lp"] = tuple(to_host_async(t) for t in (
+                    out.logprob_token_ids, out.logprobs, out.sampled_ranks))
+            # The sampled tokens join each sequence now, as placeholders: the next step
+            # reads their values on the device, the host learns them in finish_step().
+            self.last_sampled = out.sampled
+            self.pending = {}
+            slots = []  # (request index, req_id, position, logprobs asked)
+            for j, rid in enumerate(sample_ids):
                 row = int(sample_rows[j])
-                sampled_lists[i] = [sampled[j]]
-                b.append_token(row, sampled[j])
-                k = b.params[row].logprobs
+                pos = int(b.num_tokens[row])
+                self.pending[rid] = (pos, j)
+                slots.append((int(inputs.sample_reqs[j]), rid, pos, b.params[row].logprobs))
+                b.append_token(row, PLACEHOLDER)
+            host["slots"] = slots
+        if inputs.plp_indices:
+            host["plp"] = self._prompt_logprobs(inputs, hidden)
+        event = None
+        if self.device.type == "cuda":
+            if self.idle_meter is not None:
+                self.idle_meter.step_end()
+            event = torch.cuda.Event()
+            event.record()
+        return StepHandle(self, inputs, host, event)
+
+    def finish_step(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Turn a completed step's outputs into plain lists; fill in placeholders."""
+        inputs = handle.inputs
+        if inputs is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        b, host = self.batch, handle.host
+        num_reqs = len(inputs.req_ids)
+        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprob_lists: list[list[LogprobsEntry] | None] = [None] * num_reqs
+        if "sampled" in host:
+            sampled = host["sampled"].tolist()
+            lp = [t.tolist() for t in host["lp"]] if "lp" in host else None
+            for j, (i, rid, pos, k) in enumerate(host["slots"]):
+                token = sampled[j]
+                sampled_lists[i] = [token]
+                row = b.index.get(rid)
+                if row is not None and b.token_ids[row, pos] == PLACEHOLDER:
+                    b.token_ids[row, pos] = token
                 if lp is not None and k is not None:
                     logprob_lists[i] = [(lp[0][j][: k + 1], lp[1][j][: k + 1], lp[2][j])]
-        return ModelRunnerOutput(
-            req_ids=inputs.req_ids, sampled_token_ids=sampled_lists, logprobs=logprob_lists,
-            prompt_logprobs=self._prompt_logprobs(inputs, hidden))
+        return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_lists,
+                                 logprobs=logprob_lists,
+                                 prompt_logprobs=self._prompt_logprobs_lists(host.get("plp")))
 
-    def _prompt_logprobs(self, inputs: StepInputs,
-                         hidden: torch.Tensor) -> dict[str, list[LogprobsEntry]]:
-        if not inputs.plp_indices:
-            return {}
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor):
         dev = self.device
-        logits = self.model.compute_logits(hidden[torch.tensor(inputs.plp_indices, device=dev)])
+        logits = self.model.compute_logits(hidden[to_device(inputs.plp_indices, dev,
+                                                            torch.int64)])
         k_max = max(span[3] for span in inputs.plp_spans)
         ids, lps, ranks = gather_logprobs(logits.log_softmax(dim=-1),
-                                          torch.tensor(inputs.plp_targets, device=dev), k_max)
-        ids, lps, ranks = ids.tolist(), lps.tolist(), ranks.tolist()
+                                          to_device(inputs.plp_targets, dev, torch.int64),
+                                          k_max)
+        return inputs.plp_spans, tuple(to_host_async(t) for t in (ids, lps, ranks))
+
+    @staticmethod
+    def _prompt_logprobs_lists(plp) -> dict[str, list[LogprobsEntry]]:
+        if plp is None:
+            return {}
+        spans, tensors = plp
+        ids, lps, ranks = (t.tolist() for t in tensors)
         return {rid: [(ids[j][: k + 1], lps[j][: k + 1], ranks[j]) for j in range(start, end)]
-                for rid, start, end, k in inputs.plp_spans}
-
-    def _sampling_metadata(self, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
-        b, dev, vocab = self.batch, self.device, self.vocab_size
-        params = [b.params[r] for r in rows]
-        greedy = [p.greedy for p in params]
-        meta = SamplingMetadata(
-            temperature=torch.tensor([0.0 if g else p.temperature
-                                      for p, g in zip(params, greedy)], device=dev),
-            all_greedy=all(greedy), all_random=not any(greedy), top_k=None, top_p=None,
-            min_p=None,
-            generators={j: self.extras[rid].generator for j, rid in enumerate(req_ids)
-                        if self.extras[rid].generator is not None})
-        if any(p.top_k > 0 for p in params):
-            meta.top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params],
-                                      device=dev)
-        if any(p.top_p < 1.0 for p in params):
-            meta.top_p = torch.tensor([p.top_p for p in params], device=dev)
-        if any(p.min_p > 0.0 for p in params):
-            meta.min_p = torch.tensor([p.min_p for p in params], device=dev)
-        use_freq = any(p.presence_penalty or p.frequency_penalty for p in params)
-        use_rep = any(p.repetition_penalty != 1.0 for p in params)
-        if use_freq or use_rep:
-            meta.output_counts = self._token_counts(
-                [b.output_token_ids(r) for r in rows], len(rows))
-        if use_freq:
-            meta.presence_penalty = torch.tensor([p.presence_penalty for p in params],
-                                                 device=dev)
-            meta.frequency_penalty = torch.tensor([p.frequency_penalty for p in params],
-                                                  device=dev)
-        if use_rep:
-            meta.repetition_penalty = torch.tensor([p.repetition_penalty for p in params],
-                                                   device=dev)
-            meta.prompt_mask = self._token_counts(
-                [b.prompt_token_ids(r) for r in rows], len(rows)) > 0
-        banned_rows, banned_ids = [], []
-        for j, (p, r) in enumerate(zip(params, rows)):
-            if b.num_tokens[r] - b.num_prompt_tokens[r] < p.min_tokens:
-                stop = set(p.all_stop_token_ids)
-                if not p.ignore_eos:
-                    stop.update(self.eos_token_ids)
-                banned_rows += [j] * len(stop)
-                banned_ids += sorted(stop)
-        if banned_rows:
-            meta.banned = (torch.tensor(banned_rows, device=dev),
-                           torch.tensor(banned_ids, device=dev))
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        meta.max_num_logprobs = max(asked) if asked else None
-        return meta
-
-    def _token_counts(self, seqs: list[np.ndarray], num_rows: int) -> torch.Tensor:
-        """[rows, vocab] int32 counts of each token id in each sequence."""
-        counts = torch.zeros(num_rows, self.vocab_size, dtype=torch.int32, device=self.device)
-        lens = [len(s) for s in seqs]
-        if sum(lens):
-            row_idx = np.repeat(np.arange(num_rows), lens)
-            flat = np.concatenate(seqs).astype(np.int64)
-            counts.index_put_((_to(row_idx, self.device, torch.int64),
-                               _to(flat, self.device, torch.int64)),
-                              torch.ones(len(flat), dtype=torch.int32, device=self.device),
-                              accumulate=True)
-        return counts
-
-
-def _to(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A host array as a tensor on ``device`` (a small pageable copy on the GPU: it
-    waits for no kernel)."""
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+                for rid, start, end, k in spans}
 
 
 def _kernels_available() -> bool:

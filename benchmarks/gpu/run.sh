@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# GPU runs for the device machine: `benchmarks/gpu/run.sh STAGE...` with results under
+# $OUT (default ./gpu-out). Stages:
+#   env       versions and the card
+#   kernels   kernel tests (small and real shapes)
+#   engine    engine GPU tests (graphs vs eager vs torch backend)
+#   parity    Llama-3.1-8B bf16 logits vs transformers
+#   gpu-a     GPU-A latency, kvflow and HF in one run
+#   gpu-b     GPU-B throughput (1000 x 1024 in / 128 out); HF peer on a subset
+#   profile   per-kernel breakdown of decode (batch 1, 256) and an 8k prefill
+#   kbench    kernel micro-benchmarks
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KVFLOW_NO_PROGRESS=1
+KV="python -m kvflow.cli"
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    env) nvidia-smi; python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)";;
+    kernels) python -m pytest tests/kernels -q -x 2>&1 | tee "$OUT/kernels.log" | tail -15;;
+    engine) python -m pytest tests/test_gpu_parity.py -q -x -k "agree or async" 2>&1 | tail -15; [ ${PIPESTATUS[0]} = 0 ] || exit 1;;
+    parity) KVFLOW_TEST_REPORT="$OUT/parity.json" python -m pytest tests/test_gpu_parity.py -q -x -s -k "llama31" 2>&1 | tail -40;;
+    gpu-a) $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --backend ${GPU_A_BACKEND:-both} --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a.json" 2>&1 | grep -v "^INFO" | tail -8;;
+    gpu-a-sync) $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --backend kvflow --max-model-len 4096 --no-async-scheduling --measure-gpu-idle --save-result "$OUT/gpu-a-sync.json" 2>&1 | grep -v "^INFO" | tail -8;;
+    gpu-b) $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${GPU_B_PROMPTS:-1000} --input-len 1024 --output-len 128 --max-model-len 4096 --measure-gpu-idle ${GPU_B_ARGS:-} --save-result "$OUT/gpu-b${GPU_B_TAG:-}.json" 2>&1 | tail -12;;
+    gpu-b-hf) $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts 64 --input-len 1024 --output-len 128 --max-model-len 4096 --backend hf --hf-batch-size 32 --save-result "$OUT/gpu-b-hf.json" 2>&1 | tail -5;;
+    cpu-overhead) python benchmarks/gpu/cpu_overhead.py 2>&1 | grep -v "^INFO" | head -60;;
+    profile) python benchmarks/gpu/profile_steps.py --out "$OUT/profile.json" 2>&1 | grep -v "^INFO" | tail -60;;
+    kbench) python benchmarks/kernels/bench_kernels.py --out "$OUT/kernels-bench.json" 2>&1 | tail -40;;
+    *) echo "unknown stage $stage"; exit 2;;
+  esac
+done
