@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # Split-KV (flash-decoding) partitions chosen by the runner for long contexts.
     num_kv_splits: int = 1
+    # Per-step values a backend derives once and reuses in every layer.
+    backend_state: dict = field(default_factory=dict)
 
     @property
     def num_prefills(self) -> int:

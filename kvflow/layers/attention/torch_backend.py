@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.layers.attention.metadata import AttentionMetadata
-from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.layers.rotary import RotaryEmbedding, apply_rotary_ref
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -64,68 +64,120 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     return out
 
 
+def _context(kv_cache: torch.Tensor, block_ids: list[int], length: int, device):
+    """How to read one request's first ``length`` cached positions: a plain view when its
+    blocks are consecutive (no copy), else the block ids to gather."""
+    if all(b == block_ids[0] + i for i, b in enumerate(block_ids)):
+        return ("view", block_ids[0] * kv_cache.shape[2], length)
+    return ("gather", torch.tensor(block_ids, device=device), length)
+
+
+def _read(kv_cache: torch.Tensor, how) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [L, KVH, D] of one request from its plan."""
+    _, nb, bs, kvh, d = kv_cache.shape
+    kind, where, length = how
+    if kind == "view":
+        flat = kv_cache.view(2, nb * bs, kvh, d)
+        return flat[0, where: where + length], flat[1, where: where + length]
+    k = kv_cache[0].view(nb, -1).index_select(0, where).view(-1, kvh, d)[:length]
+    v = kv_cache[1].view(nb, -1).index_select(0, where).view(-1, kvh, d)[:length]
+    return k, v
+
+
 class TorchAttentionBackend:
-    """Rotary, cache write and attention in plain torch (any device)."""
+    """Rotary, cache write and attention in plain torch (any device).
+
+    What depends only on the batch (cos/sin rows, which slots to write, how to read each
+    request's context, masks) is planned once per step and reused by every layer.
+    """
 
     name = "torch"
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, kv_cache: torch.Tensor, rotary: RotaryEmbedding,
-                scale: float, meta: AttentionMetadata) -> torch.Tensor:
-        q, k = rotary(positions, q, k)
-        write_kv_ref(k, v, kv_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            self._decodes(q, out, kv_cache, meta, scale)
-        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        for i in range(nd, meta.num_reqs):
-            s, e = qsl[i], qsl[i + 1]
-            n, seq_len = e - s, lens[i]
-            qi = q[s:e].transpose(0, 1)  # [H, n, D]
-            if n == seq_len:  # nothing cached before this chunk: attend to it directly
-                ki, vi = k[s:e], v[s:e]
-                mask, causal = None, True
-            else:
-                ki, vi = gather_kv(kv_cache, meta.block_tables[i], seq_len)
-                q_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos  # [n, L]
-                causal = False
-            o = F.scaled_dot_product_attention(
-                qi, ki.transpose(0, 1), vi.transpose(0, 1), attn_mask=mask,
-                is_causal=causal, scale=scale, enable_gqa=True)
-            out[s:e] = o.transpose(0, 1)
-        return out
-
     # Decodes are batched in groups of similar context length, so padding each group to
     # its longest context wastes little.
     DECODE_GROUP = 16
 
-    def _decodes(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata, scale: float) -> None:
-        lens = meta.seq_lens_cpu[: meta.num_decodes]
-        order = sorted(range(len(lens)), key=lens.__getitem__)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, kv_cache: torch.Tensor, rotary: RotaryEmbedding,
+                scale: float, meta: AttentionMetadata) -> torch.Tensor:
+        plan = meta.backend_state.get("torch")
+        if plan is None:
+            plan = meta.backend_state["torch"] = self._plan(positions, rotary, kv_cache, meta)
+        cos, sin = plan["cos_sin"]
+        q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
+        slots, keep = plan["write"]
+        _, nb, bs, kvh, d = kv_cache.shape
+        flat = kv_cache.view(2, nb * bs, kvh, d)
+        t = slots.shape[0] if keep is None else keep.shape[0]
+        flat[0].index_copy_(0, slots, k[:t] if keep is None else k[:t][keep])
+        flat[1].index_copy_(0, slots, v[:t] if keep is None else v[:t][keep])
+        out = torch.empty_like(q)
+        for rows, how, mask in plan["decodes"]:
+            out[rows] = self._decode(q[rows], kv_cache, how, mask, scale)
+        for s, e, how, mask, causal in plan["prefills"]:
+            if how is None:  # nothing cached before this chunk: attend to it directly
+                ki, vi = k[s:e], v[s:e]
+            else:
+                ki, vi = _read(kv_cache, how)
+            o = F.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
+                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+            out[s:e] = o.transpose(0, 1)
+        return out
+
+    def _plan(self, positions, rotary, kv_cache, meta: AttentionMetadata) -> dict:
+        dev = positions.device
+        bs = kv_cache.shape[2]
+        t = meta.slot_mapping.shape[0]
+        slots = meta.slot_mapping
+        keep = slots >= 0  # padding rows (-1) write nothing
+        write = (slots, None) if bool(keep.all()) else (slots[keep], keep)
+        plan: dict = {"cos_sin": rotary.cos_sin(positions[:t]), "write": write}
+        tables = meta.block_tables.tolist()
+        lens, qsl = meta.seq_lens_cpu, meta.query_start_loc_cpu
+        decodes = []
+        order = sorted(range(meta.num_decodes), key=lens.__getitem__)
         for g in range(0, len(order), self.DECODE_GROUP):
             idx = order[g: g + self.DECODE_GROUP]
-            rows = torch.tensor(idx, device=q.device)
             max_len = lens[idx[-1]]
-            out[rows] = self._decode(q[rows], kv_cache, meta.block_tables[rows],
-                                     meta.seq_lens[rows], max_len, scale)
+            nblk = -(-max_len // bs)
+            rows = idx[0] if len(idx) == 1 else torch.tensor(idx, device=dev)
+            if len(idx) == 1:
+                how = _context(kv_cache, tables[idx[0]][:nblk], max_len, dev)
+                decodes.append((slice(idx[0], idx[0] + 1), how, None))
+                continue
+            gather = torch.tensor([b for i in idx for b in tables[i][:nblk]], device=dev)
+            length = nblk * bs
+            seq = torch.tensor([lens[i] for i in idx], device=dev)
+            mask = (torch.arange(length, device=dev)[None, :] < seq[:, None])[:, None, None, :]
+            decodes.append((rows, ("batch", gather, length), mask))
+        plan["decodes"] = decodes
+        prefills = []
+        for i in range(meta.num_decodes, meta.num_reqs):
+            s, e, seq_len = qsl[i], qsl[i + 1], lens[i]
+            n = e - s
+            if n == seq_len:
+                prefills.append((s, e, None, None, True))
+                continue
+            how = _context(kv_cache, tables[i][: -(-seq_len // bs)], seq_len, dev)
+            q_pos = torch.arange(seq_len - n, seq_len, device=dev)[:, None]
+            mask = torch.arange(seq_len, device=dev)[None, :] <= q_pos  # [n, L]
+            prefills.append((s, e, how, mask, False))
+        plan["prefills"] = prefills
+        return plan
 
     @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-        """One new token per request, all in one SDPA call. q [B, H, D] -> [B, H, D]."""
-        _, nb, bs, kvh, d = kv_cache.shape
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, how, mask,
+                scale: float) -> torch.Tensor:
+        """One new token per request, the group in one SDPA call. q [B, H, D] -> [B, H, D]."""
+        _, nb, _, kvh, d = kv_cache.shape
         b = q.shape[0]
-        nblk = -(-max_len // bs)
-        length = nblk * bs
-        idx = block_tables[:, :nblk].reshape(-1).long()
-        # Whole blocks are contiguous rows of a [num_blocks, BS * KVH * D] view.
-        k = kv_cache[0].view(nb, -1).index_select(0, idx).view(b, length, kvh, d)
-        v = kv_cache[1].view(nb, -1).index_select(0, idx).view(b, length, kvh, d)
-        mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None].long()
+        if how[0] == "batch":  # whole blocks are rows of a [num_blocks, BS * KVH * D] view
+            _, gather, length = how
+            k = kv_cache[0].view(nb, -1).index_select(0, gather).view(b, length, kvh, d)
+            v = kv_cache[1].view(nb, -1).index_select(0, gather).view(b, length, kvh, d)
+        else:
+            k, v = (x.unsqueeze(0) for x in _read(kv_cache, how))
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)  # [B, H, 1, D]
+            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            scale=scale, enable_gqa=True)  # [B, H, 1, D]
         return o.squeeze(2)
