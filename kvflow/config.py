@@ -168,8 +168,13 @@ class CacheConfig:
     """KV cache budget in bytes. CPU default: 4 GiB. On GPU, overrides profiling."""
     num_blocks_override: int | None = None
     """Use exactly this many KV blocks (tests, reproducible benchmarks)."""
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
+    preemption_mode: str = "recompute"
+    """recompute (free the blocks, compute again later), swap (copy them to host memory
+    and back) or auto (per request, whichever is estimated cheaper)."""
+    swap_space: int = 4 * GiB
+    """Host (pinned) memory for swapped-out KV blocks, in bytes (swap and auto modes)."""
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
@@ -180,6 +185,9 @@ class CacheConfig:
             _require(self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 bytes")
         if self.num_blocks_override is not None:
             _require(self.num_blocks_override >= 1, "num_blocks_override", "must be >= 1")
+        _require(self.preemption_mode in ("recompute", "swap", "auto"), "preemption_mode",
+                 f"must be recompute, swap or auto, got {self.preemption_mode!r}")
+        _require(self.swap_space >= 0, "swap_space", "must be >= 0 bytes")
 
 
 @dataclass(frozen=True)

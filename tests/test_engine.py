@@ -179,3 +179,23 @@ def test_bad_engine_args(kw):
 
     with pytest.raises(InvalidParameterError):
         LLMEngine.from_engine_args(EngineArgs(model="tiny-llama", load_format="dummy", **kw))
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_swap_preemption_round_trip_matches_no_preemption(mode):
+    """Requests swapped out to host memory and back give exactly the tokens of a run with
+    room for everyone."""
+    prompts = rand_prompts((30, 45, 12, 60), seed=7)
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=40, ignore_eos=True)
+              for i in range(4)]
+    roomy = tiny(num_gpu_blocks_override=256, max_model_len=128)
+    ref = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = tiny(num_gpu_blocks_override=34, max_model_len=128, preemption_mode=mode,
+                 swap_space="1MiB", enable_prefix_caching=False)
+    out = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    sched = tight.engine.core.scheduler
+    assert sched.num_preemptions > 0
+    if mode == "swap":
+        assert sched.num_swaps == sched.num_preemptions
+    assert out == ref
+    assert sched.host_pool.num_free_blocks == sched.host_pool.num_blocks

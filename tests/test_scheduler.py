@@ -182,7 +182,7 @@ def test_max_num_seqs():
     assert set(so.num_scheduled_tokens) == {"0", "1"}
 
 
-def test_fork_shares_full_prompt_blocks():
+def test_fork_shares_prompt_blocks_with_copy_on_write():
     s = make_scheduler(block_size=4)
     parent = req("0_r", 10, t=0)
     child = Request("1_r", list(parent.prompt_token_ids), parent.sampling_params,
@@ -192,15 +192,35 @@ def test_fork_shares_full_prompt_blocks():
     so, _ = run_step(s)
     assert so.num_scheduled_tokens == {"0_r": 10}  # the child waits for the prompt
     so, _ = run_step(s)
-    # Tokens 0..7 sit in the parent's two full blocks: shared. The child computes 8, 9.
-    assert so.num_scheduled_tokens == {"0_r": 1, "1_r": 2}
+    # The child shares all three prompt blocks and computes only position 9 itself. That
+    # write lands in shared block 2, so the child gets a copy first (block 3).
+    assert so.num_scheduled_tokens == {"0_r": 1, "1_r": 1}
     child_new = [n for n in so.new_reqs if n.req_id == "1_r"][0]
-    assert child_new.block_ids == [0, 1, 3] and child_new.num_computed_tokens == 8
+    assert child_new.block_ids == [0, 1, 3] and child_new.num_computed_tokens == 9
+    assert so.blocks_to_copy == [(2, 3)]
     assert s.kv.ref_counts()[:4] == [2, 2, 1, 1]
     s.finish_requests(["0_r"])
     assert s.kv.ref_counts()[:4] == [1, 1, 0, 1]
     s.finish_requests(["1_r"])
     assert all(r == 0 for r in s.kv.ref_counts())
+
+
+def test_parent_copies_a_block_it_shares_before_writing():
+    s = make_scheduler(block_size=4, budget=64)
+    parent = req("0_r", 6, t=0)
+    s.add_request(parent)
+    run_step(s)  # prompt: blocks 0, 1 (positions 4, 5 of 8 used)
+    child = Request("1_r", list(parent.prompt_token_ids), parent.sampling_params,
+                    eos_token_ids={EOS}, arrival_time=0, fork_parent=parent)
+    s.add_request(child)
+    so, _ = run_step(s)
+    # The parent writes position 6 into block 1 before the child shares it; the child
+    # then copies block 1 (into 2) to write position 5.
+    assert so.num_scheduled_tokens == {"0_r": 1, "1_r": 1}
+    assert so.blocks_to_copy == [(1, 2)]
+    so, _ = run_step(s)
+    assert so.blocks_to_copy == []  # each now owns the block it writes
+    assert s.requests["0_r"].block_ids == [0, 1] and s.requests["1_r"].block_ids == [0, 2]
 
 
 def test_fork_parent_finishing_early_releases_children():
@@ -221,3 +241,98 @@ def test_duplicate_request_id():
     s.add_request(req("a", 4))
     with pytest.raises(InvalidParameterError, match="already in use"):
         s.add_request(req("a", 4))
+
+
+def swap_scheduler(mode="swap", host_blocks=8, **kw):
+    from kvflow.core.scheduler import SwapPolicy
+
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    return Scheduler(cfg, 4, kw.get("num_blocks", 4),
+                     swap=SwapPolicy(mode, host_blocks, recompute_s_per_token=1e-3,
+                                     swap_s_per_block=1e-3))
+
+
+def test_swap_preemption_resumes_without_recompute():
+    s = swap_scheduler()
+    s.add_request(req("a", 4, max_tokens=8, t=0))
+    s.add_request(req("b", 4, max_tokens=8, t=1))
+    for _ in range(6):
+        so, _ = run_step(s)
+    # As in the recompute test, a needs a fifth block at position 8; b is swapped out.
+    assert so.preempted_req_ids == {"b"}
+    assert so.blocks_to_swap_out == [(1, 0), (3, 1)]  # b's device blocks -> host 0, 1
+    b = s.requests["b"]
+    assert b.swapped_blocks == [0, 1] and b.num_swapped_tokens == 8 and not b.block_ids
+    assert s.host_pool.num_free_blocks == 6
+    while "a" in s.requests:
+        run_step(s)
+    so, _ = run_step(s)
+    # b comes back with its KV copied in: only its pending token is computed.
+    assert so.num_scheduled_tokens == {"b": 1}
+    assert so.new_reqs[0].num_computed_tokens == 8
+    assert so.blocks_to_swap_in == list(zip([0, 1], so.new_reqs[0].block_ids[:2]))
+    assert s.host_pool.num_free_blocks == 8 and s.num_swaps == 1
+
+
+def test_swap_falls_back_to_recompute_without_host_room():
+    s = swap_scheduler(host_blocks=1)
+    s.add_request(req("a", 4, max_tokens=8, t=0))
+    s.add_request(req("b", 4, max_tokens=8, t=1))
+    for _ in range(6):
+        so, _ = run_step(s)
+    assert so.preempted_req_ids == {"b"} and not so.blocks_to_swap_out
+    assert s.requests["b"].num_swapped_tokens == 0
+
+
+def test_auto_mode_swaps_only_when_cheaper():
+    from kvflow.core.scheduler import SwapPolicy
+
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    for per_block, swapped in ((1.0, False), (1e-6, True)):
+        s = Scheduler(cfg, 4, 4, swap=SwapPolicy("auto", 8, recompute_s_per_token=1e-3,
+                                                  swap_s_per_block=per_block))
+        s.add_request(req("a", 4, max_tokens=8, t=0))
+        s.add_request(req("b", 4, max_tokens=8, t=1))
+        for _ in range(6):
+            so, _ = run_step(s)
+        assert bool(so.blocks_to_swap_out) == swapped
+
+
+def test_priority_order_of_service():
+    s = make_scheduler(max_seqs=1)
+    low = req("low", 4, t=0)
+    low.priority = 5
+    s.add_request(low)
+    hi = req("high", 4, t=1)
+    hi.priority = -1
+    s.add_request(hi)
+    so, _ = run_step(s)
+    assert list(so.num_scheduled_tokens) == ["high"]  # lower value first, despite arriving later
+
+
+def test_higher_priority_arrival_preempts_lower_priority():
+    s = make_scheduler(max_seqs=1)
+    low = req("low", 4, max_tokens=10, t=0)
+    low.priority = 3
+    s.add_request(low)
+    run_step(s)
+    run_step(s)
+    urgent = req("urgent", 4, t=1)
+    urgent.priority = 0
+    s.add_request(urgent)
+    so, _ = run_step(s)
+    assert so.preempted_req_ids == {"low"}
+    assert "urgent" in so.num_scheduled_tokens and "low" not in so.num_scheduled_tokens
+
+
+def test_preemption_takes_lowest_priority_first():
+    s = make_scheduler(num_blocks=6, block_size=4)
+    for rid, prio, t in (("p0", 0, 0), ("p9", 9, 1), ("p1", 1, 2)):
+        r = req(rid, 2, max_tokens=14, t=t)
+        r.priority = prio
+        s.add_request(r)
+    preempted = []
+    for _ in range(12):
+        so, _ = run_step(s)
+        preempted += sorted(so.preempted_req_ids)
+    assert preempted[0] == "p9"  # the lowest priority goes first, not the latest arrival

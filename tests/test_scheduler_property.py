@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvflow.config import SchedulerConfig
 from kvflow.core import ModelRunnerOutput, Request, RequestStatus, Scheduler
+from kvflow.core.scheduler import SwapPolicy
 from kvflow.errors import PromptTooLongError
 from kvflow.sampling_params import SamplingParams
 
@@ -37,6 +38,14 @@ def check_invariants(s: Scheduler) -> None:
             assert r.num_computed_tokens <= r.num_tokens_scheduled_for
     assert refs == s.kv.ref_counts()
     assert pool.num_free_blocks == sum(1 for x in refs if x == 0)
+    if s.host_pool is not None:
+        host = [0] * s.host_pool.num_blocks
+        for r in s.requests.values():
+            for b in r.swapped_blocks:
+                host[b] += 1
+        assert host == [b.ref_cnt for b in s.host_pool.blocks]
+    for h, block in pool.cached.items():
+        assert block.block_hash == h
     assert len(s.running) <= s.config.max_num_seqs
     running_ids = {r.request_id for r in s.running}
     waiting_ids = {r.request_id for r in s.waiting}
@@ -47,17 +56,21 @@ def check_invariants(s: Scheduler) -> None:
 @given(reqs=st.lists(request_st, min_size=1, max_size=12),
        num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 2, 4, 8]),
        budget=st.integers(4, 64), max_seqs=st.integers(1, 8),
-       eos_every=st.integers(3, 50), chunked=st.booleans(), overlap=st.booleans())
+       eos_every=st.integers(3, 50), chunked=st.booleans(), overlap=st.booleans(),
+       caching=st.booleans(), mode=st.sampled_from(["recompute", "swap", "auto"]),
+       host_blocks=st.integers(0, 24), shared=st.booleans())
 def test_random_workloads(reqs, num_blocks, block_size, budget, max_seqs, eos_every, chunked,
-                          overlap):
+                          overlap, caching, mode, host_blocks, shared):
     """``overlap``: step N+1 is scheduled before step N's tokens are known, as the GPU
-    engine does to keep the device busy."""
+    engine does to keep the device busy. ``caching``: automatic prefix caching (prompts
+    share prefixes when ``shared``). ``mode``: preemption by recompute, swap or auto."""
     max_len = 64
     if not chunked:
         budget = max(budget, max_len)
+    swap = SwapPolicy(mode, host_blocks, recompute_s_per_token=1e-3, swap_s_per_block=2e-3)
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                                   max_model_len=max_len, enable_chunked_prefill=chunked),
-                  block_size, num_blocks)
+                  block_size, num_blocks, enable_prefix_caching=caching, swap=swap)
     pending = sorted(enumerate(reqs), key=lambda x: x[1][2])
     accepted: dict[str, int | None] = {}
     step = 0
@@ -70,7 +83,8 @@ def test_random_workloads(reqs, num_blocks, block_size, budget, max_seqs, eos_ev
             first = None
             for k in range(n):
                 rid = f"{k}_{i}"
-                r = Request(rid, [5] * plen, params, eos_token_ids={EOS}, arrival_time=step,
+                tokens = [5] * plen if shared else [10 + i] * plen
+                r = Request(rid, tokens, params, eos_token_ids={EOS}, arrival_time=step,
                             priority=prio, fork_parent=first)
                 try:
                     s.add_request(r)
@@ -112,6 +126,8 @@ def test_random_workloads(reqs, num_blocks, block_size, budget, max_seqs, eos_ev
     assert inflight is None
     assert all(r == 0 for r in s.kv.ref_counts())
     assert s.kv.num_free_blocks == num_blocks
+    if s.host_pool is not None:
+        assert s.host_pool.num_free_blocks == host_blocks
 
 
 def test_core_imports_without_torch():

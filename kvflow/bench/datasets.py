@@ -42,3 +42,15 @@ def random_requests(num_prompts: int, input_range: tuple[int, int],
                 bad = np.isin(ids, banned)
         reqs.append(BenchRequest(ids.tolist(), int(m)))
     return reqs
+
+
+def shared_prefix_requests(num_prompts: int, prefix_len: int, unique_len: int,
+                           output_len: int, vocab_size: int, seed: int = 0,
+                           special_ids: set[int] | None = None) -> list[BenchRequest]:
+    """Every prompt = one shared prefix (a long system prompt) + its own random suffix."""
+    [prefix] = random_requests(1, (prefix_len, prefix_len), (1, 1), vocab_size, seed,
+                               special_ids)
+    tails = random_requests(num_prompts, (unique_len, unique_len),
+                            (output_len, output_len), vocab_size, seed + 1, special_ids)
+    return [BenchRequest(prefix.prompt_token_ids + t.prompt_token_ids, t.output_len)
+            for t in tails]

@@ -46,6 +46,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         fork_parent: "Request | None" = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -67,6 +68,14 @@ class Request:
         self.max_tokens: int = sampling_params.max_tokens or 0
         # n > 1: the sample that computes the prompt; this one then shares its blocks.
         self.fork_parent = fork_parent
+        # Prefix caching: chained hashes of the full blocks so far; the salt keeps
+        # requests that must not share cached KV apart.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        # Swap preemption: host blocks holding this request's KV while it waits, and how
+        # many tokens they hold.
+        self.swapped_blocks: list[int] = []
+        self.num_swapped_tokens = 0
 
     # --- token bookkeeping -------------------------------------------------
     @property

@@ -26,6 +26,7 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     fork_of: str | None = None  # id of the sibling sample whose prompt blocks to share
+    cache_salt: str | None = None  # prefix-cache isolation key
 
 
 @dataclass
@@ -59,6 +60,11 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    # KV block copies to make before the step runs, in this order: swap-outs (device
+    # block, host block), swap-ins (host block, device block), copy-on-write (src, dst).
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -11,8 +11,10 @@ preempted by recompute: its blocks are freed and it goes back to the waiting que
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 from kvflow.config import SchedulerConfig
+from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import (
@@ -57,13 +59,73 @@ def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, max_model
     return max_tokens
 
 
+@dataclass(frozen=True)
+class SwapPolicy:
+    """How preemption treats a request's KV blocks (``--preemption-mode``)."""
+
+    mode: str  # recompute | swap | auto
+    num_host_blocks: int
+    recompute_s_per_token: float = 0.0  # estimated cost of computing a token again
+    swap_s_per_block: float = 0.0  # estimated cost of moving one block one way
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("recompute", "swap", "auto"):
+            raise InvalidParameterError(f"preemption_mode must be recompute, swap or auto, "
+                                        f"got {self.mode!r}", param="preemption_mode")
+
+
+class _Step:
+    """What one schedule() call has decided so far."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.num_scheduled: dict[str, int] = {}
+        self.new_block_ids: dict[str, list[int]] = {}
+        self.computed_before: dict[str, int] = {}
+        self.order: list[Request] = []
+        self.preempted: list[Request] = []
+        self.samples: set[str] = set()  # requests whose chunk ends in a sample
+        self.swap_out: list[tuple[int, int]] = []  # (device block, host block)
+        self.swap_in: list[tuple[int, int]] = []  # (host block, device block)
+
+    def take(self, req: Request, n: int, ids: list[int]) -> None:
+        rid = req.request_id
+        self.num_scheduled[rid] = n
+        self.new_block_ids[rid] = ids
+        self.computed_before[rid] = req.num_computed_tokens
+        req.num_computed_tokens += n
+        if req.num_computed_tokens == req.num_tokens_scheduled_for:
+            req.num_placeholders += 1  # this step samples its next token
+            self.samples.add(rid)
+        self.budget -= n
+        self.order.append(req)
+
+    def undo(self, req: Request) -> None:
+        """Forget ``req``'s share of this step (it is being preempted)."""
+        rid = req.request_id
+        if rid not in self.num_scheduled:
+            return
+        self.budget += self.num_scheduled.pop(rid)
+        if rid in self.samples:
+            self.samples.discard(rid)
+            req.num_placeholders -= 1
+        req.num_computed_tokens = self.computed_before.pop(rid)
+        del self.new_block_ids[rid]
+        self.order.remove(req)
+
+
 class Scheduler:
     """Decides, step by step, which requests run and with which KV blocks."""
 
-    def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int,
+                 enable_prefix_caching: bool = False, swap: SwapPolicy | None = None) -> None:
         self.config = config
         self.block_size = block_size
-        self.kv = KVCacheManager(num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.swap = swap
+        self.host_pool = BlockPool(swap.num_host_blocks) if swap and swap.num_host_blocks \
+            else None
+        self.num_swaps = 0
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # kept sorted by Request.sort_key
         self.running: list[Request] = []
@@ -101,31 +163,13 @@ class Scheduler:
 
     # --- one step -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        computed_before: dict[str, int] = {}
-        order: list[Request] = []
-        preempted: list[Request] = []
-        samples: set[str] = set()  # requests whose chunk this step ends in a sample
-
-        def take(req: Request, n: int, ids: list[int]) -> None:
-            nonlocal budget
-            num_scheduled[req.request_id] = n
-            new_block_ids[req.request_id] = ids
-            computed_before[req.request_id] = req.num_computed_tokens
-            req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens_scheduled_for:
-                req.num_placeholders += 1  # this step samples its next token
-                samples.add(req.request_id)
-            budget -= n
-            order.append(req)
+        step = _Step(self.config.max_num_batched_tokens)
 
         # 1. Running requests first.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens_scheduled_for - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_scheduled_for - req.num_computed_tokens, step.budget)
             if n <= 0 or self._will_finish(req):
                 i += 1
                 continue
@@ -133,15 +177,7 @@ class Scheduler:
             while ids is None:
                 victim = max(self.running, key=Request.sort_key)
                 vi = self.running.index(victim)
-                self.running.pop(vi)
-                if victim.request_id in num_scheduled:  # already given tokens this step
-                    budget += num_scheduled.pop(victim.request_id)
-                    if victim.request_id in samples:
-                        victim.num_placeholders -= 1
-                    del new_block_ids[victim.request_id], computed_before[victim.request_id]
-                    order.remove(victim)
-                self._preempt(victim)
-                preempted.append(victim)
+                self._evict(victim, step)
                 if vi < i:
                     i -= 1
                 if victim is req:
@@ -149,39 +185,77 @@ class Scheduler:
                 ids = self.kv.allocate_slots(req, n)
             if ids is None:
                 continue  # req itself was preempted; running[i] is now the next one
-            take(req, n, ids)
+            step.take(req, n, ids)
             i += 1
 
         # 2. Waiting requests, in order of service, while budget, seats and blocks last.
         # Not after a preemption: what was just freed goes to the running requests.
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while not step.preempted and self.waiting and step.budget > 0:
             req = self.waiting[0]
             if req.num_placeholders:
                 break  # preempted while its last token was in flight: wait for it
-            parent = req.fork_parent
-            if parent is not None and not req.block_ids:
-                # K/V the parent computes in this very step are not in the cache yet.
-                self.kv.fork(parent, req, computed_before.get(parent.request_id,
-                                                              parent.num_computed_tokens))
-            n = req.num_tokens - req.num_computed_tokens
-            if n > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                n = budget
-            ids = self.kv.allocate_slots(req, n)
-            if ids is None:
-                self.kv.free(req)  # give back any forked blocks; retry next step
-                req.num_computed_tokens = req.num_cached_tokens = 0
+            if len(self.running) >= self.config.max_num_seqs and not self._make_room(req, step):
                 break
-            self.waiting.pop(0)
-            req.fork_parent = None
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            take(req, n, ids)
+            if not self._admit(req, step):
+                break
+        return self._build_output(step)
 
-        return self._build_output(order, num_scheduled, new_block_ids, computed_before,
-                                  preempted)
+    def _admit(self, req: Request, step: "_Step") -> bool:
+        """Give the first waiting request its blocks and its share of the budget."""
+        parent = req.fork_parent
+        if not req.block_ids and not req.swapped_blocks:
+            if parent is not None:
+                # K/V the parent computes in this very step are not in the cache yet.
+                self.kv.fork(parent, req, step.computed_before.get(
+                    parent.request_id, parent.num_computed_tokens))
+            if not req.block_ids:
+                self.kv.get_computed_blocks(req)
+        restored = req.num_swapped_tokens
+        n = req.num_tokens - max(req.num_computed_tokens, restored)
+        if n > step.budget:
+            if not self.config.enable_chunked_prefill:
+                return False
+            n = step.budget
+        ids = self.kv.allocate_slots(req, restored + n)
+        while ids is None and self._make_room(req, step):
+            ids = self.kv.allocate_slots(req, restored + n)
+        if ids is None:
+            if not req.swapped_blocks:
+                self.kv.free(req)  # give back forked or cached blocks; retry next step
+                req.num_computed_tokens = req.num_cached_tokens = 0
+            return False
+        if req.swapped_blocks:  # resume a swapped-out request where it stopped
+            step.swap_in.extend(zip(req.swapped_blocks, req.block_ids))
+            self.host_pool.release([self.host_pool.blocks[h] for h in req.swapped_blocks])
+            req.swapped_blocks = []
+            req.num_computed_tokens, req.num_swapped_tokens = restored, 0
+        self.waiting.pop(0)
+        req.fork_parent = None
+        req.status = RequestStatus.RUNNING
+        if req.num_preemptions == 0:
+            self.kv.num_query_tokens += req.num_tokens
+            self.kv.num_hit_tokens += req.num_cached_tokens
+        self.running.append(req)
+        step.take(req, n, ids)
+        return True
+
+    def _make_room(self, req: Request, step: "_Step") -> bool:
+        """Priority scheduling: preempt the running request served last if ``req`` comes
+        strictly before it (lower priority value). Returns whether one was preempted."""
+        if not self.running:
+            return False
+        victim = max(self.running, key=Request.sort_key)
+        if victim.priority <= req.priority:
+            return False
+        self._evict(victim, step)
+        return True
+
+    def _evict(self, victim: Request, step: "_Step") -> None:
+        """Preempt a running request, undoing its share of this step if it had one."""
+        self.running.remove(victim)
+        step.undo(victim)
+        self._preempt(victim, step)
+        step.preempted.append(victim)
 
     def _will_finish(self, req: Request) -> bool:
         """True when the tokens in flight already reach max_tokens or max_model_len."""
@@ -190,7 +264,14 @@ class Scheduler:
         return (req.num_output_tokens + req.num_placeholders >= req.max_tokens
                 or req.num_tokens_scheduled_for >= self.config.max_model_len)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, step: "_Step") -> None:
+        if self._should_swap(req):
+            nblocks = cdiv(req.num_computed_tokens, self.block_size)
+            host = self.host_pool.allocate(nblocks)
+            req.swapped_blocks = [b.block_id for b in host]
+            req.num_swapped_tokens = req.num_computed_tokens
+            step.swap_out.extend(zip(req.block_ids[:nblocks], req.swapped_blocks))
+            self.num_swaps += 1
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_cached_tokens = 0
@@ -200,26 +281,42 @@ class Scheduler:
         self._in_worker.discard(req.request_id)
         self._enqueue(req)
 
-    def _build_output(self, order, num_scheduled, new_block_ids, computed_before,
-                      preempted) -> SchedulerOutput:
+    def _should_swap(self, req: Request) -> bool:
+        """Swap (copy the blocks to host memory) or recompute later, per request."""
+        policy = self.swap
+        if policy is None or self.host_pool is None or policy.mode == "recompute":
+            return False
+        nblocks = cdiv(req.num_computed_tokens, self.block_size)
+        if nblocks == 0 or nblocks > self.host_pool.num_free_blocks:
+            return False
+        if policy.mode == "swap":
+            return True
+        # auto: moving the blocks out and back in against computing the tokens again.
+        swap_s = 2 * nblocks * policy.swap_s_per_block
+        return swap_s < req.num_computed_tokens * policy.recompute_s_per_token
+
+    def _build_output(self, step: "_Step") -> SchedulerOutput:
         new_reqs, cached_reqs = [], []
-        for req in order:
+        for req in step.order:
             rid = req.request_id
             if rid in self._in_worker:
-                cached_reqs.append(CachedRequestData(rid, new_block_ids[rid],
-                                                     computed_before[rid]))
+                cached_reqs.append(CachedRequestData(rid, step.new_block_ids[rid],
+                                                     step.computed_before[rid]))
             else:
                 self._in_worker.add(rid)
                 new_reqs.append(NewRequestData(
                     req_id=rid, token_ids=list(req.all_token_ids),
                     num_prompt_tokens=req.num_prompt_tokens,
                     sampling_params=req.sampling_params, block_ids=list(req.block_ids),
-                    num_computed_tokens=computed_before[rid]))
+                    num_computed_tokens=step.computed_before[rid]))
         out = SchedulerOutput(
-            new_reqs=new_reqs, cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            preempted_req_ids={r.request_id for r in preempted},
-            finished_req_ids=self.finished_req_ids)
+            new_reqs=new_reqs, cached_reqs=cached_reqs,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=sum(step.num_scheduled.values()),
+            preempted_req_ids={r.request_id for r in step.preempted},
+            finished_req_ids=self.finished_req_ids,
+            blocks_to_copy=self.kv.take_pending_copies(),
+            blocks_to_swap_out=step.swap_out, blocks_to_swap_in=step.swap_in)
         self.finished_req_ids = set()
         return out
 
@@ -301,6 +398,9 @@ class Scheduler:
 
     def _drop(self, req: Request) -> None:
         self.kv.free(req)
+        if req.swapped_blocks:
+            self.host_pool.release([self.host_pool.blocks[h] for h in req.swapped_blocks])
+            req.swapped_blocks = []
         del self.requests[req.request_id]
         if req.request_id in self._in_worker:
             self._in_worker.discard(req.request_id)
@@ -314,6 +414,16 @@ class Scheduler:
     # --- state ------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def kv_slot_usage(self) -> tuple[int, int]:
+        """(slots of the blocks running requests hold, tokens stored in them): the gap
+        is allocated memory that holds nothing (a block shared by several requests counts
+        once per holder on both sides)."""
+        slots = filled = 0
+        for r in self.running:
+            slots += len(r.block_ids) * self.block_size
+            filled += min(r.num_computed_tokens, len(r.block_ids) * self.block_size)
+        return slots, filled
 
     @property
     def num_waiting(self) -> int:

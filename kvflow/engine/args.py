@@ -18,7 +18,7 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "t": 1 << 40, "tib": 1 << 40}
 
 
-def parse_bytes(value: str | int | float | None) -> int | None:
+def parse_bytes(value: str | int | float | None, param: str = "size") -> int | None:
     """A size: an int is bytes; a string like '4GiB', '512MiB', '4g' or a bare number
     (GiB, as is a float) is converted."""
     if value is None or isinstance(value, int) and not isinstance(value, bool):
@@ -27,8 +27,8 @@ def parse_bytes(value: str | int | float | None) -> int | None:
         return int(value * (1 << 30))
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise InvalidParameterError(f"kv_cache_memory must be a size like 4GiB or 512MiB, "
-                                    f"got {value!r}", param="kv_cache_memory")
+        raise InvalidParameterError(f"{param} must be a size like 4GiB or 512MiB, "
+                                    f"got {value!r}", param=param)
     number, unit = float(m.group(1)), m.group(2).lower()
     return int(number * (_UNITS[unit] if unit else 1 << 30))
 
@@ -59,7 +59,11 @@ class EngineArgs:
     kv_cache_memory: str | None = _arg(None, "KV cache size, e.g. 4GiB (CPU default 4GiB; "
                                        "on GPU overrides profiling)")
     num_gpu_blocks_override: int | None = _arg(None, "use exactly this many KV blocks")
-    enable_prefix_caching: bool = _arg(False, "reuse KV blocks of shared prompt prefixes")
+    enable_prefix_caching: bool = _arg(True, "reuse KV blocks of shared prompt prefixes")
+    preemption_mode: str = _arg("recompute", "when blocks run out: recompute the preempted "
+                                "request later, swap its KV to host memory, or auto (per "
+                                "request, the cheaper)", choices=["recompute", "swap", "auto"])
+    swap_space: str = _arg("4GiB", "host memory for swapped-out KV (swap/auto modes)")
     max_num_batched_tokens: int | None = _arg(None, "token budget per step (default 8192 "
                                               "on GPU, 2048 on CPU)")
     max_num_seqs: int | None = _arg(None, "most requests running at once (default 256 on "
@@ -119,9 +123,11 @@ class EngineArgs:
             generation_defaults=tuple(sorted(resolved.generation_defaults.items())))
         cache = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_cache_memory=parse_bytes(self.kv_cache_memory),
+            kv_cache_memory=parse_bytes(self.kv_cache_memory, "kv_cache_memory"),
             num_blocks_override=self.num_gpu_blocks_override,
-            enable_prefix_caching=self.enable_prefix_caching)
+            enable_prefix_caching=self.enable_prefix_caching,
+            preemption_mode=self.preemption_mode,
+            swap_space=parse_bytes(self.swap_space, "swap_space"))
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = 8192 if on_gpu else 2048

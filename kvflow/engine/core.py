@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kvflow.config import EngineConfig
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest
-from kvflow.core.scheduler import Scheduler
+from kvflow.core.scheduler import Scheduler, SwapPolicy
 from kvflow.errors import QueueFullError
 from kvflow.logger import init_logger
 from kvflow.worker.executor import Executor
@@ -33,13 +33,31 @@ class SchedulerStats:
     num_steps: int = 0  # steps that ran the model, since start
 
 
+def swap_policy(config: EngineConfig) -> SwapPolicy | None:
+    """Preemption policy with rough costs for ``auto``: recomputing a token costs its
+    matmul FLOPs at a sustained rate; swapping a block costs its bytes over the host link
+    (each way)."""
+    from kvflow.worker.kv_cache import block_bytes, num_host_blocks
+
+    host = num_host_blocks(config)
+    if not host:
+        return None
+    gpu = config.device.is_cuda
+    flops_per_s = 400e12 if gpu else 1e11  # sustained prefill rate: H100/H200-class, CPU
+    link_bytes_per_s = 20e9 if gpu else 10e9  # pinned PCIe copies / host memcpy
+    return SwapPolicy(config.cache.preemption_mode, host,
+                      recompute_s_per_token=2 * config.model.arch.num_params / flops_per_s,
+                      swap_s_per_block=block_bytes(config) / link_bytes_per_s)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
         self.executor = Executor(config)
         self.num_blocks = self.executor.initialize()
-        self.scheduler = Scheduler(config.scheduler, config.cache.block_size, self.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache.block_size, self.num_blocks,
+                                   config.cache.enable_prefix_caching, swap_policy(config))
         self.num_steps = 0
         self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet collected
         logger.info("engine core ready in %.1f s", time.perf_counter() - start)
@@ -50,7 +68,7 @@ class EngineCore:
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_ids=frozenset(req.eos_token_ids), arrival_time=req.arrival_time,
-            priority=req.priority, fork_parent=parent))
+            priority=req.priority, fork_parent=parent, cache_salt=req.cache_salt))
 
     def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
         """Queue the samples of one request, all or none.

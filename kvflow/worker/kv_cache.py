@@ -24,6 +24,26 @@ def num_blocks_for_budget(config: EngineConfig, budget_bytes: int) -> int:
     return max(0, int(budget_bytes) // block_bytes(config))
 
 
+def num_host_blocks(config: EngineConfig) -> int:
+    """Blocks of the host swap pool (0 unless preemption may swap)."""
+    if config.cache.preemption_mode == "recompute":
+        return 0
+    return num_blocks_for_budget(config, config.cache.swap_space)
+
+
+def allocate_host_cache(config: EngineConfig, num_blocks: int,
+                        device: torch.device) -> torch.Tensor:
+    """Swap space: [num_blocks, L, 2, block_size, KVH, D], one contiguous block per row
+    so each block moves in a single copy (pinned when the device is a GPU)."""
+    arch = config.model.arch
+    from kvflow.models.loader import TORCH_DTYPES
+
+    shape = (num_blocks, arch.num_hidden_layers, 2, config.cache.block_size,
+             arch.num_key_value_heads, arch.head_dim)
+    return torch.empty(shape, dtype=TORCH_DTYPES[config.model.dtype],
+                       pin_memory=device.type == "cuda")
+
+
 def check_capacity(config: EngineConfig, num_blocks: int) -> None:
     """The cache must hold at least one sequence of max_model_len tokens."""
     bs = config.cache.block_size
@@ -38,24 +58,26 @@ def check_capacity(config: EngineConfig, num_blocks: int) -> None:
 
 
 def allocate_kv_cache(config: EngineConfig, num_blocks: int,
-                      device: torch.device) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, KVH, D] tensor per layer."""
+                      device: torch.device) -> torch.Tensor:
+    """The whole cache as one tensor [L, 2, num_blocks, block_size, KVH, D]; layer i's
+    cache is ``caches[i]`` (one tensor lets a single kernel copy blocks in all layers)."""
     arch = config.model.arch
     from kvflow.models.loader import TORCH_DTYPES
 
-    shape = (2, num_blocks, config.cache.block_size, arch.num_key_value_heads, arch.head_dim)
+    shape = (arch.num_hidden_layers, 2, num_blocks, config.cache.block_size,
+             arch.num_key_value_heads, arch.head_dim)
     # Zeroed so no stale NaN can leak through masked attention. On the CPU, fresh pages
     # from the OS are already zero: empty() avoids touching gigabytes at startup.
     alloc = torch.empty if device.type == "cpu" else torch.zeros
     try:
-        return [alloc(shape, dtype=TORCH_DTYPES[config.model.dtype], device=device)
-                for _ in range(arch.num_hidden_layers)]
+        return alloc(shape, dtype=TORCH_DTYPES[config.model.dtype], device=device)
     except (RuntimeError, torch.OutOfMemoryError) as e:
         raise OutOfMemoryError(f"cannot allocate the KV cache ({num_blocks} blocks): {e}") \
             from None
 
 
-def bind_kv_cache(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
+def bind_kv_cache(model: nn.Module, kv_caches) -> None:
+    """Give attention layer i its cache ``kv_caches[i]`` (a tensor's first dim works)."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if len(layers) != len(kv_caches):
         raise InvalidParameterError("KV cache and model disagree on the number of layers")

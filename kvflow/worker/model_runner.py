@@ -65,7 +65,8 @@ class ModelRunner:
         self.batch = InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len,
                                 max_blocks)
         self.extras: dict[str, RequestExtras] = {}
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: torch.Tensor | None = None  # [L, 2, NB, BS, KVH, D]
+        self.host_cache: torch.Tensor | None = None  # [NH, L, 2, BS, KVH, D] swap space
         self.graphs = None  # CudaGraphRunner once captured
         self.device_block_table = None
         self.num_sms = 1
@@ -98,6 +99,12 @@ class ModelRunner:
         self.kv_caches = kv_cache.allocate_kv_cache(self.config, num_blocks, self.device)
         kv_cache.bind_kv_cache(self.model, self.kv_caches)
         kv_cache.log_kv_cache(self.config, num_blocks)
+        host_blocks = kv_cache.num_host_blocks(self.config)
+        if host_blocks:
+            self.host_cache = kv_cache.allocate_host_cache(self.config, host_blocks, self.device)
+            logger.info("swap space: %d blocks, %.2f GiB of %s host memory", host_blocks,
+                        self.host_cache.numel() * self.host_cache.element_size() / GiB,
+                        "pinned" if self.device.type == "cuda" else "plain")
 
     def warmup(self) -> None:
         """Compile kernels and capture CUDA graphs before serving (GPU only)."""
@@ -115,6 +122,15 @@ class ModelRunner:
     def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
         """Queue a step's GPU work and return at once (CPU: runs it)."""
         self._update_states(so)
+        # Order matters: a block swapped out may be reused by a swap-in or a copy.
+        for dev_block, host_block in so.blocks_to_swap_out:
+            self.host_cache[host_block].copy_(self.kv_caches[:, :, dev_block],
+                                              non_blocking=True)
+        for host_block, dev_block in so.blocks_to_swap_in:
+            self.kv_caches[:, :, dev_block].copy_(
+                self.host_cache[host_block].to(self.device, non_blocking=True))
+        if so.blocks_to_copy:
+            self._copy_blocks(so.blocks_to_copy)
         if so.total_num_scheduled_tokens == 0:
             return StepHandle(self, None, {}, None)
         if self.idle_meter is not None:
@@ -146,6 +162,18 @@ class ModelRunner:
         for cached in so.cached_reqs:
             b.append_blocks(cached.req_id, cached.new_block_ids)
             b.num_computed[b.index[cached.req_id]] = cached.num_computed_tokens
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst := block src in every layer, before the step runs."""
+        idx = to_device(pairs, self.device, torch.int64)
+        if self.use_kernels:
+            from kvflow.kernels.copy_blocks import copy_blocks
+
+            copy_blocks(self.kv_caches, idx)
+        else:
+            from kvflow.kernels.copy_blocks import copy_blocks_ref
+
+            copy_blocks_ref(self.kv_caches, idx)
 
     def num_kv_splits(self, num_decodes: int, max_seq_len: int) -> int:
         if not self.use_kernels:

@@ -40,7 +40,7 @@ def profile_kv_budget(runner) -> int:
     bs = cfg.cache.block_size
     num_blocks = sum(-(-n // bs) for n in lengths)
     scratch = kv_cache.allocate_kv_cache(cfg, num_blocks, device)
-    scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
+    scratch_bytes = scratch.numel() * scratch.element_size()
     kv_cache.bind_kv_cache(runner.model, scratch)
 
     # A throw-away step through the real input path: prefill chunks of random tokens.

@@ -94,7 +94,7 @@ class TorchAttentionBackend:
     name = "torch"
     # Decodes are batched in groups of similar context length, so padding each group to
     # its longest context wastes little.
-    DECODE_GROUP = 16
+    DECODE_GROUP = 4
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, kv_cache: torch.Tensor, rotary: RotaryEmbedding,
