@@ -1,4 +1,4 @@
-"""The ``kvflow`` command: generate, chat, bench."""
+"""The ``kvflow`` command: serve, generate, chat, bench."""
 
 from __future__ import annotations
 
@@ -59,7 +59,18 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from kvflow.entrypoints.openai.server import run_server
+    from kvflow.entrypoints.openai.server_args import ServerArgs
+
+    return run_server(EngineArgs.from_cli_args(ns), ServerArgs.from_cli_args(ns))
+
+
 def cmd_chat(ns: argparse.Namespace) -> int:
+    if ns.url:
+        from kvflow.entrypoints.chat_client import chat_with_server
+
+        return chat_with_server(ns)
     from kvflow.engine.llm_engine import LLMEngine
     from kvflow.sampling_params import OutputKind
 
@@ -107,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the "
+                           "embedded model on http://127.0.0.1:8000)")
+    EngineArgs.add_cli_args(serve)
+    from kvflow.entrypoints.openai.server_args import ServerArgs
+
+    ServerArgs.add_cli_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
     gen = sub.add_parser("generate", help="generate answers to prompts and report speed")
     EngineArgs.add_cli_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: "
@@ -119,12 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive chat, streaming as tokens arrive")
     EngineArgs.add_cli_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--url", default=None, help="chat with a running server (e.g. "
+                      "http://127.0.0.1:8000) instead of loading the model here")
+    chat.add_argument("--api-key", default=None, help="the server's API key (with --url; "
+                      "default: $KVFLOW_API_KEY)")
     _add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
 
     from kvflow.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
     return parser
 
 

@@ -28,3 +28,21 @@ def disable_triton() -> bool:
 def no_progress_bar() -> bool:
     """KVFLOW_NO_PROGRESS=1 hides tqdm progress bars (logs and CI)."""
     return os.environ.get("KVFLOW_NO_PROGRESS", "0") == "1"
+
+
+def cpu_threads() -> int | None:
+    """KVFLOW_CPU_THREADS: torch threads of the server's engine-core process on CPU
+    (default: all cores but one, which is left to the API process)."""
+    value = os.environ.get("KVFLOW_CPU_THREADS")
+    return int(value) if value else None
+
+
+def api_key() -> str | None:
+    """KVFLOW_API_KEY: the server's API key when --api-key is not given."""
+    return os.environ.get("KVFLOW_API_KEY") or None
+
+
+def git_commit() -> str | None:
+    """KVFLOW_GIT_COMMIT: the commit benchmark results record, for copies of the tree
+    without git history (e.g. a GPU machine that receives the working tree)."""
+    return os.environ.get("KVFLOW_GIT_COMMIT") or None

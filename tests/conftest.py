@@ -26,3 +26,17 @@ def smollm2():
     from kvflow import LLM
 
     return LLM("smollm2-135m", device="cpu", max_model_len=2048, kv_cache_memory="512MiB")
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One ``kvflow serve`` subprocess (smollm2-135m on CPU) shared by the server tests."""
+    from server_utils import RemoteServer
+
+    srv = RemoteServer(["--max-body-bytes", "65536"])
+    yield srv
+    log = srv.log()
+    code = srv.stop()
+    srv.cleanup()
+    assert "Traceback" not in log, log  # no request may raise inside the server
+    assert code == 0, log

@@ -14,6 +14,9 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KVFLOW_NO_PROGRESS=1
+# The machine gets the working tree without git history: the commit comes along in a file
+# (write it with `git rev-parse HEAD > .git-commit` and carry it).
+[ -f .git-commit ] && export KVFLOW_GIT_COMMIT=$(cat .git-commit)
 KV="python -m kvflow.cli"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
@@ -26,9 +29,11 @@ for stage in "$@"; do
     gpu-a-sync) $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --backend kvflow --max-model-len 4096 --no-async-scheduling --measure-gpu-idle --save-result "$OUT/gpu-a-sync.json" 2>&1 | grep -v "^INFO" | tail -8;;
     gpu-b) $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${GPU_B_PROMPTS:-1000} --input-len 1024 --output-len 128 --max-model-len 4096 --measure-gpu-idle ${GPU_B_ARGS:-} --save-result "$OUT/gpu-b${GPU_B_TAG:-}.json" 2>&1 | tail -12;;
     gpu-b-hf) $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts 64 --input-len 1024 --output-len 128 --max-model-len 4096 --backend hf --hf-batch-size 32 --save-result "$OUT/gpu-b-hf.json" 2>&1 | tail -5;;
+    prefix-on|prefix-off) flag=$([ $stage = prefix-off ] && echo --no-enable-prefix-caching); $KV bench throughput --model llama-3.1-8b --load-format dummy --dataset shared-prefix --num-prompts 256 --prefix-len 2000 --input-len 100 --output-len 128 --max-model-len 4096 $flag --save-result "$OUT/shared-prefix-$stage.json" 2>&1 | grep -v "^INFO" | tail -4;;
+    gpu-b-on|gpu-b-off) flag=$([ $stage = gpu-b-off ] && echo --no-enable-prefix-caching); $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${GPU_B_PROMPTS:-1000} --input-len 1024 --output-len 128 --max-model-len 4096 $flag --save-result "$OUT/$stage.json" 2>&1 | grep -v "^INFO" | tail -4;;
     cpu-overhead) python benchmarks/gpu/cpu_overhead.py 2>&1 | grep -v "^INFO" | head -60;;
     profile) python benchmarks/gpu/profile_steps.py --out "$OUT/profile.json" 2>&1 | grep -v "^INFO" | tail -60;;
-    kbench) python benchmarks/kernels/bench_kernels.py --out "$OUT/kernels-bench.json" 2>&1 | tail -40;;
+    kbench) timeout ${KBENCH_TIMEOUT:-240} python benchmarks/kernels/bench_kernels.py --out "$OUT/kernels-bench.json" 2>&1 | tail -45;;
     *) echo "unknown stage $stage"; exit 2;;
   esac
 done

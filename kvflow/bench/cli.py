@@ -20,12 +20,16 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (throughput, latency)")
+    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, serve)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
     tp = kinds.add_parser("throughput", help="offline throughput on a dataset")
     _common(tp)
-    tp.add_argument("--dataset", choices=["random"], default="random")
+    tp.add_argument("--dataset", choices=["random", "shared-prefix"], default="random",
+                    help="random: random token prompts; shared-prefix: --prefix-len shared "
+                    "tokens then --input-len unique ones per prompt")
+    tp.add_argument("--prefix-len", type=int, default=1000,
+                    help="shared-prefix dataset: length of the common prefix")
     tp.add_argument("--num-prompts", type=int, default=64)
     tp.add_argument("--input-len", type=int, default=256)
     tp.add_argument("--output-len", type=int, default=128)
@@ -50,6 +54,9 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--input-len", type=int, default=128)
     lat.add_argument("--output-len", type=int, default=256)
     lat.add_argument("--num-iters", type=int, default=5)
+    lat.add_argument("--chat-prompt", default=None,
+                     help="use this user message, with the model's chat template, as the "
+                     "prompt instead of --input-len random tokens")
     lat.add_argument("--hf-cache-implementation", default=None,
                      help="hf backend cache, e.g. static (default: dynamic)")
 
@@ -58,3 +65,15 @@ def add_bench_parser(sub) -> None:
 
         return run_latency(ns)
     lat.set_defaults(func=run_lat)
+
+    srv = kinds.add_parser("serve", help="serving benchmark against a running OpenAI-"
+                           "compatible server: TTFT, TPOT, ITL, end-to-end latency")
+    from kvflow.bench.serve import add_serve_args
+
+    add_serve_args(srv)
+
+    def run_srv(ns):
+        from kvflow.bench.serve import run_serve_benchmark
+
+        return run_serve_benchmark(ns)
+    srv.set_defaults(func=run_srv)

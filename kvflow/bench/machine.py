@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
+import time
 
 
 def git_commit() -> str:
+    from kvflow import envs
+
+    if envs.git_commit():
+        return envs.git_commit()
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                             text=True, timeout=10).stdout.strip()
+        proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=10)
+        sha = proc.stdout.strip() if proc.returncode == 0 else ""
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=here, capture_output=True, text=True,
                                timeout=10).stdout.strip()
@@ -22,16 +30,18 @@ def git_commit() -> str:
 
 
 def machine_info() -> dict:
-    import torch
-
     info = {
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
     }
+    try:  # a serving benchmark's client may run without torch
+        import torch
+    except ImportError:
+        return info
+    info["torch"] = torch.__version__
+    info["torch_threads"] = torch.get_num_threads()
     try:
         import triton
 
@@ -62,3 +72,17 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def save_result(path: str | None, result: dict) -> dict:
+    """Stamp a benchmark result with the exact command, commit, machine and date, and
+    write it as JSON to ``path`` (when given). Returns the stamped result."""
+    result = {"command": "kvflow " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+              "commit": git_commit(), "machine": machine_info(),
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **result}
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"saved {path}")
+    return result

@@ -9,13 +9,18 @@ import time
 import numpy as np
 import torch
 
-from kvflow.bench.datasets import BenchRequest, length_range, random_requests
+from kvflow.bench.datasets import (BenchRequest, length_range, random_requests,
+                                   shared_prefix_requests)
 from kvflow.bench.machine import save_result
 from kvflow.engine.args import EngineArgs
+from kvflow.errors import InvalidParameterError
 
 
 def _workload(ns: argparse.Namespace, vocab_size: int, special: set[int]
               ) -> list[BenchRequest]:
+    if ns.dataset == "shared-prefix":
+        return shared_prefix_requests(ns.num_prompts, ns.prefix_len, ns.input_len,
+                                      ns.output_len, vocab_size, ns.seed, special)
     in_rng = length_range(ns.input_len, ns.range_ratio, ns.min_input_len, ns.max_input_len)
     out_rng = length_range(ns.output_len, ns.range_ratio, ns.min_output_len,
                            ns.max_output_len)
@@ -60,7 +65,8 @@ def run_throughput(ns: argparse.Namespace) -> int:
     requests = _workload(ns, config.model.arch.vocab_size, _special_ids(config))
     n_in = sum(len(r.prompt_token_ids) for r in requests)
     n_out = sum(r.output_len for r in requests)
-    workload = {"num_prompts": len(requests), "input_tokens": n_in, "output_tokens": n_out,
+    workload = {"dataset": ns.dataset, "num_prompts": len(requests), "input_tokens": n_in,
+                "output_tokens": n_out,
                 "input_len_range": [min(len(r.prompt_token_ids) for r in requests),
                                     max(len(r.prompt_token_ids) for r in requests)],
                 "output_len_range": [min(r.output_len for r in requests),
@@ -80,6 +86,10 @@ def run_throughput(ns: argparse.Namespace) -> int:
         print(f"[{backend}] Throughput: {fig['requests_per_s']:.2f} requests/s, "
               f"{fig['total_tokens_per_s']:.2f} total tokens/s, "
               f"{fig['output_tokens_per_s']:.2f} output tokens/s")
+        if backend == "kvflow":
+            print(f"[kvflow] prefix cache hit rate {100 * fig['prefix_cache_hit_rate']:.1f}%, "
+                  f"KV slots allocated but empty {100 * fig['kv_slot_waste']:.2f}%, "
+                  f"preemptions {fig['preemptions']}")
     if "kvflow" in results and "hf" in results:
         ratio = results["kvflow"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
         results["kvflow_over_hf"] = ratio
@@ -120,15 +130,25 @@ def _run_kvflow(engine, requests: list[BenchRequest], ns, tag: str) -> dict:
     device = engine.config.device.device
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+    sched = engine.core.scheduler
     start = time.perf_counter()
     steps = 0
-    preempt0 = engine.core.scheduler.num_preemptions
+    preempt0 = sched.num_preemptions
+    query0, hit0 = sched.kv.num_query_tokens, sched.kv.num_hit_tokens
+    slots = filled = 0
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
+        s, f = sched.kv_slot_usage()
+        slots, filled = slots + s, filled + f
     elapsed = time.perf_counter() - start
+    queries = sched.kv.num_query_tokens - query0
     return {"elapsed_s": elapsed, "steps": steps,
-            "preemptions": engine.core.scheduler.num_preemptions - preempt0}
+            "preemptions": sched.num_preemptions - preempt0,
+            "prefix_cache_hit_rate": (sched.kv.num_hit_tokens - hit0) / queries
+            if queries else 0.0,
+            # Slots of allocated KV blocks that held no token, averaged over the steps.
+            "kv_slot_waste": 1 - filled / slots if slots else 0.0}
 
 
 def _attach_idle_meter(engine, ns):
@@ -163,11 +183,21 @@ def run_latency(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     config = args.create_engine_config()
     special = _special_ids(config)
-    reqs = random_requests(ns.batch_size, (ns.input_len, ns.input_len), (1, 1),
-                           config.model.arch.vocab_size, ns.seed, special)
-    prompts = [r.prompt_token_ids for r in reqs]
-    results: dict = {"workload": {"batch_size": ns.batch_size, "input_len": ns.input_len,
-                                  "output_len": ns.output_len, "num_iters": ns.num_iters},
+    if ns.chat_prompt:
+        from kvflow.engine.llm_engine import load_tokenizer
+
+        tok = load_tokenizer(config)
+        if tok is None or tok.chat_template is None:
+            raise InvalidParameterError("--chat-prompt needs a model with a chat template")
+        text = tok.apply_chat_template([{"role": "user", "content": ns.chat_prompt}])
+        prompts = [tok.encode(text, add_special_tokens=False)] * ns.batch_size
+    else:
+        reqs = random_requests(ns.batch_size, (ns.input_len, ns.input_len), (1, 1),
+                               config.model.arch.vocab_size, ns.seed, special)
+        prompts = [r.prompt_token_ids for r in reqs]
+    results: dict = {"workload": {"batch_size": ns.batch_size,
+                                  "input_len": len(prompts[0]), "output_len": ns.output_len,
+                                  "num_iters": ns.num_iters, "chat_prompt": ns.chat_prompt},
                      "engine_config": _config_summary(config)}
     for backend in _backends(ns):
         run = _latency_runner(backend, config, ns)

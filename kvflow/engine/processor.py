@@ -81,7 +81,8 @@ class InputProcessor:
         return ids
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
-                arrival_time: float | None = None, priority: int = 0) -> ProcessedRequest:
+                arrival_time: float | None = None, priority: int = 0,
+                cache_salt: str | None = None) -> ProcessedRequest:
         if params is None:
             params = self.default_sampling_params()
         if not isinstance(params, SamplingParams):
@@ -90,6 +91,9 @@ class InputProcessor:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidParameterError(f"priority must be an integer, got {priority!r}",
                                         param="priority")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidParameterError("cache_salt must be a non-empty string",
+                                        param="cache_salt")
         if params.detokenize is False and params.stop_strings:
             raise InvalidParameterError("stop strings need detokenize=True", param="stop")
         text, ids = self.tokenize_prompt(prompt)
@@ -106,5 +110,6 @@ class InputProcessor:
                 request_id=child_request_id(request_id, i, n), prompt_token_ids=ids,
                 sampling_params=child, eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival, priority=priority,
-                fork_of=None if i == 0 else child_request_id(request_id, 0, n)))
+                fork_of=None if i == 0 else child_request_id(request_id, 0, n),
+                cache_salt=cache_salt))
         return ProcessedRequest(request_id, text, ids, params, core)

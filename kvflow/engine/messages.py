@@ -1,0 +1,127 @@
+"""Every message the API process and the engine-core process exchange (DESIGN rule 8).
+
+Messages are msgspec Structs in one tagged union, encoded with MessagePack: the decoder
+checks each message against its schema, and nothing is ever pickled. The payload types
+they carry (EngineCoreRequest, EngineCoreOutput, SamplingParams) are plain dataclasses
+that msgspec encodes and checks field by field.
+
+API -> core: AddRequest, Abort, FinishStopped, Shutdown.
+Core -> API: Ready, Outputs, Stats, RequestError, EngineError.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest
+
+
+class CoreStats(msgspec.Struct, frozen=True):
+    """A snapshot of the scheduler for logs and /metrics."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_used_blocks: int
+    kv_cache_usage: float  # fraction of blocks held by requests
+    num_preemptions: int  # since start
+    num_steps: int  # engine steps that ran a model forward, since start
+
+
+class AddRequest(msgspec.Struct, tag="add", frozen=True):
+    """The samples of one API request (n of them), added all or none."""
+
+    request_id: str
+    requests: list[EngineCoreRequest]
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    """End these engine-core requests now (client gone, or the API gave up on them)."""
+
+    request_ids: list[str]
+
+
+class FinishStopped(msgspec.Struct, tag="finish", frozen=True):
+    """Engine-core requests that matched a stop string during detokenization."""
+
+    request_ids: list[str]
+    stop_reasons: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+    """Stop the loop, release the device and exit 0."""
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True):
+    """The engine core is up: sent once, after the model and the KV cache are ready."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    kv_cache_bytes: int
+    device: str
+    dtype: str
+    startup_s: float
+    pid: int
+
+
+class Outputs(msgspec.Struct, tag="outputs", frozen=True):
+    """What one engine step produced, and the scheduler's state after it."""
+
+    outputs: list[EngineCoreOutput]
+    stats: CoreStats
+    step_s: float  # wall time of the step (schedule + forward + update)
+
+
+class Stats(msgspec.Struct, tag="stats", frozen=True):
+    """The scheduler's state changed without a step (aborts, admissions, idle)."""
+
+    stats: CoreStats
+
+
+class RequestError(msgspec.Struct, tag="request_error", frozen=True):
+    """The core refused a request; the API raises this error for it."""
+
+    request_id: str
+    error_class: str  # name of a kvflow.errors class, e.g. QueueFullError
+    message: str
+    param: str | None = None
+
+
+class EngineError(msgspec.Struct, tag="engine_error", frozen=True):
+    """The core hit an unexpected error and is exiting; ``message`` says why."""
+
+    message: str
+
+
+ToCore = AddRequest | Abort | FinishStopped | Shutdown
+FromCore = Ready | Outputs | Stats | RequestError | EngineError
+
+
+class MessageCodec:
+    """The one encoder/decoder pair for a direction of the socket pair."""
+
+    def __init__(self, decode_type: type) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(decode_type)
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode(self, data: bytes):
+        return self._decoder.decode(data)
+
+
+def api_codec() -> MessageCodec:
+    """Codec of the API process: decodes what the core sends."""
+    return MessageCodec(FromCore)
+
+
+def core_codec() -> MessageCodec:
+    """Codec of the engine-core process: decodes what the API sends."""
+    return MessageCodec(ToCore)
+
+
+__all__ = ["CoreStats", "AddRequest", "Abort", "FinishStopped", "Shutdown", "Ready",
+           "Outputs", "Stats", "RequestError", "EngineError", "ToCore", "FromCore",
+           "MessageCodec", "api_codec", "core_codec"]

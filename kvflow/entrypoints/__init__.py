@@ -1,0 +1,1 @@
+"""Network front ends of the engine."""

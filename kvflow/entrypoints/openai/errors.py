@@ -1,0 +1,114 @@
+"""kvflow errors -> OpenAI error bodies: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvflow.errors import (EngineDeadError, EngineNotReadyError, InvalidParameterError,
+                           KvflowError, ModelNotFoundError, PromptTooLongError,
+                           QueueFullError)
+from kvflow.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Machine-readable codes where OpenAI has one (or an obvious one).
+_CODES: tuple[tuple[type, str], ...] = (
+    (PromptTooLongError, "context_length_exceeded"),
+    (ModelNotFoundError, "model_not_found"),
+    (QueueFullError, "queue_full"),
+    (EngineNotReadyError, "engine_starting"),
+    (EngineDeadError, "engine_dead"),
+)
+
+
+def error_body(message: str, err_type: str, param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, err_type: str, param: str | None = None,
+                   code: str | int | None = None, headers: dict | None = None
+                   ) -> JSONResponse:
+    return JSONResponse(error_body(message, err_type, param, code), status_code=status,
+                        headers=headers)
+
+
+def error_bytes(status: int, message: str, err_type: str, code: str | None = None
+                ) -> bytes:
+    """The body of an error answered below FastAPI (the ASGI guard middleware)."""
+    return json.dumps(error_body(message, err_type, None, code)).encode()
+
+
+def kvflow_error_code(e: KvflowError) -> str | None:
+    for cls, code in _CODES:
+        if isinstance(e, cls):
+            return code
+    return None
+
+
+def kvflow_error_response(e: KvflowError) -> JSONResponse:
+    status = e.http_status
+    if status >= 500 and not isinstance(e, (EngineDeadError, EngineNotReadyError)):
+        logger.error("internal error: %s", e.message)
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return error_response(status, e.message, e.error_type, e.param, kvflow_error_code(e),
+                          headers)
+
+
+def kvflow_error_sse(e: KvflowError) -> str:
+    """An error inside a stream that already started (the status line is long gone)."""
+    body = error_body(e.message, e.error_type, e.param, kvflow_error_code(e))
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _validation_param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    # Drop pydantic's union branch names (e.g. "list[int]") after the field.
+    parts = [p for p in parts if not any(c in p for c in "[]()")]
+    return ".".join(parts) if parts else None
+
+
+def validation_error(errs: list) -> InvalidParameterError:
+    """The first of pydantic's validation errors as a kvflow error naming the parameter."""
+    if not errs:
+        return InvalidParameterError("invalid request")
+    first = errs[0]
+    param = _validation_param(tuple(first.get("loc", ())))
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        message = f"unknown parameter: {param!r} is not a parameter of this endpoint"
+    elif kind == "missing":
+        message = f"missing required parameter: {param!r}"
+    elif kind in ("json_invalid", "model_attributes_type", "dict_type") or param is None:
+        message = f"the request body is not a valid JSON object: {first.get('msg')}"
+        param = None
+    else:
+        message = f"invalid value for {param!r}: {first.get('msg')}"
+    return InvalidParameterError(message, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(KvflowError)
+    async def _kvflow(_: Request, e: KvflowError):
+        return kvflow_error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError):
+        return kvflow_error_response(validation_error(e.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        err_type = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        code = "request_too_large" if e.status_code == 413 else None
+        return error_response(e.status_code, str(e.detail), err_type, code=code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception):
+        logger.exception("unhandled error in a request")
+        return error_response(500, f"internal server error: {type(e).__name__}",
+                              "internal_error")

@@ -1,0 +1,281 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine.
+
+``kvflow serve [MODEL]`` runs it with uvicorn on 127.0.0.1:8000. The engine core starts
+in the background: /health answers 503 until the model is loaded, 200 while it serves,
+and 503 again if the engine core dies (the server then exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import signal
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from pydantic import ValidationError
+
+from kvflow import __version__
+from kvflow.config import GiB
+from kvflow.engine.async_client import AsyncEngine, CoreProcess, EngineState
+from kvflow.engine.stats import LoggingStatsListener
+from kvflow.entrypoints.openai.errors import (error_response, install_error_handlers,
+                                              kvflow_error_response, validation_error)
+from kvflow.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusMetrics
+from kvflow.entrypoints.openai.middleware import GuardMiddleware
+from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                DetokenizeRequest, DetokenizeResponse,
+                                                ModelCard, ModelList, TokenizeChatRequest,
+                                                TokenizeCompletionRequest, TokenizeResponse)
+from kvflow.entrypoints.openai.server_args import ServerArgs
+from kvflow.entrypoints.openai.serving import ClientDisconnected, json_response
+from kvflow.entrypoints.openai.serving_chat import ChatServing, message_dict
+from kvflow.entrypoints.openai.serving_completion import CompletionServing
+from kvflow.errors import InvalidParameterError, KvflowError
+from kvflow.logger import init_logger
+
+logger = init_logger(__name__)
+
+# After the engine core dies, /health answers 503 this long before the server exits, so
+# a load balancer or supervisor polling it sees why.
+DEAD_EXIT_DELAY_S = 2.0
+# HTTP status for a request whose client went away (nginx's convention; nobody reads it).
+CLIENT_CLOSED = 499
+
+
+class ServerState:
+    """Everything the routes share, owned by one app (no module globals)."""
+
+    def __init__(self, engine: AsyncEngine, args: ServerArgs,
+                 request_exit: Callable[[int], None], start_time: float) -> None:
+        self.engine = engine
+        self.args = args
+        self.request_exit = request_exit
+        self.start_time = start_time
+        self.model_name = engine.config.model.name
+        self.metrics = PrometheusMetrics(self.model_name)
+        self.stats_logger = LoggingStatsListener(args.stats_log_interval)
+        self.completions = CompletionServing(engine, self.model_name)
+        self.chat = ChatServing(engine, self.model_name)
+        self.created = int(time.time())
+        self.routes: list[str] = []  # "METHOD /path", filled in once the app has them
+        engine.add_stats_listener(self.metrics)
+        engine.add_stats_listener(self.stats_logger)
+        engine.add_death_listener(self._on_engine_death)
+
+    def _on_engine_death(self, cause: str) -> None:
+        logger.error("the engine core is gone: /health answers 503; exiting in %.0f s",
+                     DEAD_EXIT_DELAY_S)
+        asyncio.get_running_loop().call_later(DEAD_EXIT_DELAY_S, self.request_exit, 1)
+
+    async def start_engine(self) -> None:
+        m = self.engine.config.model
+        logger.info("starting the engine core for %s (%s); /health answers 503 until it "
+                    "is ready", m.name, m.load_format)
+        try:
+            await self.engine.start()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if self.engine.state is not EngineState.DEAD:  # a death is logged already
+                logger.error("the engine failed to start: %s", e)
+            self.request_exit(1)
+            return
+        self._log_ready()
+
+    def _log_ready(self) -> None:
+        ready, cfg, args = self.engine.ready, self.engine.config, self.args
+        m = cfg.model
+        tokens = ready.num_blocks * ready.block_size
+        logger.info("model %s: %s weights, dtype %s, device %s, max_model_len %d, "
+                    "tokenizer: %s; engine core pid %d", m.name, m.load_format, ready.dtype,
+                    ready.device, ready.max_model_len,
+                    "yes" if self.engine.tokenizer else "none", ready.pid)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB; maximum "
+                    "concurrency at max_model_len %d: %.2fx", ready.num_blocks,
+                    ready.block_size, tokens, ready.kv_cache_bytes / GiB,
+                    ready.max_model_len, tokens / ready.max_model_len)
+        logger.info("routes: %s", ", ".join(self.routes))
+        logger.info("kvflow %s serving %s at http://%s:%d%s - ready in %.1f s", __version__,
+                    m.name, args.host, args.port,
+                    " (API key required)" if args.api_key else "",
+                    time.monotonic() - self.start_time)
+
+    async def log_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.args.stats_log_interval)
+            self.stats_logger.log(time.monotonic())
+
+
+def build_app(engine: AsyncEngine, args: ServerArgs, request_exit: Callable[[int], None],
+              start_time: float | None = None) -> FastAPI:
+    state = ServerState(engine, args, request_exit,
+                        time.monotonic() if start_time is None else start_time)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        tasks = [asyncio.create_task(state.start_engine())]
+        if args.stats_log_interval > 0:
+            tasks.append(asyncio.create_task(state.log_loop()))
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await engine.shutdown()
+            logger.info("engine stopped")
+
+    app = FastAPI(title="kvflow", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kvflow = state
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=args.api_key,
+                       max_body_bytes=args.max_body_bytes)
+    _add_routes(app, state)
+    state.routes = [f"{method} {route.path}" for route in app.routes
+                    for method in sorted(getattr(route, "methods", ()) or ()) if method != "HEAD"]
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    engine = state.engine
+
+    @app.get("/health")
+    async def health():
+        if engine.state is EngineState.READY:
+            return {"status": "ok"}
+        try:
+            engine.check_ready()
+        except KvflowError as e:
+            return kvflow_error_response(e)
+        return error_response(503, "the engine is not ready", "service_unavailable")
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    def model_card() -> ModelCard:
+        m = engine.config.model
+        return ModelCard(id=state.model_name, created=state.created, root=m.path or m.model,
+                         max_model_len=m.max_model_len)
+
+    @app.get("/v1/models")
+    async def models():
+        return json_response(ModelList(data=[model_card()]))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        state.completions.check_model(model_id)
+        return json_response(model_card())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        try:
+            return await state.completions.create(body, raw)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        try:
+            return await state.chat.create(body, raw)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED)
+
+    def tokenizer():
+        engine.check_ready()
+        if engine.tokenizer is None:
+            raise InvalidParameterError("this model has no tokenizer")
+        return engine.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict):
+        try:
+            req = (TokenizeChatRequest if "messages" in body
+                   else TokenizeCompletionRequest).model_validate(body)
+        except ValidationError as e:
+            raise validation_error(e.errors()) from None
+        state.completions.check_model(req.model)
+        tok = tokenizer()
+        if isinstance(req, TokenizeChatRequest):
+            messages = [message_dict(m) for m in req.messages]
+            _, ids = await engine.run_in_pool(state.chat.render, messages,
+                                              req.add_generation_prompt,
+                                              req.chat_template_kwargs or {})
+        else:
+            ids = await engine.run_in_pool(tok.encode, req.prompt, req.add_special_tokens)
+        return json_response(TokenizeResponse(
+            count=len(ids), max_model_len=engine.config.model.max_model_len, tokens=ids,
+            token_strs=tok.convert_ids_to_tokens(ids)))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        state.completions.check_model(body.model)
+        tok = tokenizer()
+        vocab = engine.config.model.arch.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameterError(f"token ids must be in [0, {vocab}), got {bad[0]}",
+                                        param="tokens")
+        text = await engine.run_in_pool(tok.decode, body.tokens)
+        return json_response(DetokenizeResponse(prompt=text))
+
+
+def run_server(engine_args, server_args: ServerArgs) -> int:
+    """Serve until SIGINT/SIGTERM (exit 0) or until the engine core dies (exit 1)."""
+    start = time.monotonic()
+    _raise_fd_limit()
+    # The core's start-up (imports, model load) overlaps this process's own.
+    core = CoreProcess(engine_args)
+    try:
+        config = engine_args.create_engine_config()
+    except BaseException:
+        core.close()
+        raise
+    engine = AsyncEngine(engine_args, config, tokenizer_workers=server_args.tokenizer_workers,
+                         core=core)
+    exit_code = [0]
+    holder: list[uvicorn.Server] = []
+
+    def request_exit(code: int) -> None:
+        exit_code[0] = max(exit_code[0], code)
+        if holder:
+            holder[0].should_exit = True
+
+    app = build_app(engine, server_args, request_exit, start)
+    server = _Server(uvicorn.Config(
+        app, host=server_args.host, port=server_args.port,
+        log_level=server_args.uvicorn_log_level, access_log=server_args.access_log,
+        timeout_graceful_shutdown=server_args.shutdown_timeout, lifespan="on"))
+    holder.append(server)
+    server.run()
+    if not server.started and exit_code[0] == 0:
+        exit_code[0] = 1  # e.g. the port was taken
+    return exit_code[0]
+
+
+def _raise_fd_limit() -> None:
+    # Each open connection is a file descriptor; a benchmark at rate inf opens thousands.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+class _Server(uvicorn.Server):
+    """Ends a signalled shutdown with a normal return (exit 0); uvicorn itself re-raises
+    the signal once it has shut down."""
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: stop waiting
+            self.force_exit = True
+        else:
+            logger.info("%s: shutting down gracefully", signal.Signals(sig).name)
+            self.should_exit = True

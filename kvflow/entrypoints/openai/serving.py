@@ -1,0 +1,230 @@
+"""What the completion and chat endpoints share: model check, sampling parameters,
+client-disconnect handling, stream plumbing and logprob formatting."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+
+import msgspec
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+
+from kvflow.engine.async_client import AsyncEngine
+from kvflow.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, \
+    UsageInfo
+from kvflow.errors import InvalidParameterError, ModelNotFoundError
+from kvflow.outputs import Logprob, PositionLogprobs, RequestOutput
+from kvflow.sampling_params import OutputKind, SamplingParams
+
+# Most samples one request may ask for (each is a sequence in the batch).
+MAX_N = 128
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# Stateless: encodes stream chunks, which are plain dicts shaped like protocol.py's chunk
+# models (a test holds them to it); per token this costs a tenth of building and dumping
+# pydantic models.
+_JSON = msgspec.json.Encoder()
+
+
+def sse_event(chunk: dict) -> bytes:
+    """One server-sent event."""
+    return b"data: " + _JSON.encode(chunk) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_response(events: AsyncIterator[bytes | str]) -> StreamingResponse:
+    # no-cache / no buffering: proxies must pass each event on as it comes.
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(request: Request, work: Awaitable):
+    """Await ``work``; if the client disconnects first, cancel it (which aborts its engine
+    requests) and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected()
+
+
+async def gather_or_cancel(aws: list[Awaitable]) -> list:
+    """Like asyncio.gather, but the first error cancels the rest before it is raised."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    if pending:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            raise t.exception()
+    return [t.result() for t in tasks]
+
+
+async def last_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    out = None
+    async for out in gen:
+        pass
+    assert out is not None and out.finished
+    return out
+
+
+async def chain_first(first: RequestOutput, gen: AsyncIterator[RequestOutput]
+                      ) -> AsyncIterator[RequestOutput]:
+    """The output already read from a request, then the rest of them."""
+    yield first
+    if not first.finished:
+        async for out in gen:
+            yield out
+
+
+async def merge_streams(firsts: list[RequestOutput],
+                        gens: list[AsyncIterator[RequestOutput]]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) pairs of several requests as they come, each starting with the
+    output already read from it. Closing this closes (aborts) every request."""
+    for i, first in enumerate(firsts):
+        yield i, first
+    live = [i for i, f in enumerate(firsts) if not f.finished]
+    if len(live) == 1:
+        i = live[0]
+        async for out in gens[i]:
+            yield i, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for out in gens[i]:
+                queue.put_nowait((i, out, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+        finally:
+            queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in live]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def close_all(gens: list[AsyncIterator]) -> None:
+    for g in gens:
+        await g.aclose()
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+               ) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+class OpenAIServing:
+    """Base of the endpoints that generate."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+
+    def check_model(self, name: str | None) -> None:
+        if name is None or name == self.model_name or name == self.engine.config.model.model:
+            return
+        raise ModelNotFoundError(f"the model {name!r} does not exist: this server serves "
+                                 f"{self.model_name!r} (see /v1/models)", param="model")
+
+    def sampling_params(self, req: SamplingRequest, *, max_tokens: int | None,
+                        logprobs: int | None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
+        if not isinstance(req.n, int) or req.n > MAX_N:
+            raise InvalidParameterError(f"n must be at most {MAX_N}, got {req.n}", param="n")
+        if req.logit_bias:
+            raise InvalidParameterError("logit_bias is not supported by this server",
+                                        param="logit_bias")
+        values = dict(self.engine.config.model.generation_defaults)
+        for name in _SAMPLING_FIELDS:
+            value = getattr(req, name)
+            if value is not None:
+                values[name] = value
+        has_tokenizer = self.engine.tokenizer is not None
+        if req.stop and not has_tokenizer:
+            raise InvalidParameterError("stop strings need a tokenizer and this model has "
+                                        "none; use stop_token_ids", param="stop")
+        return SamplingParams(
+            n=req.n, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            detokenize=has_tokenizer,
+            output_kind=OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY,
+            **values)
+
+    def token_text(self, lp: Logprob | None, token_id: int) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        tok = self.engine.tokenizer
+        if tok is not None:
+            return tok.decode([token_id], skip_special_tokens=False)
+        return f"token_id:{token_id}"
+
+    def top_entries(self, pos: PositionLogprobs, top_n: int) -> list[tuple[int, Logprob]]:
+        """The top_n most likely tokens of a position, most likely first."""
+        tops = [(t, lp) for t, lp in pos.items() if lp.rank is not None and lp.rank <= top_n]
+        return sorted(tops, key=lambda e: e[1].rank)
+
+
+def json_response(model, status_code: int = 200) -> Response:
+    """A pydantic model as JSON (pydantic writes -inf logprobs as null; json.dumps can't)."""
+    return Response(model.model_dump_json(), status_code=status_code,
+                    media_type="application/json")

@@ -1,0 +1,175 @@
+"""POST /v1/chat/completions: the model's chat template, streaming, logprobs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from kvflow.entrypoints.openai.errors import kvflow_error_sse
+from kvflow.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest,
+                                                ChatCompletionResponse, ChatLogprobs,
+                                                ChatMessage, ChatResponseMessage,
+                                                ChatTokenLogprob, TopLogprob)
+from kvflow.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, chain_first,
+                                               json_response, last_output, random_id,
+                                               run_until_disconnect, sse_event, sse_response,
+                                               usage_info)
+from kvflow.errors import InvalidParameterError, KvflowError
+from kvflow.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from kvflow.sampling_params import MAX_LOGPROBS
+
+
+def message_dict(m: ChatMessage) -> dict:
+    """A message as chat templates expect it: text content, extra fields kept."""
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise InvalidParameterError(f"only text content parts are supported, got "
+                                            f"{part.type!r}", param="messages")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    return {**(m.model_extra or {}), "role": m.role, "content": content}
+
+
+class ChatServing(OpenAIServing):
+    def render(self, messages: list[dict], add_generation_prompt: bool,
+               template_kwargs: dict) -> tuple[str, list[int]]:
+        """Chat template -> (prompt text, token ids); runs in the tokenizer thread pool."""
+        tok = self.engine.tokenizer
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                       **template_kwargs)
+        return text, tok.encode(text, add_special_tokens=False)
+
+    def check_request(self, req: ChatCompletionRequest) -> None:
+        if self.engine.tokenizer is None:
+            raise InvalidParameterError("this model has no tokenizer, so it cannot chat; use "
+                                        "/v1/completions with token ids", param="messages")
+        if not req.messages:
+            raise InvalidParameterError("messages must not be empty", param="messages")
+        if req.tools:
+            raise InvalidParameterError("tools are not supported by this server",
+                                        param="tools")
+        if isinstance(req.tool_choice, dict) or req.tool_choice not in (None, "none", "auto"):
+            raise InvalidParameterError("tool_choice is not supported by this server",
+                                        param="tool_choice")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise InvalidParameterError("only response_format {'type': 'text'} is supported",
+                                        param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidParameterError("top_logprobs needs logprobs to be true",
+                                        param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidParameterError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                                        f"{req.top_logprobs}", param="top_logprobs")
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = getattr(req, name)
+            if value is not None and value < 1:
+                raise InvalidParameterError(f"{name} must be an integer >= 1, got {value}",
+                                            param=name)
+
+    async def create(self, req: ChatCompletionRequest, raw: Request):
+        self.engine.check_ready()
+        self.check_model(req.model)
+        self.check_request(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+        arrival = time.monotonic()
+        messages = [message_dict(m) for m in req.messages]
+        text, ids = await self.engine.run_in_pool(self.render, messages,
+                                                  req.add_generation_prompt,
+                                                  req.chat_template_kwargs or {})
+        request_id = random_id("chatcmpl")
+        gen = self.engine.generate(request_id, {"prompt": text, "prompt_token_ids": ids},
+                                   params, arrival_time=arrival, priority=req.priority,
+                                   cache_salt=req.cache_salt)
+        if req.stream:
+            try:
+                first = await run_until_disconnect(raw, gen.__anext__())
+            except BaseException:
+                await gen.aclose()
+                raise
+            return sse_response(self._stream(req, request_id, first, gen))
+        try:
+            final = await run_until_disconnect(raw, last_output(gen))
+        finally:
+            await gen.aclose()
+        return json_response(self._response(req, request_id, final))
+
+    def _logprobs(self, req: ChatCompletionRequest, c: CompletionOutput
+                  ) -> ChatLogprobs | None:
+        if not req.logprobs:
+            return None
+        top_n = req.top_logprobs or 0
+        content = []
+        for tid, pos in zip(c.token_ids, c.logprobs or []):
+            content.append(self._token_logprob(tid, pos, top_n))
+        return ChatLogprobs(content=content)
+
+    def _token_logprob(self, tid: int, pos: PositionLogprobs, top_n: int
+                       ) -> ChatTokenLogprob:
+        lp = pos.get(tid)
+        text = self.token_text(lp, tid)
+        tops = [TopLogprob(token=(t_text := self.token_text(p, t)), logprob=p.logprob,
+                           bytes=list(t_text.encode()))
+                for t, p in self.top_entries(pos, top_n)]
+        return ChatTokenLogprob(token=text, logprob=lp.logprob if lp is not None else
+                                float("-inf"), bytes=list(text.encode()), top_logprobs=tops)
+
+    def _response(self, req: ChatCompletionRequest, request_id: str,
+                  ro: RequestOutput) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=self._logprobs(req, c), finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason,
+                              token_ids=c.token_ids if req.return_token_ids else None)
+                   for c in sorted(ro.outputs, key=lambda c: c.index)]
+        usage = usage_info(len(ro.prompt_token_ids), sum(len(c.token_ids) for c in ro.outputs),
+                           ro.num_cached_tokens)
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=usage,
+            prompt_token_ids=ro.prompt_token_ids if req.return_token_ids else None)
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str,
+                      first: RequestOutput, gen) -> AsyncIterator[bytes | str]:
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
+            # ChatCompletionChunk's shape, as a plain dict (see serving.sse_event).
+            return sse_event({"id": request_id, "object": "chat.completion.chunk",
+                              "created": created, "model": self.model_name,
+                              "choices": choices, "usage": usage})
+
+        def choice(index: int, delta: dict, c: CompletionOutput | None = None) -> dict:
+            lp = self._logprobs(req, c) if c is not None else None
+            d = {"index": index, "delta": delta,
+                 "logprobs": lp.model_dump() if lp is not None else None,
+                 "finish_reason": c.finish_reason if c else None,
+                 "stop_reason": c.stop_reason if c else None}
+            if req.return_token_ids and c is not None:
+                d["token_ids"] = c.token_ids
+            return d
+
+        completion_tokens = 0
+        last = first
+        try:
+            for i in range(req.n):
+                yield chunk([choice(i, {"role": "assistant", "content": ""})])
+            async for ro in chain_first(first, gen):
+                last = ro
+                for c in ro.outputs:
+                    completion_tokens += len(c.token_ids)
+                    yield chunk([choice(c.index, {"content": c.text}, c)])
+            if include_usage:
+                yield chunk([], usage_info(len(last.prompt_token_ids), completion_tokens,
+                                           last.num_cached_tokens).model_dump())
+        except KvflowError as e:
+            yield kvflow_error_sse(e)
+        finally:
+            await gen.aclose()
+        yield SSE_DONE

@@ -1,0 +1,106 @@
+"""The server under load: many parallel streams, and clients that give up early (their
+requests must be aborted in the engine and their KV blocks freed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+
+MODEL = "smollm2-135m"
+
+
+def test_64_parallel_streams_complete_and_well_formed(server):
+    client = server.openai_client(async_client=True)
+
+    async def completion(i: int):
+        chunks = [c async for c in await client.completions.create(
+            model=MODEL, prompt=f"Story number {i}:", max_tokens=8, temperature=0.7, seed=i,
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "return_token_ids": True})]
+        *content, usage = chunks
+        assert usage.choices == [] and usage.usage.completion_tokens == 8
+        assert len({c.id for c in chunks}) == 1
+        assert sum(len(c.choices[0].token_ids) for c in content) == 8
+        assert content[-1].choices[0].finish_reason == "length"
+        assert all(c.choices[0].finish_reason is None for c in content[:-1])
+        return "".join(c.choices[0].text for c in content)
+
+    async def chat(i: int):
+        chunks = [c async for c in await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Say something about {i}."}],
+            max_tokens=8, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].usage.completion_tokens == 8
+        finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finals[-1] == "length" and finals.count("length") == 1
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    async def run():
+        return await asyncio.gather(*(completion(i) if i % 2 else chat(i) for i in range(64)))
+    start = time.monotonic()
+    texts = asyncio.run(run())
+    assert len(texts) == 64 and all(isinstance(t, str) for t in texts)
+    assert sum(bool(t) for t in texts) >= 60  # 8 tokens almost always make some text
+    print(f"64 streams in {time.monotonic() - start:.1f} s")
+
+
+def _wait_idle(server, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        idle = (m["kvflow:num_requests_running"] == 0 and m["kvflow:num_requests_waiting"] == 0
+                and m["kvflow:kv_cache_used_blocks"] == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_clients_that_give_up_are_aborted(server):
+    url = f"{server.url}/v1/completions"
+    aborted_before = server.metrics()["kvflow:request_success_total{abort}"]
+    body = {"model": MODEL, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+
+    async def stream_then_leave(client: httpx.AsyncClient, i: int) -> bool:
+        async with client.stream("POST", url, json={**body, "prompt": f"Stream {i}:",
+                                                    "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    json.loads(line[5:])
+                    return True  # leaving the block closes the connection
+        return False
+
+    async def wait_then_leave(client: httpx.AsyncClient, i: int) -> bool:
+        try:
+            await client.post(url, json={**body, "prompt": f"Wait {i}:"}, timeout=1.0)
+        except httpx.TimeoutException:
+            return True
+        return False
+
+    async def run():
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
+        async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+            return await asyncio.gather(*(
+                stream_then_leave(client, i) if i % 2 else wait_then_leave(client, i)
+                for i in range(200)))
+    start = time.monotonic()
+    gave_up = asyncio.run(run())
+    assert all(gave_up)
+    print(f"200 clients gave up within {time.monotonic() - start:.1f} s")
+
+    # A fresh request is served within seconds: nothing is left running for the others.
+    start = time.monotonic()
+    r = httpx.post(url, json={"model": MODEL, "prompt": "Fresh:", "max_tokens": 4}, timeout=60)
+    elapsed = time.monotonic() - start
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+    assert elapsed < 15, elapsed
+    m = _wait_idle(server, timeout=10)
+    assert m["kvflow:kv_cache_used_blocks"] == 0, m
+    assert m["kvflow:num_requests_running"] == 0 and m["kvflow:num_requests_waiting"] == 0
+    aborted = m["kvflow:request_success_total{abort}"] - aborted_before
+    assert aborted >= 150, aborted
+    assert httpx.get(f"{server.url}/health").status_code == 200
