@@ -112,7 +112,11 @@ def _kvflow_throughput(args, config, requests, ns) -> tuple[float, dict]:
     from kvflow.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
-    _run_kvflow(engine, requests[: min(4, len(requests))], ns, tag="warmup")
+    # Warm-up prompts of their own: reusing benchmark prompts would warm the prefix cache.
+    warmup = random_requests(min(4, len(requests)), (16, 64), (4, 4),
+                             config.model.arch.vocab_size, ns.seed + 12345,
+                             _special_ids(config))
+    _run_kvflow(engine, warmup, ns, tag="warmup")
     meter = _attach_idle_meter(engine, ns)
     stats = _run_kvflow(engine, requests, ns, tag="bench")
     if meter is not None:
@@ -181,6 +185,9 @@ def run_latency(ns: argparse.Namespace) -> int:
     repeated ``--num-iters`` times; reports end-to-end latency and ms per output token
     (decode time, i.e. latency minus the latency of a 1-token run, over output_len - 1)."""
     args = EngineArgs.from_cli_args(ns)
+    # The same prompt runs again and again: a prefix cache would turn every prefill after
+    # the first into a cache hit, so latency is measured without one.
+    args.enable_prefix_caching = False
     config = args.create_engine_config()
     special = _special_ids(config)
     if ns.chat_prompt:
