@@ -1,4 +1,4 @@
-"""The ``kvflow`` command: serve, generate, chat, bench."""
+"""The ``kvflow`` command: serve, generate, chat, bench, plan."""
 
 from __future__ import annotations
 
@@ -148,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from kvflow.plan.cli import add_plan_parser
 
+    add_plan_parser(sub)
     return parser
 
 
