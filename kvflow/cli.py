@@ -79,30 +79,19 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     if tok is None or tok.chat_template is None:
         print("error: this model has no chat template", file=sys.stderr)
         return 2
-    history: list[dict] = []
-    if ns.system:
-        history.append({"role": "system", "content": ns.system})
-    print("kvflow chat — empty line or Ctrl-D to quit", file=sys.stderr)
-    turn = 0
-    while True:
-        try:
-            user = input("> ")
-        except EOFError:
-            break
-        if not user.strip():
-            break
-        history.append({"role": "user", "content": user})
+    from kvflow.entrypoints.chat_client import run_chat_loop
+
+    turns = iter(range(1 << 62))
+
+    def respond(history: list[dict]) -> str | None:
         prompt = tok.apply_chat_template(history, add_generation_prompt=True)
         ids = tok.encode(prompt, add_special_tokens=False)
-        params = _sampling_params(ns, output_kind=OutputKind.DELTA)
-        rid = f"chat-{turn}"
-        turn += 1
         try:
-            engine.add_request(rid, {"prompt_token_ids": ids}, params)
+            engine.add_request(f"chat-{next(turns)}", {"prompt_token_ids": ids},
+                               _sampling_params(ns, output_kind=OutputKind.DELTA))
         except KvflowError as e:
             print(f"error: {e}", file=sys.stderr)
-            history.pop()
-            continue
+            return None
         reply = []
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -110,8 +99,8 @@ def cmd_chat(ns: argparse.Namespace) -> int:
                     reply.append(c.text)
                     print(c.text, end="", flush=True)
         print()
-        history.append({"role": "assistant", "content": "".join(reply)})
-    return 0
+        return "".join(reply)
+    return run_chat_loop(ns.system, "kvflow chat", respond)
 
 
 def build_parser() -> argparse.ArgumentParser:

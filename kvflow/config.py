@@ -8,16 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvflow.errors import InvalidParameterError
+from kvflow.errors import require
 
 GiB = 1 << 30
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def _require(ok: bool, param: str, message: str) -> None:
-    if not ok:
-        raise InvalidParameterError(f"{param} {message}", param=param)
 
 
 @dataclass(frozen=True)
@@ -48,8 +43,8 @@ class ModelArchConfig:
     hidden_act: str = "silu"
 
     def __post_init__(self) -> None:
-        _require(self.hidden_act == "silu", "hidden_act", f"must be silu, got {self.hidden_act}")
-        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+        require(self.hidden_act == "silu", "hidden_act", f"must be silu, got {self.hidden_act}")
+        require(self.num_attention_heads % self.num_key_value_heads == 0,
                  "num_key_value_heads", "must divide num_attention_heads")
 
     @property
@@ -145,11 +140,11 @@ class ModelConfig:
     """Sampling defaults from generation_config.json, as sorted (key, value) pairs."""
 
     def __post_init__(self) -> None:
-        _require(self.load_format in ("hf", "gguf", "dummy"), "load_format",
+        require(self.load_format in ("hf", "gguf", "dummy"), "load_format",
                  f"must be hf, gguf or dummy, got {self.load_format!r}")
-        _require(self.dtype in DTYPE_BYTES, "dtype",
+        require(self.dtype in DTYPE_BYTES, "dtype",
                  f"must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
-        _require(self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        require(self.max_model_len >= 1, "max_model_len", "must be >= 1")
 
     @property
     def name(self) -> str:
@@ -177,17 +172,17 @@ class CacheConfig:
     """Host (pinned) memory for swapped-out KV blocks, in bytes (swap and auto modes)."""
 
     def __post_init__(self) -> None:
-        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
+        require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
                  f"must be a power of two in [1, 256], got {self.block_size}")
-        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+        require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                  f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:
-            _require(self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 bytes")
+            require(self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 bytes")
         if self.num_blocks_override is not None:
-            _require(self.num_blocks_override >= 1, "num_blocks_override", "must be >= 1")
-        _require(self.preemption_mode in ("recompute", "swap", "auto"), "preemption_mode",
+            require(self.num_blocks_override >= 1, "num_blocks_override", "must be >= 1")
+        require(self.preemption_mode in ("recompute", "swap", "auto"), "preemption_mode",
                  f"must be recompute, swap or auto, got {self.preemption_mode!r}")
-        _require(self.swap_space >= 0, "swap_space", "must be >= 0 bytes")
+        require(self.swap_space >= 0, "swap_space", "must be >= 0 bytes")
 
 
 @dataclass(frozen=True)
@@ -208,10 +203,10 @@ class SchedulerConfig:
     """Schedule and launch step N+1 while step N runs on the GPU (overlapped steps)."""
 
     def __post_init__(self) -> None:
-        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         if not self.enable_chunked_prefill:
-            _require(self.max_num_batched_tokens >= self.max_model_len,
+            require(self.max_num_batched_tokens >= self.max_model_len,
                      "max_num_batched_tokens",
                      f"must be >= max_model_len ({self.max_model_len}) without chunked prefill")
 
@@ -226,7 +221,7 @@ class DeviceConfig:
     """Never capture CUDA graphs."""
 
     def __post_init__(self) -> None:
-        _require(self.device == "cpu" or self.device.startswith("cuda"), "device",
+        require(self.device == "cpu" or self.device.startswith("cuda"), "device",
                  f"must be cpu or cuda[:N], got {self.device!r}")
 
     @property

@@ -26,6 +26,12 @@ class InvalidParameterError(KvflowError, ValueError):
     error_type = "invalid_request_error"
 
 
+def require(ok: bool, param: str, message: str) -> None:
+    """Raise InvalidParameterError("<param> <message>") unless ``ok``."""
+    if not ok:
+        raise InvalidParameterError(f"{param} {message}", param=param)
+
+
 class PromptTooLongError(InvalidParameterError):
     """The prompt (plus the tokens it asks for) does not fit in the model or the cache."""
 

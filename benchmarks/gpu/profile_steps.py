@@ -102,12 +102,11 @@ def main() -> None:
                           max_model_len=16384, max_num_seqs=256, **extra)
         engine = LLMEngine.from_engine_args(args)
         arch = engine.config.model.arch
-        prepare = lambda: None  # noqa: E731
         if label.startswith("prefill"):
             params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
             counter = iter(range(100))
 
-            def prepare():
+            def prepare(engine=engine, params=params, counter=counter):
                 while engine.has_unfinished_requests():
                     engine.step()
                 engine.add_request(f"p{next(counter)}", {"prompt_token_ids": [
@@ -116,10 +115,12 @@ def main() -> None:
             engine.step()  # warm-up: compile the prefill kernels
             floor = step_floor(arch, 8192, 1, 8192)
         else:
+            def prepare():
+                pass
             run_to_state(engine, batch, prompt, 3, "r")
             floor = step_floor(arch, batch, batch, prompt + 4)
         results.append(profile_step(engine, label, floor, prepare))
-        del engine
+        engine = None  # free the model before the next configuration
         torch.cuda.empty_cache()
     if ns.out:
         with open(ns.out, "w") as f:

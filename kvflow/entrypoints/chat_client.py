@@ -3,6 +3,8 @@ streaming each reply as it is generated (standard library only)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import argparse
 import json
 import sys
@@ -82,16 +84,29 @@ def chat_with_server(ns: argparse.Namespace) -> int:
     except ServerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    history: list[dict] = []
-    if ns.system:
-        history.append({"role": "system", "content": ns.system})
-    print(f"kvflow chat with {model} at {base} - empty line or Ctrl-D to quit",
-          file=sys.stderr)
     params = {"model": model, "max_tokens": ns.max_tokens, "temperature": ns.temperature,
               "top_p": ns.top_p, "top_k": ns.top_k, "min_p": ns.min_p,
               "repetition_penalty": ns.repetition_penalty}
     if ns.sampling_seed is not None:
         params["seed"] = ns.sampling_seed
+
+    def respond(history: list[dict]) -> str | None:
+        try:
+            return stream_reply(base, api_key, {**params, "messages": history})
+        except ServerError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return None
+    return run_chat_loop(ns.system, f"kvflow chat with {model} at {base}", respond)
+
+
+def run_chat_loop(system: str | None, banner: str,
+                  respond: Callable[[list[dict]], str | None]) -> int:
+    """Read user turns until an empty line or EOF; ``respond`` streams a reply to the
+    conversation so far and returns its text (None: it failed, the turn is dropped)."""
+    history: list[dict] = []
+    if system:
+        history.append({"role": "system", "content": system})
+    print(f"{banner} - empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
             user = input("> ")
@@ -100,10 +115,8 @@ def chat_with_server(ns: argparse.Namespace) -> int:
         if not user.strip():
             break
         history.append({"role": "user", "content": user})
-        try:
-            reply = stream_reply(base, api_key, {**params, "messages": history})
-        except ServerError as e:
-            print(f"error: {e}", file=sys.stderr)
+        reply = respond(history)
+        if reply is None:
             history.pop()
             continue
         history.append({"role": "assistant", "content": reply})

@@ -13,16 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvflow.config import GiB
-from kvflow.errors import InvalidParameterError
+from kvflow.errors import InvalidParameterError, require
 
 # The H200's measured / datasheet ratios, used to derive the other cards' figures.
 HBM_MEASURED_OVER_DATASHEET = 4.2 / 4.8
 MATMUL_MEASURED_OVER_DATASHEET = 790 / 989
-
-
-def _require(ok: bool, param: str, message: str) -> None:
-    if not ok:
-        raise InvalidParameterError(f"{param} {message}", param=param)
 
 
 @dataclass(frozen=True)
@@ -48,12 +43,12 @@ class GpuSpec:
     """Where the figures come from (measured, datasheet, derived)."""
 
     def __post_init__(self) -> None:
-        _require(self.memory_bytes > 0, "gpu memory", "must be > 0")
-        _require(self.hbm_bytes_per_s > 0, "gpu bandwidth", "must be > 0")
-        _require(self.matmul_flops_per_s > 0, "gpu tflops", "must be > 0")
-        _require(self.fp32_flops_per_s > 0, "gpu fp32 tflops", "must be > 0")
-        _require(self.link_bytes_per_s > 0, "gpu interconnect", "must be > 0")
-        _require(self.link_latency_s >= 0, "gpu link latency", "must be >= 0")
+        require(self.memory_bytes > 0, "gpu memory", "must be > 0")
+        require(self.hbm_bytes_per_s > 0, "gpu bandwidth", "must be > 0")
+        require(self.matmul_flops_per_s > 0, "gpu tflops", "must be > 0")
+        require(self.fp32_flops_per_s > 0, "gpu fp32 tflops", "must be > 0")
+        require(self.link_bytes_per_s > 0, "gpu interconnect", "must be > 0")
+        require(self.link_latency_s >= 0, "gpu link latency", "must be >= 0")
 
     def flops_per_s(self, dtype: str) -> float:
         """Matmul rate for weights of ``dtype`` (float32, bfloat16 or float16)."""
@@ -137,9 +132,9 @@ def get_gpu(name: str | None = None, *, memory_gib: float | None = None,
 
 def _override(base: GpuSpec, given: dict, interconnect_gbs: float | None) -> GpuSpec:
     for key, value in given.items():
-        _require(value > 0, f"--gpu-{key.replace('_', '-')}", f"must be > 0, got {value}")
+        require(value > 0, f"--gpu-{key.replace('_', '-')}", f"must be > 0, got {value}")
     if interconnect_gbs is not None:
-        _require(interconnect_gbs > 0, "--gpu-interconnect-gbs",
+        require(interconnect_gbs > 0, "--gpu-interconnect-gbs",
                  f"must be > 0, got {interconnect_gbs}")
     if not given and interconnect_gbs is None:
         return base

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvflow.config import GiB, ModelArchConfig
-from kvflow.errors import InvalidParameterError
+from kvflow.errors import InvalidParameterError, require
 from kvflow.plan.efficiency import H200_CALIBRATED, Efficiency
 from kvflow.plan.gpus import GpuSpec
 from kvflow.plan.memory import MemoryPlan, plan_memory
@@ -13,11 +13,6 @@ from kvflow.plan.model import DTYPE_BYTES, ShardedModel, StepCost, decode_step, 
 from kvflow.plan.simulate import OfflineEstimate, simulate_offline
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
-def _require(ok: bool, param: str, message: str) -> None:
-    if not ok:
-        raise InvalidParameterError(f"{param} {message}", param=param)
 
 
 @dataclass(frozen=True)
@@ -60,31 +55,31 @@ class PlanInputs:
     """Measured overheads used for the predicted times."""
 
     def __post_init__(self) -> None:
-        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
+        require(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
                  f"must be bf16, fp16 or fp32, got {self.dtype!r}")
-        _require(self.kv_dtype is None or self.kv_dtype in DTYPE_BYTES, "kv_dtype",
+        require(self.kv_dtype is None or self.kv_dtype in DTYPE_BYTES, "kv_dtype",
                  f"must be bf16, fp16, fp32 or fp8, got {self.kv_dtype!r}")
-        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+        require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                  f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        _require(self.input_len >= 1, "input_len", f"must be >= 1, got {self.input_len}")
-        _require(self.output_len >= 1, "output_len", f"must be >= 1, got {self.output_len}")
+        require(self.input_len >= 1, "input_len", f"must be >= 1, got {self.input_len}")
+        require(self.output_len >= 1, "output_len", f"must be >= 1, got {self.output_len}")
         if self.max_model_len is not None:
-            _require(self.max_model_len >= 1, "max_model_len",
+            require(self.max_model_len >= 1, "max_model_len",
                      f"must be >= 1, got {self.max_model_len}")
-        _require(self.input_len + self.output_len <= self.model_len, "input_len",
+        require(self.input_len + self.output_len <= self.model_len, "input_len",
                  f"+ output_len = {self.input_len + self.output_len} exceeds max_model_len="
                  f"{self.model_len}; shorten them or raise --max-model-len")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+        require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  f"must be >= 1, got {self.max_num_batched_tokens}")
-        _require(self.max_num_seqs >= 1, "max_num_seqs",
+        require(self.max_num_seqs >= 1, "max_num_seqs",
                  f"must be >= 1, got {self.max_num_seqs}")
-        _require(len(self.batch_sizes) > 0, "batch_sizes", "must name at least one size")
-        _require(all(b >= 1 for b in self.batch_sizes), "batch_sizes",
+        require(len(self.batch_sizes) > 0, "batch_sizes", "must name at least one size")
+        require(all(b >= 1 for b in self.batch_sizes), "batch_sizes",
                  f"must all be >= 1, got {list(self.batch_sizes)}")
         if self.num_prompts is not None:
-            _require(self.num_prompts >= 1, "num_prompts",
+            require(self.num_prompts >= 1, "num_prompts",
                      f"must be >= 1, got {self.num_prompts}")
-        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
+        require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
                  f"must be a power of two in [1, 256], got {self.block_size}")
 
     @property

@@ -67,7 +67,8 @@ class CudaGraphRunner:
     def capture(self) -> None:
         dev = self.runner.device
         torch.cuda.synchronize(dev)
-        free_before = torch.cuda.mem_get_info(dev)[0]
+        # The graphs' private pool is reserved through torch's allocator.
+        reserved_before = torch.cuda.memory_reserved(dev)
         start = time.perf_counter()
         for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool
             for _ in range(2):  # compile kernels, settle cuBLAS workspaces
@@ -79,7 +80,7 @@ class CudaGraphRunner:
             self.pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(dev)
-        used = free_before - torch.cuda.mem_get_info(dev)[0]
+        used = torch.cuda.memory_reserved(dev) - reserved_before
         logger.info("captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s using "
                     "%.2f GiB", len(self.graphs), self.sizes[0], self.sizes[-1],
                     time.perf_counter() - start, used / GiB)
