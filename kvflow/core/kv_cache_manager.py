@@ -40,6 +40,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self._blocks: dict[str, list[KVBlock]] = {}
+        # Per request: how many of its leading blocks were already offered to the cache.
+        self._num_registered: dict[str, int] = {}
         # (src, dst) block copies the worker must make before the next step (copy-on-write).
         self.pending_copies: list[tuple[int, int]] = []
         # Prefix-cache statistics (kept by the scheduler on admission): tokens of admitted
@@ -107,11 +109,15 @@ class KVCacheManager:
         held = self._blocks.get(request.request_id)
         if not self.enable_caching or not held:
             return
+        rid = request.request_id
+        start = self._num_registered.get(rid, 0)
         hashes = self._block_hashes(request, request.num_computed_tokens)
-        for block, h in zip(held, hashes):
+        for i in range(start, min(len(held), len(hashes))):
+            block, h = held[i], hashes[i]
             if block.block_hash is None and h not in self.pool.cached:
                 block.block_hash = h
                 self.pool.cached[h] = block
+        self._num_registered[rid] = max(start, min(len(held), len(hashes)))
 
     # --- allocation ---------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
@@ -182,6 +188,7 @@ class KVCacheManager:
         (still findable by hash when caching is on)."""
         self._cache_full_blocks(request)
         blocks = self._blocks.pop(request.request_id, [])
+        self._num_registered.pop(request.request_id, None)
         self.pool.release(list(reversed(blocks)))
         request.block_ids = []
 

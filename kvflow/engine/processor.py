@@ -94,8 +94,6 @@ class InputProcessor:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameterError("cache_salt must be a non-empty string",
                                         param="cache_salt")
-        if params.detokenize is False and params.stop_strings:
-            raise InvalidParameterError("stop strings need detokenize=True", param="stop")
         text, ids = self.tokenize_prompt(prompt)
         cfg = self.config
         check_request_fits(len(ids), params.max_tokens, cfg.model.max_model_len,

@@ -140,7 +140,6 @@ class TorchAttentionBackend:
             idx = order[g: g + self.DECODE_GROUP]
             max_len = lens[idx[-1]]
             nblk = -(-max_len // bs)
-            rows = idx[0] if len(idx) == 1 else torch.tensor(idx, device=dev)
             if len(idx) == 1:
                 how = _context(kv_cache, tables[idx[0]][:nblk], max_len, dev)
                 decodes.append((slice(idx[0], idx[0] + 1), how, None))
@@ -149,7 +148,7 @@ class TorchAttentionBackend:
             length = nblk * bs
             seq = torch.tensor([lens[i] for i in idx], device=dev)
             mask = (torch.arange(length, device=dev)[None, :] < seq[:, None])[:, None, None, :]
-            decodes.append((rows, ("batch", gather, length), mask))
+            decodes.append((torch.tensor(idx, device=dev), ("batch", gather, length), mask))
         plan["decodes"] = decodes
         prefills = []
         for i in range(meta.num_decodes, meta.num_reqs):
