@@ -199,3 +199,22 @@ def test_swap_preemption_round_trip_matches_no_preemption(mode):
         assert sched.num_swaps == sched.num_preemptions
     assert out == ref
     assert sched.host_pool.num_free_blocks == sched.host_pool.num_blocks
+
+
+def test_cpu_kv_cache_is_zero_over_recycled_nan_memory():
+    """Attention reads whole blocks and masks the unwritten slots; a NaN there would still
+    poison the output. The cache must start zeroed even where the heap held NaNs."""
+    from kvflow.worker.kv_cache import allocate_kv_cache
+
+    cfg = EngineArgs("tiny-llama", load_format="dummy", max_model_len=96,
+                     device="cpu").create_engine_config()
+    probe = allocate_kv_cache(cfg, 40, torch.device("cpu"))
+    shape, numel = probe.shape, probe.numel()
+    del probe
+    for _ in range(8):  # leave freed NaN-filled chunks of the cache's size behind
+        junk = [torch.full((numel,), float("nan")) for _ in range(4)]
+        del junk
+        cache = allocate_kv_cache(cfg, 40, torch.device("cpu"))
+        assert cache.shape == shape and bool((cache == 0).all())
+        cache.add_(1)  # writable
+        del cache

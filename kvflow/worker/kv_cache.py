@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 from torch import nn
 
@@ -44,6 +47,16 @@ def allocate_host_cache(config: EngineConfig, num_blocks: int,
                        pin_memory=device.type == "cuda")
 
 
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor in its own anonymous mapping: no memset at startup and no
+    resident memory until used, and zero whatever allocator the process runs with."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)  # the tensor keeps a reference to the mapping
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
 def check_capacity(config: EngineConfig, num_blocks: int) -> None:
     """The cache must hold at least one sequence of max_model_len tokens."""
     bs = config.cache.block_size
@@ -66,12 +79,16 @@ def allocate_kv_cache(config: EngineConfig, num_blocks: int,
 
     shape = (arch.num_hidden_layers, 2, num_blocks, config.cache.block_size,
              arch.num_key_value_heads, arch.head_dim)
-    # Zeroed so no stale NaN can leak through masked attention. On the CPU, fresh pages
-    # from the OS are already zero: empty() avoids touching gigabytes at startup.
-    alloc = torch.empty if device.type == "cpu" else torch.zeros
+    # Zeroed: attention reads whole blocks and masks the unwritten slots, and a masked
+    # NaN still poisons the output (0 * NaN). On the CPU the cache is an anonymous
+    # mapping, which the OS hands out zero-filled and commits page by page as it is
+    # written; torch.empty could return recycled heap memory holding NaN bit patterns.
+    dtype = TORCH_DTYPES[config.model.dtype]
     try:
-        return alloc(shape, dtype=TORCH_DTYPES[config.model.dtype], device=device)
-    except (RuntimeError, torch.OutOfMemoryError) as e:
+        if device.type == "cpu":
+            return zeroed_host_tensor(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
+    except (RuntimeError, torch.OutOfMemoryError, OSError) as e:
         raise OutOfMemoryError(f"cannot allocate the KV cache ({num_blocks} blocks): {e}") \
             from None
 
