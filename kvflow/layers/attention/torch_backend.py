@@ -111,17 +111,28 @@ class TorchAttentionBackend:
         flat[0].index_copy_(0, slots, k[:t] if keep is None else k[:t][keep])
         flat[1].index_copy_(0, slots, v[:t] if keep is None else v[:t][keep])
         out = torch.empty_like(q)
-        for rows, how, mask in plan["decodes"]:
-            out[rows] = self._decode(q[rows], kv_cache, how, mask, scale)
+        nd = meta.num_decodes
+        if nd:
+            order = plan["decode_order"]  # decodes sorted by context length (None: already)
+            qd = q[:nd] if order is None else q[:nd].index_select(0, order)
+            od = torch.empty_like(qd)
+            for g, how, mask in plan["decodes"]:
+                od[g] = self._decode(qd[g], kv_cache, how, mask, scale)
+            if order is None:
+                out[:nd] = od
+            else:
+                out[:nd].index_copy_(0, order, od)
         for s, e, how, mask, causal in plan["prefills"]:
             if how is None:  # nothing cached before this chunk: attend to it directly
                 ki, vi = k[s:e], v[s:e]
             else:
                 ki, vi = _read(kv_cache, how)
+            # 4-D [1, heads, len, D]: with 3-D inputs the CPU takes SDPA's slow math path.
             o = F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
-                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
-            out[s:e] = o.transpose(0, 1)
+                q[s:e].transpose(0, 1)[None], ki.transpose(0, 1)[None],
+                vi.transpose(0, 1)[None], attn_mask=mask, is_causal=causal, scale=scale,
+                enable_gqa=True)
+            out[s:e] = o[0].transpose(0, 1)
         return out
 
     def _plan(self, positions, rotary, kv_cache, meta: AttentionMetadata) -> dict:
@@ -134,21 +145,29 @@ class TorchAttentionBackend:
         plan: dict = {"cos_sin": rotary.cos_sin(positions[:t]), "write": write}
         tables = meta.block_tables.tolist()
         lens, qsl = meta.seq_lens_cpu, meta.query_start_loc_cpu
+        # Decodes run in groups of similar length, sorted; the forward permutes q into
+        # that order once per layer and the outputs back once.
         decodes = []
         order = sorted(range(meta.num_decodes), key=lens.__getitem__)
+        plan["decode_order"] = (None if order == sorted(order)
+                                else torch.tensor(order, device=dev))
         for g in range(0, len(order), self.DECODE_GROUP):
             idx = order[g: g + self.DECODE_GROUP]
+            rows = slice(g, g + len(idx))
             max_len = lens[idx[-1]]
             nblk = -(-max_len // bs)
             if len(idx) == 1:
                 how = _context(kv_cache, tables[idx[0]][:nblk], max_len, dev)
-                decodes.append((slice(idx[0], idx[0] + 1), how, None))
+                decodes.append((rows, how, None))
                 continue
             gather = torch.tensor([b for i in idx for b in tables[i][:nblk]], device=dev)
             length = nblk * bs
             seq = torch.tensor([lens[i] for i in idx], device=dev)
-            mask = (torch.arange(length, device=dev)[None, :] < seq[:, None])[:, None, None, :]
-            decodes.append((torch.tensor(idx, device=dev), ("batch", gather, length), mask))
+            # An additive float mask: SDPA would convert a boolean one in every layer.
+            pad = torch.arange(length, device=dev)[None, :] >= seq[:, None]  # [b, L]
+            mask = torch.zeros(len(idx), 1, 1, length, dtype=kv_cache.dtype,
+                               device=dev).masked_fill_(pad[:, None, None, :], float("-inf"))
+            decodes.append((rows, ("batch", gather, length), mask))
         plan["decodes"] = decodes
         prefills = []
         for i in range(meta.num_decodes, meta.num_reqs):
@@ -159,7 +178,9 @@ class TorchAttentionBackend:
                 continue
             how = _context(kv_cache, tables[i][: -(-seq_len // bs)], seq_len, dev)
             q_pos = torch.arange(seq_len - n, seq_len, device=dev)[:, None]
-            mask = torch.arange(seq_len, device=dev)[None, :] <= q_pos  # [n, L]
+            future = torch.arange(seq_len, device=dev)[None, :] > q_pos  # [n, L]
+            mask = torch.zeros(n, seq_len, dtype=kv_cache.dtype, device=dev).masked_fill_(
+                future, float("-inf"))
             prefills.append((s, e, how, mask, False))
         plan["prefills"] = prefills
         return plan
@@ -167,9 +188,13 @@ class TorchAttentionBackend:
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, how, mask,
                 scale: float) -> torch.Tensor:
-        """One new token per request, the group in one SDPA call. q [B, H, D] -> [B, H, D]."""
+        """One new token per request, the group in one SDPA call. q [B, H, D] -> [B, H, D].
+
+        The query heads that share a KV head become that head's query rows
+        ([B, KVH, H / KVH, D]), so K and V are read once per KV head, never repeated.
+        """
         _, nb, _, kvh, d = kv_cache.shape
-        b = q.shape[0]
+        b, h = q.shape[0], q.shape[1]
         if how[0] == "batch":  # whole blocks are rows of a [num_blocks, BS * KVH * D] view
             _, gather, length = how
             k = kv_cache[0].view(nb, -1).index_select(0, gather).view(b, length, kvh, d)
@@ -177,6 +202,6 @@ class TorchAttentionBackend:
         else:
             k, v = (x.unsqueeze(0) for x in _read(kv_cache, how))
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-            scale=scale, enable_gqa=True)  # [B, H, 1, D]
-        return o.squeeze(2)
+            q.reshape(b, kvh, h // kvh, d), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask, scale=scale)  # [B, KVH, H / KVH, D]
+        return o.reshape(b, h, d)
