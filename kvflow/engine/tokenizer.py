@@ -9,9 +9,7 @@ text. Objects are immutable after construction, so one instance serves a thread 
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import struct
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -27,6 +25,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from kvflow.errors import InvalidParameterError, KvflowError, ModelLoadError, \
     ModelNotFoundError
 from kvflow.logger import init_logger
+from kvflow.models.gguf_header import read_gguf_header
 
 logger = init_logger(__name__)
 
@@ -114,7 +113,7 @@ class Tokenizer:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ModelNotFoundError(f"GGUF file {path} does not exist")
-        fields = _gguf_tokenizer_metadata(path)
+        fields = read_gguf_header(path, prefix="tokenizer.", tensors=False).fields
         try:
             return cls._from_gguf_fields(fields, path)
         except KvflowError:
@@ -281,79 +280,6 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
                 f"eos={self.eos_token!r}, chat_template={self.chat_template is not None})")
-
-
-# ---- GGUF metadata --------------------------------------------------------------------------
-
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
-                 11: "q", 12: "d"}  # GGUF value type -> struct code
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-class _NotFastReadable(Exception):
-    """A GGUF layout the fast reader leaves to gguf.GGUFReader (v1, big-endian)."""
-
-
-def _gguf_tokenizer_metadata(path: str) -> dict[str, Any]:
-    """The ``tokenizer.*`` metadata of a GGUF file.
-
-    Reads the key-value header directly: gguf.GGUFReader takes seconds on the vocabulary's
-    string arrays (3.5 s vs 0.1 s for SmolLM2's 49k tokens and merges), and the API process
-    needs only these keys. Layouts this reader skips go through the cached GGUFReader.
-    """
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return _read_gguf_kv(m, "tokenizer.")
-    except _NotFastReadable:
-        from kvflow.models.gguf_file import gguf_field, open_gguf  # imports torch: lazily
-
-        reader = open_gguf(path)
-        return {k: gguf_field(reader, k) for k in reader.fields if k.startswith("tokenizer.")}
-    except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
-                             f"{type(e).__name__}: {e}") from None
-
-
-def _read_gguf_kv(m: mmap.mmap, prefix: str) -> dict[str, Any]:
-    if m[:4] != b"GGUF":
-        raise ValueError("no GGUF magic number at the start of the file")
-    version, _, n_kv = struct.unpack_from("<IQQ", m, 4)
-    if version not in (2, 3):
-        raise _NotFastReadable(version)
-
-    def string(pos: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", m, pos)
-        if pos + 8 + n > len(m):
-            raise ValueError("a string runs past the end of the file")
-        return m[pos + 8:pos + 8 + n].decode("utf-8"), pos + 8 + n
-
-    def value(kind: int, pos: int) -> tuple[Any, int]:
-        if kind == _GGUF_STRING:
-            return string(pos)
-        if kind in _GGUF_SCALARS:
-            code = "<" + _GGUF_SCALARS[kind]
-            return struct.unpack_from(code, m, pos)[0], pos + struct.calcsize(code)
-        if kind != _GGUF_ARRAY:
-            raise ValueError(f"unknown GGUF value type {kind}")
-        item, n = struct.unpack_from("<IQ", m, pos)
-        pos += 12
-        if item in _GGUF_SCALARS:
-            code = f"<{n}{_GGUF_SCALARS[item]}"
-            return list(struct.unpack_from(code, m, pos)), pos + struct.calcsize(code)
-        items = []
-        for _ in range(n):
-            v, pos = value(item, pos)
-            items.append(v)
-        return items, pos
-
-    fields, pos = {}, 24
-    for _ in range(n_kv):
-        key, pos = string(pos)
-        (kind,) = struct.unpack_from("<I", m, pos)
-        v, pos = value(kind, pos + 4)
-        if key.startswith(prefix):
-            fields[key] = v
-    return fields
 
 
 # ---- GGUF vocabularies ----------------------------------------------------------------------
