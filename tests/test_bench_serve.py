@@ -9,7 +9,8 @@ import time
 
 import numpy as np
 
-from kvflow.bench.serve import RequestResult, _arrivals, format_result, summarize
+from kvflow.bench.serve import (RequestResult, _arrivals, format_result, prefix_cache_counters,
+                                summarize)
 from kvflow.cli import main
 
 
@@ -56,3 +57,28 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert r["ttft_ms"]["mean"] > 0 and r["tpot_ms"]["mean"] > 0 and r["itl_ms"]["p99"] > 0
     assert r["server"]["model"] == "smollm2-135m" and r["metadata"] == {"server": "test"}
     assert r["command"].startswith("kvflow ") and "commit" in r and "machine" in r
+
+
+def test_prefix_cache_counters_from_prometheus_text():
+    page = """# HELP kvflow:prefix_cache_queries_total Prompt tokens looked up
+# TYPE kvflow:prefix_cache_queries_total counter
+kvflow:prefix_cache_queries_total{model_name="m"} 300.0
+kvflow:prefix_cache_hits_total{model_name="m"} 120.0
+kvflow:prompt_tokens_total{model_name="m"} 999.0
+"""
+    assert prefix_cache_counters(page) == (300.0, 120.0)
+    assert prefix_cache_counters("vllm:prefix_cache_queries_total 10\n"
+                                 "vllm:prefix_cache_hits_total 4\n") == (10.0, 4.0)
+    assert prefix_cache_counters("other_metric 1\n") is None
+
+
+def test_a_repeated_dataset_shows_as_a_warm_prefix_cache(server, tmp_path):
+    """The same seed twice sends the same prompts: the second result must say so."""
+    rates = []
+    for i in range(2):
+        out = tmp_path / f"r{i}.json"
+        assert main(["bench", "serve", "--base-url", server.url, "--num-prompts", "4",
+                     "--input-len", "64", "--output-len", "2", "--seed", "4321",
+                     "--num-warmups", "0", "--save-result", str(out)]) == 0
+        rates.append(json.loads(out.read_text())["server_prefix_cache_hit_rate"])
+    assert rates[0] < 0.2 and rates[1] > 0.7, rates

@@ -24,11 +24,15 @@ for i in $(seq 1 180); do
   sleep 1
 done
 echo "server ready after ${i}s"
+seed=0
 for pair in ${RATES:-4:300 16:1000 inf:1000}; do
   rate=${pair%%:*}; n=${pair##*:}
+  # A new dataset seed per rate: the same prompts again would hit the server's prefix
+  # cache and measure a warm cache instead of GPU-S.
+  seed=$((seed + 1))
   python3 -m kvflow.cli bench serve --base-url http://127.0.0.1:8000 --model llama-3.1-8b \
     --num-prompts "$n" --input-len 1024 --output-len 128 --range-ratio 0.5 \
-    --request-rate "$rate" --num-warmups 4 --metadata "server=$SERVE" \
+    --request-rate "$rate" --seed "$seed" --num-warmups 4 --metadata "server=$SERVE" \
     --save-result "$OUT/gpu-s-rate-$rate.json" 2>&1 | tail -22
 done
 kill -INT $SERVER; wait $SERVER

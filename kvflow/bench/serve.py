@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import resource
 import time
 from dataclasses import dataclass, field
@@ -199,10 +200,40 @@ def format_result(s: dict, rate: float, max_concurrency: int | None) -> str:
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
         for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
             lines.append(f"{f'{label} {short} (ms):':<{w}}{s[key][stat]:<10.2f}")
+    if "server_prefix_cache_hit_rate" in s:
+        lines.append(f"{'Prefix cache hit rate (server):':<{w}}"
+                     f"{100 * s['server_prefix_cache_hit_rate']:<.1f}%")
     lines.append("=" * 50)
     for err in s["errors"]:
         lines.append(f"error: {err}")
     return "\n".join(lines)
+
+
+_METRIC_LINE = re.compile(r"^([^\s{]+)(?:\{[^}]*\})?\s+(\S+)")
+
+
+def prefix_cache_counters(metrics_text: str) -> tuple[float, float] | None:
+    """(prompt tokens looked up, tokens found) from a Prometheus page that has the
+    ``<engine>:prefix_cache_queries`` and ``..._hits`` counters (kvflow's, vLLM's)."""
+    found: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        m = _METRIC_LINE.match(line)
+        if m is None or line.startswith("#"):
+            continue
+        for kind in ("queries", "hits"):
+            if m.group(1).endswith(f":prefix_cache_{kind}_total"):
+                found[kind] = found.get(kind, 0.0) + float(m.group(2))
+    if len(found) < 2:
+        return None
+    return found["queries"], found["hits"]
+
+
+async def _scrape_prefix_cache(session, base: str, headers: dict) -> tuple[float, float] | None:
+    try:
+        async with session.get(base + "/metrics", headers=headers) as resp:
+            return prefix_cache_counters(await resp.text()) if resp.status == 200 else None
+    except Exception:  # an endpoint without metrics: the figure is simply not reported
+        return None
 
 
 def _raise_fd_limit() -> None:
@@ -243,6 +274,7 @@ async def run_benchmark(ns: argparse.Namespace) -> dict:
         print(f"{len(requests)} requests to {url} (model {model}), rate {ns.request_rate} "
               f"req/s, burstiness {ns.burstiness}, max concurrency {ns.max_concurrency}",
               flush=True)
+        before = await _scrape_prefix_cache(session, base, headers)
         sem = asyncio.Semaphore(ns.max_concurrency) if ns.max_concurrency else None
 
         async def limited(req: BenchRequest) -> RequestResult:
@@ -258,7 +290,13 @@ async def run_benchmark(ns: argparse.Namespace) -> dict:
             tasks.append(asyncio.create_task(limited(req)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        after = await _scrape_prefix_cache(session, base, headers)
     summary = summarize(results, duration)
+    if before is not None and after is not None and after[0] > before[0]:
+        # A warm cache (the same prompts sent before) makes prefill nearly free: the
+        # figures would not describe this workload, so the hit rate goes with them.
+        summary["server_prefix_cache_hit_rate"] = (after[1] - before[1]) / (after[0] -
+                                                                            before[0])
     summary["workload"] = {
         "dataset": ns.dataset, "num_prompts": len(requests),
         "input_len_range": list(in_rng), "output_len_range": list(out_rng),
