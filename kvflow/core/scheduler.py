@@ -131,6 +131,8 @@ class Scheduler:
         self.running: list[Request] = []
         # n > 1: samples that wait for their first sibling to compute the shared prompt.
         self.pending_forks: dict[str, list[Request]] = {}
+        # Parent id -> samples not yet admitted that still point at it (fork_parent set).
+        self.fork_children: dict[str, dict[str, Request]] = {}
         self.finished_req_ids: set[str] = set()  # the worker must drop their state
         self._in_worker: set[str] = set()  # requests whose full data the worker holds
         self.num_preemptions = 0
@@ -147,15 +149,27 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         parent = request.fork_parent
-        if parent is not None and parent.request_id in self.requests and (
-                parent.num_computed_tokens < parent.num_prompt_tokens):
+        if parent is not None and parent.request_id not in self.requests:
+            request.fork_parent = parent = None  # the parent has ended: nothing to share
+        if parent is not None:
+            self.fork_children.setdefault(parent.request_id, {})[request.request_id] = request
+        if parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens:
             self.pending_forks.setdefault(parent.request_id, []).append(request)
         else:
             self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
-        keys = [r.sort_key() for r in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, request.sort_key()), request)
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    def _unlink_fork(self, req: Request) -> None:
+        """``req`` no longer waits on its parent (admitted, or ended)."""
+        parent = req.fork_parent
+        if parent is not None:
+            children = self.fork_children.get(parent.request_id, {})
+            children.pop(req.request_id, None)
+            if not children:
+                self.fork_children.pop(parent.request_id, None)
+            req.fork_parent = None
 
     def _release_forks(self, parent_id: str) -> None:
         for child in self.pending_forks.pop(parent_id, []):
@@ -230,7 +244,7 @@ class Scheduler:
             req.swapped_blocks = []
             req.num_computed_tokens, req.num_swapped_tokens = restored, 0
         self.waiting.pop(0)
-        req.fork_parent = None
+        self._unlink_fork(req)
         req.status = RequestStatus.RUNNING
         if req.num_preemptions == 0:
             self.kv.num_query_tokens += req.num_tokens
@@ -390,6 +404,7 @@ class Scheduler:
                 parent = req.fork_parent
                 if parent is not None and req in self.pending_forks.get(parent.request_id, []):
                     self.pending_forks[parent.request_id].remove(req)
+            self._unlink_fork(req)
             req.status = status
             req.stop_reason = stop_reason
             self._drop(req)
@@ -407,9 +422,8 @@ class Scheduler:
             self.finished_req_ids.add(req.request_id)
         # Samples still waiting for this one's prompt now compute it themselves.
         self._release_forks(req.request_id)
-        for child in self.waiting:
-            if child.fork_parent is req:
-                child.fork_parent = None
+        for child in self.fork_children.pop(req.request_id, {}).values():
+            child.fork_parent = None
 
     # --- state ------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
