@@ -32,7 +32,7 @@ def no_progress_bar() -> bool:
 
 def cpu_threads() -> int | None:
     """KVFLOW_CPU_THREADS: torch threads of the server's engine-core process on CPU
-    (default: all cores but one, which is left to the API process)."""
+    (default: all cores; all but one, left to the API process, from 8 cores up)."""
     value = os.environ.get("KVFLOW_CPU_THREADS")
     return int(value) if value else None
 
