@@ -160,7 +160,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     """Fraction of total GPU memory kvflow may use (weights + activations + KV cache)."""
     kv_cache_memory: int | None = None
-    """KV cache budget in bytes. CPU default: 4 GiB. On GPU, overrides profiling."""
+    """KV cache budget in bytes. CPU default: 4 GiB, or half the available memory when that
+    is less; more than is available is refused. On GPU, overrides profiling."""
     num_blocks_override: int | None = None
     """Use exactly this many KV blocks (tests, reproducible benchmarks)."""
     enable_prefix_caching: bool = True

@@ -218,3 +218,20 @@ def test_cpu_kv_cache_is_zero_over_recycled_nan_memory():
         assert cache.shape == shape and bool((cache == 0).all())
         cache.add_(1)  # writable
         del cache
+
+
+def test_cpu_kv_budget_against_available_memory(monkeypatch):
+    """A budget the machine cannot hold is refused at start, with the numbers; the default
+    shrinks to half of what is available on a small machine."""
+    from kvflow.errors import OutOfMemoryError
+    from kvflow.worker import kv_cache
+
+    GiB = 1 << 30
+    monkeypatch.setattr(kv_cache, "available_host_memory", lambda: 3 * GiB)
+    assert kv_cache.cpu_kv_budget(None) == 3 * GiB // 2
+    assert kv_cache.cpu_kv_budget(2 * GiB) == 2 * GiB
+    with pytest.raises(OutOfMemoryError, match=r"asks for 8.00 GiB but only 3.00 GiB"):
+        LLM("tiny-llama", load_format="dummy", max_model_len=64, kv_cache_memory="8GiB")
+    monkeypatch.setattr(kv_cache, "available_host_memory", lambda: None)  # not Linux
+    assert kv_cache.cpu_kv_budget(None) == kv_cache.CPU_DEFAULT_KV_BYTES
+    assert kv_cache.cpu_kv_budget(64 * GiB) == 64 * GiB

@@ -43,8 +43,12 @@ def allocate_host_cache(config: EngineConfig, num_blocks: int,
 
     shape = (num_blocks, arch.num_hidden_layers, 2, config.cache.block_size,
              arch.num_key_value_heads, arch.head_dim)
-    return torch.empty(shape, dtype=TORCH_DTYPES[config.model.dtype],
-                       pin_memory=device.type == "cuda")
+    try:
+        return torch.empty(shape, dtype=TORCH_DTYPES[config.model.dtype],
+                           pin_memory=device.type == "cuda")
+    except (RuntimeError, OSError) as e:
+        raise OutOfMemoryError(f"cannot allocate {num_blocks} blocks of swap space "
+                               f"(--swap-space): {e}") from None
 
 
 def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -55,6 +59,38 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
         return torch.zeros(shape, dtype=dtype)
     buf = mmap.mmap(-1, nbytes)  # the tensor keeps a reference to the mapping
     return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+def available_host_memory() -> int | None:
+    """Bytes of memory the OS can still give without swapping (Linux MemAvailable), or
+    None where that is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cpu_kv_budget(requested: int | None) -> int:
+    """The CPU KV cache budget: ``requested`` (--kv-cache-memory) if the machine has that
+    much memory available, else an error; by default 4 GiB, or half of what is available
+    when that is less (the cache is committed as it fills, and an over-committed cache
+    would get the process killed mid-run instead of refused at start)."""
+    available = available_host_memory()
+    if requested is None:
+        if available is not None and available // 2 < CPU_DEFAULT_KV_BYTES:
+            logger.warning("only %.2f GiB of memory available: the KV cache gets half of it "
+                           "(set --kv-cache-memory to choose)", available / GiB)
+            return available // 2
+        return CPU_DEFAULT_KV_BYTES
+    if available is not None and requested > available:
+        raise OutOfMemoryError(
+            f"--kv-cache-memory asks for {requested / GiB:.2f} GiB but only "
+            f"{available / GiB:.2f} GiB of memory is available; lower --kv-cache-memory")
+    return requested
 
 
 def check_capacity(config: EngineConfig, num_blocks: int) -> None:

@@ -86,10 +86,11 @@ class ModelRunner:
         cfg = self.config
         if cfg.cache.num_blocks_override is not None:
             return cfg.cache.num_blocks_override
+        if self.device.type == "cpu":
+            return kv_cache.num_blocks_for_budget(
+                cfg, kv_cache.cpu_kv_budget(cfg.cache.kv_cache_memory))
         if cfg.cache.kv_cache_memory is not None:
             return kv_cache.num_blocks_for_budget(cfg, cfg.cache.kv_cache_memory)
-        if self.device.type == "cpu":
-            return kv_cache.num_blocks_for_budget(cfg, kv_cache.CPU_DEFAULT_KV_BYTES)
         from kvflow.worker.profiler import profile_kv_budget
 
         return kv_cache.num_blocks_for_budget(cfg, profile_kv_budget(self))
