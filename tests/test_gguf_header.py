@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvflow.errors import ModelLoadError
-from kvflow.models.gguf_file import _dequantize
+from kvflow.models.gguf_file import _dequantize, _file_bytes
 from kvflow.models.gguf_header import read_gguf_header
 from kvflow.models.registry import embedded_model_path
 
@@ -32,7 +32,8 @@ def test_header_matches_gguf_reader(smollm2_gguf):
     # The same weights after dequantization, quantized and unquantized tensors alike.
     for t, r in list(zip(ours.tensors, ref.tensors))[:12]:
         want = gguf.quants.dequantize(r.data, r.tensor_type).reshape(t.numpy_shape)
-        np.testing.assert_array_equal(_dequantize(smollm2_gguf, t), want)
+        np.testing.assert_array_equal(_dequantize(smollm2_gguf, _file_bytes(smollm2_gguf), t),
+                                      want)
 
 
 def test_prefix_keeps_only_those_keys(smollm2_gguf):

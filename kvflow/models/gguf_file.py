@@ -33,18 +33,22 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
                  "output": "lm_head"}
 
 
-def _tensor_data(path: str, t: GGUFTensor) -> np.ndarray:
-    """A tensor's bytes as gguf.quants.dequantize expects them (a read-only memory map)."""
+def _file_bytes(path: str) -> np.memmap:
+    """The whole file as read-only bytes, mapped once for all its tensors."""
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def _tensor_data(path: str, file: np.memmap, t: GGUFTensor, qtype) -> np.ndarray:
+    """A tensor's bytes as gguf.quants.dequantize expects them (a view of ``file``)."""
     import gguf
 
     try:
-        qtype = gguf.GGMLQuantizationType(t.ggml_type)
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    except (ValueError, KeyError):
+    except KeyError:
         raise ModelLoadError(f"{path}: tensor {t.name} has unknown GGML type "
                              f"{t.ggml_type}") from None
     nbytes = t.num_elements // block * type_size
-    raw = np.memmap(path, dtype=np.uint8, mode="r")[t.offset:t.offset + nbytes]
+    raw = file[t.offset:t.offset + nbytes]
     if raw.size != nbytes:
         raise ModelLoadError(f"the GGUF file {path} is truncated: tensor {t.name} needs "
                              f"{nbytes} bytes at offset {t.offset}")
@@ -92,12 +96,12 @@ def read_gguf_arch(path: str) -> tuple[ModelArchConfig, dict]:
         bos_token_id=h.field("tokenizer.ggml.bos_token_id"),
     )
     eos = [h.field(k) for k in ("tokenizer.ggml.eos_token_id",
-                                      "tokenizer.ggml.eot_token_id")]
+                                "tokenizer.ggml.eot_token_id")]
     cfg["eos_token_id"] = [int(e) for e in dict.fromkeys(eos) if e is not None]
     scaling = h.field(f"{a}.rope.scaling.type")
     if "rope_freqs.weight" in names:
         t = next(t for t in h.tensors if t.name == "rope_freqs.weight")
-        factors = _dequantize(path, t)
+        factors = _dequantize(path, _file_bytes(path), t)
         cfg["rope_scaling"] = {"rope_type": "freq_factors",
                                "factors": tuple(float(x) for x in factors.reshape(-1))}
     elif scaling == "linear":
@@ -108,13 +112,17 @@ def read_gguf_arch(path: str) -> tuple[ModelArchConfig, dict]:
     return ModelArchConfig.from_hf_config(cfg), {}
 
 
-def _dequantize(path: str, t: GGUFTensor) -> np.ndarray:
+def _dequantize(path: str, file: np.memmap, t: GGUFTensor) -> np.ndarray:
     """A tensor as a writable float32 array in numpy (Hugging Face) shape."""
     import gguf
 
     try:
-        data = gguf.quants.dequantize(_tensor_data(path, t), gguf.GGMLQuantizationType(
-            t.ggml_type))
+        qtype = gguf.GGMLQuantizationType(t.ggml_type)
+    except ValueError:
+        raise ModelLoadError(f"{path}: tensor {t.name} has unknown GGML type "
+                             f"{t.ggml_type}") from None
+    try:
+        data = gguf.quants.dequantize(_tensor_data(path, file, t, qtype), qtype)
     except ModelLoadError:
         raise
     except Exception as e:
@@ -135,6 +143,7 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig) -> Iterator[tuple[str, t
     """Yield (Hugging Face name, float32 tensor) for every weight in the file."""
     h = cached_gguf_header(path)
     permute = h.field("general.architecture") in ("llama", "mistral")
+    file = _file_bytes(path)
     for t in h.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
         if m:
@@ -147,7 +156,7 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig) -> Iterator[tuple[str, t
             if base not in _GLOBAL_NAMES:
                 continue  # e.g. rope_freqs, read with the architecture
             name = f"{_GLOBAL_NAMES[base]}.{kind}"
-        data = _dequantize(path, t)
+        data = _dequantize(path, file, t)
         if permute and m and part in ("attn_q", "attn_k"):
             heads = arch.num_attention_heads if part == "attn_q" else arch.num_key_value_heads
             data = _unpermute(data, heads)
