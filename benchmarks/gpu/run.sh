@@ -9,6 +9,8 @@
 #   gpu-b     GPU-B throughput (1000 x 1024 in / 128 out); HF peer on a subset
 #   profile   per-kernel breakdown of decode (batch 1, 256) and an 8k prefill
 #   kbench    kernel micro-benchmarks
+#   cow       parallel sampling n=4 (copy-on-write of shared prompt blocks), 256 prompts
+#   swap      a KV cache small enough to preempt, swap preemption, 256 prompts
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-out}
@@ -31,6 +33,8 @@ for stage in "$@"; do
     gpu-b-hf) $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts 64 --input-len 1024 --output-len 128 --max-model-len 4096 --backend hf --hf-batch-size 32 --save-result "$OUT/gpu-b-hf.json" 2>&1 | tail -5;;
     prefix-on|prefix-off) flag=$([ $stage = prefix-off ] && echo --no-enable-prefix-caching); $KV bench throughput --model llama-3.1-8b --load-format dummy --dataset shared-prefix --num-prompts 256 --prefix-len 2000 --input-len 100 --output-len 128 --max-model-len 4096 $flag --save-result "$OUT/shared-prefix-$stage.json" 2>&1 | grep -v "^INFO" | tail -4;;
     gpu-b-on|gpu-b-off) flag=$([ $stage = gpu-b-off ] && echo --no-enable-prefix-caching); $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${GPU_B_PROMPTS:-1000} --input-len 1024 --output-len 128 --max-model-len 4096 $flag --save-result "$OUT/$stage.json" 2>&1 | grep -v "^INFO" | tail -4;;
+    cow) $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts 256 --input-len 1024 --output-len 128 --max-model-len 4096 --n 4 --temperature 0.8 --save-result "$OUT/gpu-cow-n4.json" 2>&1 | grep -v "^INFO" | tail -4;;
+    swap) $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts 256 --input-len 1024 --output-len 128 --max-model-len 4096 --num-gpu-blocks-override ${SWAP_BLOCKS:-2048} --preemption-mode swap --swap-space 16GiB --save-result "$OUT/gpu-swap-preempt.json" 2>&1 | grep -v "^INFO" | tail -4;;
     cpu-overhead) python benchmarks/gpu/cpu_overhead.py 2>&1 | grep -v "^INFO" | head -60;;
     profile) python benchmarks/gpu/profile_steps.py --out "$OUT/profile.json" 2>&1 | grep -v "^INFO" | tail -60;;
     kbench) timeout ${KBENCH_TIMEOUT:-240} python benchmarks/kernels/bench_kernels.py --out "$OUT/kernels-bench.json" 2>&1 | tail -45;;

@@ -39,6 +39,9 @@ def add_bench_parser(sub) -> None:
     tp.add_argument("--max-input-len", type=int, default=None)
     tp.add_argument("--min-output-len", type=int, default=None)
     tp.add_argument("--max-output-len", type=int, default=None)
+    tp.add_argument("--n", type=int, default=1,
+                    help="samples per prompt (parallel sampling: the samples share the "
+                    "prompt's KV blocks, copy-on-write; kvflow backend only)")
     tp.add_argument("--hf-batch-size", type=int, default=None,
                     help="static batch size of the hf backend (default: all prompts)")
 

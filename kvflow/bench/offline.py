@@ -37,7 +37,7 @@ def _sampling(ns, output_len: int):
     from kvflow.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=ns.temperature,
-                          detokenize=False)
+                          detokenize=False, n=getattr(ns, "n", 1))
 
 
 def _save(ns: argparse.Namespace, result: dict) -> None:
@@ -64,8 +64,11 @@ def run_throughput(ns: argparse.Namespace) -> int:
     config = args.create_engine_config()
     requests = _workload(ns, config.model.arch.vocab_size, _special_ids(config))
     n_in = sum(len(r.prompt_token_ids) for r in requests)
-    n_out = sum(r.output_len for r in requests)
-    workload = {"dataset": ns.dataset, "num_prompts": len(requests), "input_tokens": n_in,
+    n_out = sum(r.output_len for r in requests) * ns.n
+    if ns.n > 1 and ns.backend != "kvflow":
+        raise InvalidParameterError("--n > 1 (parallel sampling) is measured on the kvflow "
+                                    "backend only")
+    workload = {"n": ns.n, "dataset": ns.dataset, "num_prompts": len(requests), "input_tokens": n_in,
                 "output_tokens": n_out,
                 "input_len_range": [min(len(r.prompt_token_ids) for r in requests),
                                     max(len(r.prompt_token_ids) for r in requests)],
@@ -89,7 +92,8 @@ def run_throughput(ns: argparse.Namespace) -> int:
         if backend == "kvflow":
             print(f"[kvflow] prefix cache hit rate {100 * fig['prefix_cache_hit_rate']:.1f}%, "
                   f"KV slots allocated but empty {100 * fig['kv_slot_waste']:.2f}%, "
-                  f"preemptions {fig['preemptions']}")
+                  f"preemptions {fig['preemptions']} ({fig['swap_outs']} swapped), "
+                  f"copy-on-write block copies {fig['copy_on_write_blocks']}")
     if "kvflow" in results and "hf" in results:
         ratio = results["kvflow"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
         results["kvflow_over_hf"] = ratio
@@ -137,7 +141,7 @@ def _run_kvflow(engine, requests: list[BenchRequest], ns, tag: str) -> dict:
     sched = engine.core.scheduler
     start = time.perf_counter()
     steps = 0
-    preempt0 = sched.num_preemptions
+    preempt0, swaps0, copies0 = sched.num_preemptions, sched.num_swaps, sched.kv.num_copied_blocks
     query0, hit0 = sched.kv.num_query_tokens, sched.kv.num_hit_tokens
     slots = filled = 0
     while engine.has_unfinished_requests():
@@ -149,6 +153,8 @@ def _run_kvflow(engine, requests: list[BenchRequest], ns, tag: str) -> dict:
     queries = sched.kv.num_query_tokens - query0
     return {"elapsed_s": elapsed, "steps": steps,
             "preemptions": sched.num_preemptions - preempt0,
+            "swap_outs": sched.num_swaps - swaps0,
+            "copy_on_write_blocks": sched.kv.num_copied_blocks - copies0,
             "prefix_cache_hit_rate": (sched.kv.num_hit_tokens - hit0) / queries
             if queries else 0.0,
             # Slots of allocated KV blocks that held no token, averaged over the steps.

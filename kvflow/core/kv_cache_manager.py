@@ -44,6 +44,7 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
         # (src, dst) block copies the worker must make before the next step (copy-on-write).
         self.pending_copies: list[tuple[int, int]] = []
+        self.num_copied_blocks = 0  # copy-on-write copies so far (a counter for stats)
         # Prefix-cache statistics (kept by the scheduler on admission): tokens of admitted
         # requests, and how many of them came from the cache.
         self.num_query_tokens = 0
@@ -151,6 +152,7 @@ class KVCacheManager:
         old = held[index]
         (new,) = self.pool.allocate(1)
         self.pending_copies.append((old.block_id, new.block_id))
+        self.num_copied_blocks += 1
         self.pool.release([old])
         held[index] = new
         request.block_ids[index] = new.block_id
