@@ -15,10 +15,7 @@ import struct
 
 from kvflow.core.block_pool import BlockPool, KVBlock
 from kvflow.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from kvflow.utils import cdiv
 
 
 def hash_block(parent: bytes | None, tokens: list[int], salt: str | None = None) -> bytes:
