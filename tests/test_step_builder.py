@@ -24,7 +24,7 @@ def builder(vocab: int = 100) -> StepBuilder:
     spec = AttentionSpec(block_size=BS, num_kv_heads=2, dtype=torch.float32, device=cpu,
                          rotary=RotaryEmbedding(8, 64, 10000.0))
     return StepBuilder(InputBatch(4, 64, 16), BS, cpu,
-                       get_attention_backend("torch").metadata_builder(spec), vocab, [])
+                       get_attention_backend("torch").metadata_builder(spec), vocab)
 
 
 def new(rid: str, tokens: list[int], blocks: list[int], computed: int = 0,

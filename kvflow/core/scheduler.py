@@ -322,7 +322,8 @@ class Scheduler:
                     req_id=rid, token_ids=list(req.all_token_ids),
                     num_prompt_tokens=req.num_prompt_tokens,
                     sampling_params=req.sampling_params, block_ids=list(req.block_ids),
-                    num_computed_tokens=step.computed_before[rid]))
+                    num_computed_tokens=step.computed_before[rid],
+                    eos_token_ids=sorted(req.eos_token_ids)))
         out = SchedulerOutput(
             new_reqs=new_reqs, cached_reqs=cached_reqs,
             num_scheduled_tokens=step.num_scheduled,

@@ -78,8 +78,7 @@ class ModelRunner:
         self.step_builder = StepBuilder(
             InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len, max_blocks),
             self.block_size, self.device, backend.metadata_builder(self.attn_spec),
-            config.model.arch.vocab_size, list(config.model.arch.eos_token_ids),
-            device_block_table)
+            config.model.arch.vocab_size, device_block_table)
         self.kv_caches: torch.Tensor | None = None  # [L, 2, NB, BS, KVH, D]
         self.host_cache: torch.Tensor | None = None  # [NH, L, 2, BS, KVH, D] swap space
         self.graphs: CudaGraphRunner | None = None  # once captured

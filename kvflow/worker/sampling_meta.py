@@ -13,8 +13,7 @@ from kvflow.worker.transfer import to_device
 
 def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, req_ids: list[str],
                             generators: list[torch.Generator | None], pending: PendingTokens,
-                            vocab_size: int, eos_token_ids: list[int],
-                            device: torch.device) -> SamplingMetadata:
+                            vocab_size: int, device: torch.device) -> SamplingMetadata:
     """Sampling tensors for sample rows ``rows`` (batch rows, one per sampled position;
     ``req_ids`` and ``generators`` align with them).
 
@@ -53,8 +52,8 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, req_ids: list[s
         # Under min_tokens: the token sampled now may not end the request.
         if b.num_tokens[r] - b.num_prompt_tokens[r] < p.min_tokens:
             stop = {t for t in p.all_stop_token_ids if 0 <= t < vocab}
-            if not p.ignore_eos:
-                stop.update(eos_token_ids)
+            if not p.ignore_eos:  # the same EOS ids the scheduler stops on
+                stop.update(t for t in b.eos_token_ids[r] if 0 <= t < vocab)
             banned_rows += [j] * len(stop)
             banned_ids += sorted(stop)
     if banned_rows:

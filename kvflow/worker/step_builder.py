@@ -37,14 +37,12 @@ from kvflow.worker.transfer import to_device
 class StepBuilder:
     def __init__(self, batch: InputBatch, block_size: int, device: torch.device,
                  attn_builder: AttentionMetadataBuilder, vocab_size: int,
-                 eos_token_ids: list[int],
                  device_block_table: DeviceBlockTable | None = None) -> None:
         self.batch = batch
         self.block_size = block_size
         self.device = device
         self.attn_builder = attn_builder
         self.vocab_size = vocab_size
-        self.eos_token_ids = list(eos_token_ids)
         # A device mirror of the block table (GPU): the batch logs its edits for it.
         self.device_block_table = device_block_table
         batch.record_ops = device_block_table is not None
@@ -170,7 +168,7 @@ class StepBuilder:
         req_ids = [inputs.req_ids[i] for i in req_idx]
         generators = [self.extras[rid].generator for rid in req_ids]
         return build_sampling_metadata(self.batch, rows, req_ids, generators, self.pending,
-                                       self.vocab_size, self.eos_token_ids, self.device)
+                                       self.vocab_size, self.device)
 
     # --- outputs ----------------------------------------------------------------
     def record_sampled(self, inputs: StepInputs, sampled: torch.Tensor) -> list[SampleSlot]:
