@@ -15,11 +15,6 @@ def models_dir() -> str | None:
     return os.environ.get("KVFLOW_MODELS_DIR") or None
 
 
-def triton_interpret() -> bool:
-    """TRITON_INTERPRET=1 runs Triton kernels on CPU tensors (tests only)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def disable_triton() -> bool:
     """KVFLOW_DISABLE_TRITON=1 makes the GPU path use the pure-torch references."""
     return os.environ.get("KVFLOW_DISABLE_TRITON", "0") == "1"

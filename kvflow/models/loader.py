@@ -67,9 +67,7 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.uniform_(0.9, 1.1, generator=gen)
-        elif name.endswith("bias"):
-            p.normal_(0.0, 0.02, generator=gen)
-        else:
+        else:  # matrices and biases alike
             p.normal_(0.0, 0.02, generator=gen)
 
 
