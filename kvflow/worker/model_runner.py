@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvflow.config import GiB, EngineConfig
+from kvflow.config import GiB, EngineConfig, torch_dtype
 from kvflow.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kvflow.layers.attention import AttentionSpec, get_attention_backend, model_rotary
 from kvflow.layers.custom_op import use_kernels
 from kvflow.layers.sampler import Sampler, gather_logprobs
 from kvflow.logger import init_logger
-from kvflow.models.loader import TORCH_DTYPES, load_model
+from kvflow.models.loader import load_model
 from kvflow.utils import cdiv
 from kvflow.worker import kv_cache
 from kvflow.worker.block_table import DeviceBlockTable
@@ -73,7 +73,7 @@ class ModelRunner:
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.attn_spec = AttentionSpec(
             block_size=self.block_size, num_kv_heads=config.model.arch.num_key_value_heads,
-            dtype=TORCH_DTYPES[config.model.dtype], device=self.device,
+            dtype=torch_dtype(config.model.dtype), device=self.device,
             rotary=model_rotary(self.model), num_sms=self.num_sms)
         self.step_builder = StepBuilder(
             InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len, max_blocks),
