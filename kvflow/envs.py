@@ -1,4 +1,5 @@
-"""Every environment variable kvflow reads, read here and nowhere else (DESIGN rule 9)."""
+"""Every environment variable kvflow reads, read here and nowhere else (rule 9 of
+docs/architecture.md)."""
 
 from __future__ import annotations
 
