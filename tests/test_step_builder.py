@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvflow.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from kvflow.layers.attention import AttentionSpec, get_attention_backend
+from kvflow.layers.attention import AttentionMetadata, AttentionSpec, get_attention_backend
 from kvflow.layers.attention.torch_backend import TorchAttentionPlan
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.sampling_params import SamplingParams
@@ -141,3 +141,29 @@ def test_input_batch_remove_moves_last_row_into_the_gap():
     assert b.req_ids == ["c"] and b.take_block_table_ops() == []
     b.remove("missing")  # unknown ids are ignored
     assert b.num_reqs == 1 and len(b.params) == 1
+
+
+def test_triton_metadata_builder_chooses_kv_splits_from_the_step():
+    """The split-KV choice lives in the Triton backend's builder: per step from its decode
+    count and longest context, or from a fixed context for captured CUDA graphs."""
+    from kvflow.layers.attention.triton_backend import TritonAttentionMetadata
+
+    cpu = torch.device("cpu")
+    spec = AttentionSpec(block_size=16, num_kv_heads=8, dtype=torch.bfloat16, device=cpu,
+                         num_sms=132)
+    tb = get_attention_backend("triton").metadata_builder(spec)
+
+    def splits(num_decodes, num_reqs, max_seq_len, **kw):
+        meta = AttentionMetadata(
+            num_actual_tokens=num_reqs, num_reqs=num_reqs, num_decodes=num_decodes,
+            max_query_len=1, max_seq_len=max_seq_len, slot_mapping=torch.zeros(num_reqs),
+            query_start_loc=torch.zeros(num_reqs + 1), seq_lens=torch.zeros(num_reqs),
+            block_tables=torch.zeros(num_reqs, 1), query_start_loc_cpu=[], seq_lens_cpu=[])
+        built = tb.build(meta, torch.zeros(num_reqs, dtype=torch.int64), **kw).backend
+        assert isinstance(built, TritonAttentionMetadata)
+        return built.num_kv_splits
+
+    assert splits(1, 1, 4096) == 16  # one long decode spreads over the SMs
+    assert splits(0, 2, 4096) == 1  # no decodes: nothing to split
+    assert splits(1, 1, 100) == 1  # too short to split
+    assert splits(1, 1, 100_000, split_context=4096) == 16  # a graph's fixed choice
