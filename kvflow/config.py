@@ -12,7 +12,28 @@ from kvflow.errors import require
 
 GiB = 1 << 30
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The one dtype table: bytes per value, and which names weights and activations may use
+# (fp8 is a KV-cache format the planner sizes, not a model dtype).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+_TORCH_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                      "fp8": "float8_e4m3fn"}
+
+
+def check_preemption_mode(mode: str) -> None:
+    """The one check of a preemption mode (CacheConfig and the scheduler's SwapPolicy)."""
+    require(mode in PREEMPTION_MODES, "preemption_mode",
+            f"must be {', '.join(PREEMPTION_MODES[:-1])} or {PREEMPTION_MODES[-1]}, "
+            f"got {mode!r}")
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a dtype name from DTYPE_BYTES (torch imported only here, so this
+    module stays importable without it)."""
+    import torch
+
+    return getattr(torch, _TORCH_DTYPE_NAMES[name])
 
 
 @dataclass(frozen=True)
@@ -142,8 +163,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         require(self.load_format in ("hf", "gguf", "dummy"), "load_format",
                  f"must be hf, gguf or dummy, got {self.load_format!r}")
-        require(self.dtype in DTYPE_BYTES, "dtype",
-                 f"must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        require(self.dtype in MODEL_DTYPES, "dtype",
+                 f"must be one of {sorted(MODEL_DTYPES)}, got {self.dtype!r}")
         require(self.max_model_len >= 1, "max_model_len", "must be >= 1")
 
     @property
@@ -181,8 +202,7 @@ class CacheConfig:
             require(self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 bytes")
         if self.num_blocks_override is not None:
             require(self.num_blocks_override >= 1, "num_blocks_override", "must be >= 1")
-        require(self.preemption_mode in ("recompute", "swap", "auto"), "preemption_mode",
-                 f"must be recompute, swap or auto, got {self.preemption_mode!r}")
+        check_preemption_mode(self.preemption_mode)
         require(self.swap_space >= 0, "swap_space", "must be >= 0 bytes")
 
 

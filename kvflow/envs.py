@@ -1,4 +1,5 @@
-"""Every environment variable kvflow reads, read here and nowhere else (DESIGN rule 9)."""
+"""Every environment variable kvflow reads, read here and nowhere else (rule 9 of
+docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,6 @@ def log_level() -> str:
 def models_dir() -> str | None:
     """KVFLOW_MODELS_DIR: an extra folder searched for models given by bare name."""
     return os.environ.get("KVFLOW_MODELS_DIR") or None
-
-
-def triton_interpret() -> bool:
-    """TRITON_INTERPRET=1 runs Triton kernels on CPU tensors (tests only)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def disable_triton() -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import json
 import os
 import subprocess
@@ -24,10 +26,30 @@ def test_generate_prints_answers_and_speed():
     assert "output tokens/s" in p.stdout
 
 
-def test_chat_in_process_streams_and_keeps_history():
-    p = kvflow("chat", *SMALL, "--max-tokens", "12", stdin="Say hello.\nAnd again.\n\n")
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.count("> ") >= 2 and len(p.stdout.strip()) > 10
+def test_chat_in_process_streams_and_keeps_history(monkeypatch, capsys):
+    """Each turn renders the whole conversation: the second prompt holds the first
+    question and the reply that was streamed for it."""
+    from kvflow import cli
+    from kvflow.engine.tokenizer import Tokenizer
+
+    rendered: list[list[dict]] = []
+    render = Tokenizer.apply_chat_template
+
+    def recording(self, messages, *args, **kwargs):
+        rendered.append(copy.deepcopy(messages))
+        return render(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "apply_chat_template", recording)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Say hello.\nAnd again.\n\n"))
+    assert cli.main(["chat", *SMALL, "--max-tokens", "12", "--system", "Be brief."]) == 0
+    streamed = capsys.readouterr().out
+    assert len(rendered) == 2
+    first_reply = rendered[1][2]["content"]
+    assert first_reply.strip() and first_reply in streamed  # what was streamed is kept
+    assert rendered[0] == [{"role": "system", "content": "Be brief."},
+                           {"role": "user", "content": "Say hello."}]
+    assert rendered[1] == rendered[0] + [{"role": "assistant", "content": first_reply},
+                                         {"role": "user", "content": "And again."}]
 
 
 def test_errors_exit_2_with_a_message(tmp_path):

@@ -235,3 +235,18 @@ def test_cpu_kv_budget_against_available_memory(monkeypatch):
     monkeypatch.setattr(kv_cache, "available_host_memory", lambda: None)  # not Linux
     assert kv_cache.cpu_kv_budget(None) == kv_cache.CPU_DEFAULT_KV_BYTES
     assert kv_cache.cpu_kv_budget(64 * GiB) == 64 * GiB
+
+
+def test_min_tokens_bans_every_eos_id_the_scheduler_stops_on():
+    """The request's EOS ids (the model's plus the tokenizer's) are what the worker keeps
+    from being sampled under min_tokens, not the model's alone."""
+    llm = tiny()
+    prompt = rand_prompts((9,), seed=5)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    first = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids[0]
+    # As if the tokenizer named `first` its EOS token while the model config says 2.
+    assert first not in llm.engine.config.model.arch.eos_token_ids
+    llm.engine.processor.eos_token_ids = sorted({first, 2})
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=4),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 4 and first not in out.token_ids[:4]

@@ -14,6 +14,7 @@ from kvflow.core import ModelRunnerOutput, Request, RequestStatus, Scheduler
 from kvflow.core.scheduler import SwapPolicy
 from kvflow.errors import PromptTooLongError
 from kvflow.sampling_params import SamplingParams
+from kvflow.utils import cdiv
 
 EOS = 2
 
@@ -90,7 +91,7 @@ def test_random_workloads(reqs, num_blocks, block_size, budget, max_seqs, eos_ev
                     s.add_request(r)
                 except PromptTooLongError:
                     assert plen + max_tokens > max_len or \
-                        -(-(plen + max_tokens) // block_size) > num_blocks
+                        cdiv(plen + max_tokens, block_size) > num_blocks
                     break
                 accepted[rid] = abort_at
                 first = first or r

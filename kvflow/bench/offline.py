@@ -175,11 +175,11 @@ def _attach_idle_meter(engine, ns):
 
 def _hf_throughput(config, requests, ns) -> tuple[float, dict]:
     from kvflow.bench.hf_backend import load_hf_model, run_hf_throughput
-    from kvflow.models.loader import TORCH_DTYPES
+    from kvflow.config import torch_dtype
 
     device = _device(config)
     hf = load_hf_model(config.model.model, config.model.load_format,
-                       TORCH_DTYPES[config.model.dtype], device, config.model.seed)
+                       torch_dtype(config.model.dtype), device, config.model.seed)
     run_hf_throughput(hf, requests[:1], 1, device, ns.temperature)  # warm-up
     batch = ns.hf_batch_size or len(requests)
     elapsed = run_hf_throughput(hf, requests, batch, device, ns.temperature)
@@ -260,10 +260,10 @@ def _latency_runner(backend: str, config, ns):
         run.engine = engine
         return run
     from kvflow.bench.hf_backend import hf_generate_batch, load_hf_model
-    from kvflow.models.loader import TORCH_DTYPES
+    from kvflow.config import torch_dtype
 
     hf = load_hf_model(config.model.model, config.model.load_format,
-                       TORCH_DTYPES[config.model.dtype], device, config.model.seed)
+                       torch_dtype(config.model.dtype), device, config.model.seed)
 
     def run(prompts, out_len):
         if device.startswith("cuda"):

@@ -17,7 +17,7 @@ class KVBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None  # set when the block is full and cached
+        self.block_hash: bytes | None = None  # content digest, set once full and cached
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -79,7 +79,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         # Content hash -> block holding it (prefix caching); entries live until reuse.
-        self.cached: dict[int, KVBlock] = {}
+        self.cached: dict[bytes, KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:

@@ -1,8 +1,8 @@
 """Per-request block tables on top of the block pool, with automatic prefix caching,
 copy-on-write and swapping (pure Python).
 
-A request's block table only grows (DESIGN rule 3): block i holds the K/V of token
-positions [i * block_size, (i + 1) * block_size). With prefix caching, every full block
+A request's block table only grows (rule 3 of docs/architecture.md): block i holds the
+K/V of token positions [i * block_size, (i + 1) * block_size). With prefix caching, every full block
 gets a chained hash of (parent block's hash, its token ids, an optional cache salt); a new
 request reuses the longest run of cached blocks that starts its prompt. Freed blocks keep
 their hash until they are reused, so evictions take the least recently freed first.
@@ -15,10 +15,7 @@ import struct
 
 from kvflow.core.block_pool import BlockPool, KVBlock
 from kvflow.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from kvflow.utils import cdiv
 
 
 def hash_block(parent: bytes | None, tokens: list[int], salt: str | None = None) -> bytes:

@@ -1,4 +1,5 @@
-"""The one object that carries a request's state inside the engine core (DESIGN rule 1).
+"""The one object that carries a request's state inside the engine core (rule 1 of
+docs/architecture.md).
 
 Only the scheduler and the KV cache manager change a Request.
 """
@@ -19,7 +20,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12
-    FINISHED_IGNORED = 13  # refused: can never fit
 
     @property
     def finished(self) -> bool:
@@ -30,7 +30,6 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_IGNORED: "length",
 }
 
 

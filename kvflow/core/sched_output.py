@@ -1,4 +1,5 @@
-"""Plain data passed between scheduler, worker and engine (no tensors, DESIGN rule 5).
+"""Plain data passed between scheduler, worker and engine (no tensors: rule 5 of
+docs/architecture.md).
 
 SchedulerOutput is a diff: a request's full data goes to the worker once (when it is
 first scheduled, or again after a preemption), afterwards only new block ids and counts.
@@ -39,6 +40,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The request's end-of-sequence ids (Request.eos_token_ids): the scheduler stops on
+    # them and the worker keeps them from being sampled under min_tokens, from one set.
+    eos_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -13,9 +13,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from kvflow.config import SchedulerConfig
+from kvflow.config import SchedulerConfig, check_preemption_mode
 from kvflow.core.block_pool import BlockPool
-from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
+from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import (
     CachedRequestData,
@@ -25,6 +25,7 @@ from kvflow.core.sched_output import (
     SchedulerOutput,
 )
 from kvflow.errors import InvalidParameterError, PromptTooLongError
+from kvflow.utils import cdiv
 
 
 def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
@@ -69,9 +70,7 @@ class SwapPolicy:
     swap_s_per_block: float = 0.0  # estimated cost of moving one block one way
 
     def __post_init__(self) -> None:
-        if self.mode not in ("recompute", "swap", "auto"):
-            raise InvalidParameterError(f"preemption_mode must be recompute, swap or auto, "
-                                        f"got {self.mode!r}", param="preemption_mode")
+        check_preemption_mode(self.mode)
 
 
 class _Step:
@@ -322,7 +321,8 @@ class Scheduler:
                     req_id=rid, token_ids=list(req.all_token_ids),
                     num_prompt_tokens=req.num_prompt_tokens,
                     sampling_params=req.sampling_params, block_ids=list(req.block_ids),
-                    num_computed_tokens=step.computed_before[rid]))
+                    num_computed_tokens=step.computed_before[rid],
+                    eos_token_ids=sorted(req.eos_token_ids)))
         out = SchedulerOutput(
             new_reqs=new_reqs, cached_reqs=cached_reqs,
             num_scheduled_tokens=step.num_scheduled,

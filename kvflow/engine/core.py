@@ -7,30 +7,17 @@ server. It sees only EngineCoreRequests and produces EngineCoreOutputs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from kvflow.config import EngineConfig
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest
 from kvflow.core.scheduler import Scheduler, SwapPolicy
+from kvflow.engine.messages import CoreStats
 from kvflow.errors import QueueFullError
 from kvflow.logger import init_logger
 from kvflow.worker.executor import Executor
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot for logs and metrics."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    num_blocks: int
-    num_free_blocks: int = 0
-    num_steps: int = 0  # steps that ran the model, since start
 
 
 def swap_policy(config: EngineConfig) -> SwapPolicy | None:
@@ -125,12 +112,14 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
-    def stats(self) -> SchedulerStats:
+    def stats(self) -> CoreStats:
+        """A snapshot of the scheduler for logs and /metrics (sent as is over IPC)."""
         s = self.scheduler
-        return SchedulerStats(num_running=s.num_running, num_waiting=s.num_waiting,
-                              kv_cache_usage=s.kv.usage, num_preemptions=s.num_preemptions,
-                              num_blocks=self.num_blocks,
-                              num_free_blocks=s.kv.num_free_blocks, num_steps=self.num_steps)
+        return CoreStats(num_running=s.num_running, num_waiting=s.num_waiting,
+                         num_blocks=self.num_blocks,
+                         num_used_blocks=self.num_blocks - s.kv.num_free_blocks,
+                         kv_cache_usage=s.kv.usage, num_preemptions=s.num_preemptions,
+                         num_steps=self.num_steps)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -70,12 +70,7 @@ class EngineCoreProc:
         self.output.send(self.codec.encode(msg), copy=False)
 
     def stats(self) -> CoreStats:
-        s = self.core.stats()
-        return CoreStats(num_running=s.num_running, num_waiting=s.num_waiting,
-                         num_blocks=s.num_blocks,
-                         num_used_blocks=s.num_blocks - s.num_free_blocks,
-                         kv_cache_usage=s.kv_cache_usage, num_preemptions=s.num_preemptions,
-                         num_steps=s.num_steps)
+        return self.core.stats()
 
     def run(self) -> bool:
         """Serve until a Shutdown message arrives (returns True) or the parent process is

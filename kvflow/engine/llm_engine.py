@@ -72,6 +72,3 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.requests)

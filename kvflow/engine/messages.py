@@ -1,4 +1,5 @@
-"""Every message the API process and the engine-core process exchange (DESIGN rule 8).
+"""Every message the API process and the engine-core process exchange (rule 8 of
+docs/architecture.md).
 
 Messages are msgspec Structs in one tagged union, encoded with MessagePack: the decoder
 checks each message against its schema, and nothing is ever pickled. The payload types

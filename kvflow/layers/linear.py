@@ -1,4 +1,4 @@
-"""Linear layers whose parameters know how to load themselves (DESIGN rule 6).
+"""Linear layers whose parameters know how to load themselves (docs/architecture.md rule 6).
 
 Each parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)``. Merged
 layers (QKV as one GEMM, gate/up as one GEMM) place each checkpoint tensor into its

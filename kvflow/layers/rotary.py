@@ -65,8 +65,3 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cs = self.cos_sin_cache.index_select(0, positions)  # [T, D]
         return cs.chunk(2, dim=-1)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, H, D], k [T, KVH, D] -> rotated copies."""
-        cos, sin = self.cos_sin(positions)
-        return apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)

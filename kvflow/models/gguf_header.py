@@ -16,6 +16,7 @@ from functools import lru_cache
 from typing import Any
 
 from kvflow.errors import ModelLoadError
+from kvflow.utils import cdiv
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
             11: "q", 12: "d"}  # GGUF value type -> struct code
@@ -102,7 +103,7 @@ class _Parser:
                 pos += 12
                 infos.append((name, tuple(shape), ggml_type, offset))
             align = int(fields.get("general.alignment", _DEFAULT_ALIGNMENT))
-            start = -(-pos // align) * align
+            start = cdiv(pos, align) * align
             names = [i[0] for i in infos]
             if len(set(names)) != len(names):
                 raise ValueError("a tensor name occurs twice")

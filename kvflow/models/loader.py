@@ -9,17 +9,13 @@ from collections.abc import Iterator
 
 import torch
 
-from kvflow.config import ModelConfig
+from kvflow.config import ModelConfig, torch_dtype
 from kvflow.errors import ModelLoadError
 from kvflow.layers.attention import AttentionBackend
 from kvflow.logger import init_logger
-from kvflow.models.llama import LlamaForCausalLM
+from kvflow.models.registry import model_class
 
 logger = init_logger(__name__)
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16}
-
 
 def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors of a Hugging Face directory: sharded or single safetensors, else .bin."""
@@ -67,20 +63,18 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.uniform_(0.9, 1.1, generator=gen)
-        elif name.endswith("bias"):
-            p.normal_(0.0, 0.02, generator=gen)
-        else:
+        else:  # matrices and biases alike
             p.normal_(0.0, 0.02, generator=gen)
 
 
 def load_model(config: ModelConfig, device: torch.device,
-               backend: AttentionBackend) -> LlamaForCausalLM:
+               backend: AttentionBackend) -> torch.nn.Module:
     """Construct the model directly on ``device`` and load its weights."""
-    dtype = TORCH_DTYPES[config.dtype]
+    dtype = torch_dtype(config.dtype)
     with torch.device(device):
-        model = LlamaForCausalLM(config.arch, dtype, backend,
-                                 max_position=max(config.max_model_len,
-                                                  config.arch.max_position_embeddings))
+        model = model_class(config.arch.architecture)(
+            config.arch, dtype, backend,
+            max_position=max(config.max_model_len, config.arch.max_position_embeddings))
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif config.load_format == "gguf":

@@ -6,6 +6,7 @@ Face directory, or a GGUF file. Nothing here contacts a model hub.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -15,8 +16,25 @@ from kvflow import envs
 from kvflow.config import ModelArchConfig
 from kvflow.errors import ModelLoadError, ModelNotFoundError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+# Architecture (the Hugging Face class name in config.json) -> the kvflow model class
+# that runs it, as (module, class) so this module imports without torch. A new model
+# file adds its architectures here; the loader builds whatever this names.
+MODEL_CLASSES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("kvflow.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("kvflow.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("kvflow.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("kvflow.models.llama", "LlamaForCausalLM"),
+}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
+
+
+def model_class(architecture: str) -> type:
+    """The model class for an architecture name (ModelLoadError if unsupported)."""
+    if architecture not in MODEL_CLASSES:
+        raise ModelLoadError(f"architecture {architecture!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    module, name = MODEL_CLASSES[architecture]
+    return getattr(importlib.import_module(module), name)
 
 DEFAULT_MODEL = "smollm2-135m"
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvflow.config import GiB
 from kvflow.plan.efficiency import Efficiency
 from kvflow.plan.model import ShardedModel
+from kvflow.utils import cdiv
 
 # Same value as kvflow.worker.profiler.CUDA_GRAPH_RESERVE (a test keeps them equal; that
 # module imports torch, which the planner does not need).
@@ -54,7 +55,7 @@ class MemoryPlan:
 
     def max_sequences(self, length: int) -> int:
         """Sequences of ``length`` tokens the cache holds at once (whole blocks each)."""
-        return self.num_blocks // -(-length // self.block_size)
+        return self.num_blocks // cdiv(length, self.block_size)
 
 
 def plan_memory(m: ShardedModel, eff: Efficiency, *, total_bytes: int,
@@ -63,7 +64,7 @@ def plan_memory(m: ShardedModel, eff: Efficiency, *, total_bytes: int,
                 cuda_graphs: bool = True) -> MemoryPlan:
     a = m.arch
     rotary = max(max_model_len, a.max_position_embeddings) * a.head_dim * 4  # float32
-    block_table = max_num_seqs * -(-max_model_len // block_size) * 4  # int32
+    block_table = max_num_seqs * cdiv(max_model_len, block_size) * 4  # int32
     per_tok_a, per_tok_b = eff.activation_bytes_per_token
     forward = max_num_batched_tokens * (per_tok_a * a.hidden_size
                                         + per_tok_b * m.intermediate) * m.dtype_bytes

@@ -17,12 +17,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvflow.config import ModelArchConfig
+from kvflow.config import DTYPE_BYTES, ModelArchConfig
 from kvflow.errors import InvalidParameterError
 from kvflow.plan.efficiency import Efficiency
 from kvflow.plan.gpus import GpuSpec
+from kvflow.utils import cdiv
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "float": "float32",
                  "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                  "float16": "float16", "half": "float16", "fp8": "fp8", "fp8_e4m3": "fp8",
@@ -91,7 +91,7 @@ class ShardedModel:
 
     @property
     def vocab(self) -> int:
-        return -(-self.arch.vocab_size // self.tp)
+        return cdiv(self.arch.vocab_size, self.tp)
 
     @property
     def intermediate(self) -> int:

@@ -15,6 +15,7 @@ from kvflow.plan.efficiency import Efficiency
 from kvflow.plan.gpus import GpuSpec
 from kvflow.plan.memory import MemoryPlan
 from kvflow.plan.model import ShardedModel, step_cost
+from kvflow.utils import cdiv
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class OfflineEstimate:
 def simulate_offline(m: ShardedModel, gpu: GpuSpec, eff: Efficiency, mem: MemoryPlan, *,
                      num_prompts: int, input_len: int, output_len: int,
                      max_num_batched_tokens: int, max_num_seqs: int) -> OfflineEstimate:
-    blocks_each = -(-(input_len + output_len) // mem.block_size)
+    blocks_each = cdiv(input_len + output_len, mem.block_size)
     max_running = min(max_num_seqs, mem.num_blocks // blocks_each)
     if max_running < 1:
         return OfflineEstimate(num_prompts, input_len, output_len, 0, 0.0)

@@ -14,10 +14,12 @@ from __future__ import annotations
 import time
 
 import torch
+from torch import nn
 
 from kvflow.config import GiB
-from kvflow.layers.attention import AttentionMetadata
+from kvflow.layers.attention import AttentionMetadata, AttentionMetadataBuilder
 from kvflow.logger import init_logger
+from kvflow.worker.step_inputs import StepInputs
 
 logger = init_logger(__name__)
 
@@ -32,13 +34,20 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner) -> None:
-        self.runner = runner
-        cfg = runner.config
-        self.sizes = graph_batch_sizes(cfg.scheduler.max_num_seqs)
+    """Decode graphs of ``model``, one per batch size; ``attn_builder`` builds the
+    attention metadata each graph is captured with (the backend's own per-step state)."""
+
+    def __init__(self, model: nn.Module, attn_builder: AttentionMetadataBuilder,
+                 max_num_seqs: int, max_model_len: int, max_blocks: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.attn_builder = attn_builder
+        self.max_model_len = max_model_len
+        self.device = device
+        self.sizes = graph_batch_sizes(max_num_seqs)
         max_bs = self.sizes[-1]
-        dev = runner.device
-        self.max_blocks = runner.device_block_table.table.shape[1]
+        dev = device
+        self.max_blocks = max_blocks
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
@@ -51,21 +60,21 @@ class CudaGraphRunner:
         self.pool = None
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        r = self.runner
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             num_actual_tokens=bs, num_reqs=bs, num_decodes=bs, max_query_len=1,
-            max_seq_len=r.config.model.max_model_len, slot_mapping=self.slot_mapping[:bs],
+            max_seq_len=self.max_model_len, slot_mapping=self.slot_mapping[:bs],
             query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
-            block_tables=self.block_tables[:bs], query_start_loc_cpu=[], seq_lens_cpu=[],
-            num_kv_splits=r.num_kv_splits(bs, min(GRAPH_SPLIT_CONTEXT,
-                                                   r.config.model.max_model_len)))
+            block_tables=self.block_tables[:bs], query_start_loc_cpu=[], seq_lens_cpu=[])
+        return self.attn_builder.build(
+            meta, self.positions[:bs],
+            split_context=min(GRAPH_SPLIT_CONTEXT, self.max_model_len))
 
     def _forward(self, bs: int) -> torch.Tensor:
-        return self.runner.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        return self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
 
     @torch.inference_mode()
     def capture(self) -> None:
-        dev = self.runner.device
+        dev = self.device
         torch.cuda.synchronize(dev)
         # The graphs' private pool is reserved through torch's allocator.
         reserved_before = torch.cuda.memory_reserved(dev)
@@ -85,12 +94,12 @@ class CudaGraphRunner:
                     "%.2f GiB", len(self.graphs), self.sizes[0], self.sizes[-1],
                     time.perf_counter() - start, used / GiB)
 
-    def can_run(self, inputs) -> bool:
+    def can_run(self, inputs: StepInputs) -> bool:
         meta = inputs.meta
         return (meta.num_decodes == meta.num_reqs and meta.num_reqs <= self.sizes[-1]
-                and not inputs.plp_indices)
+                and not inputs.prompt_logprobs.indices)
 
-    def run(self, inputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs) -> torch.Tensor:
         """Replay the smallest graph that fits; returns hidden states [R, hidden]."""
         meta = inputs.meta
         n = meta.num_reqs
@@ -107,14 +116,3 @@ class CudaGraphRunner:
             self.block_tables[n:bs, 0].fill_(0)
         self.graphs[bs].replay()
         return self.hidden[bs][:n]
-
-
-def warmup_and_capture(runner) -> None:
-    """Compile the Triton kernels on a small mixed step, then capture decode graphs."""
-    if runner.config.device.enforce_eager or not runner.use_kernels:
-        logger.info("CUDA graphs off (%s)", "--enforce-eager" if runner.config.device.enforce_eager
-                    else "no Triton kernels")
-        return
-    graphs = CudaGraphRunner(runner)
-    graphs.capture()
-    runner.graphs = graphs

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvflow.config import EngineConfig
-from kvflow.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvflow.core.sched_output import SchedulerOutput
 from kvflow.worker.model_runner import ModelRunner, StepHandle
 
 
@@ -19,9 +19,6 @@ class Executor:
         self.runner.init_kv_cache(num_blocks)
         self.runner.warmup()
         return num_blocks
-
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(so)
 
     def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
         """Launch a step; ``result()`` on the handle waits for it."""

@@ -37,6 +37,7 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.params: list[SamplingParams] = []
+        self.eos_token_ids: list[list[int]] = []  # per row, from the scheduler's request
         # Edits to block_table since the last take_block_table_ops(), in order, so a
         # device copy can follow with small updates: ("write", row, col, ids) or
         # ("move", dst_row, src_row).
@@ -55,6 +56,7 @@ class InputBatch:
         self.req_ids.append(data.req_id)
         self.index[data.req_id] = row
         self.params.append(data.sampling_params)
+        self.eos_token_ids.append(list(data.eos_token_ids))
         self.token_ids[row, :n] = data.token_ids
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = data.num_prompt_tokens
@@ -90,6 +92,7 @@ class InputBatch:
             self.req_ids[row] = moved
             self.index[moved] = row
             self.params[row] = self.params[last]
+            self.eos_token_ids[row] = self.eos_token_ids[last]
             n = self.num_tokens[last]
             self.token_ids[row, :n] = self.token_ids[last, :n]
             for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed,
@@ -101,6 +104,7 @@ class InputBatch:
                 self._ops.append(("move", row, last))
         self.req_ids.pop()
         self.params.pop()
+        self.eos_token_ids.pop()
 
     def take_block_table_ops(self) -> list[tuple]:
         ops, self._ops = self._ops, []

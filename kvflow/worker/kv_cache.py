@@ -8,10 +8,11 @@ import mmap
 import torch
 from torch import nn
 
-from kvflow.config import GiB, EngineConfig
+from kvflow.config import GiB, EngineConfig, torch_dtype
 from kvflow.errors import InvalidParameterError, OutOfMemoryError
 from kvflow.layers.attention import Attention
 from kvflow.logger import init_logger
+from kvflow.utils import cdiv
 
 logger = init_logger(__name__)
 
@@ -39,12 +40,10 @@ def allocate_host_cache(config: EngineConfig, num_blocks: int,
     """Swap space: [num_blocks, L, 2, block_size, KVH, D], one contiguous block per row
     so each block moves in a single copy (pinned when the device is a GPU)."""
     arch = config.model.arch
-    from kvflow.models.loader import TORCH_DTYPES
-
     shape = (num_blocks, arch.num_hidden_layers, 2, config.cache.block_size,
              arch.num_key_value_heads, arch.head_dim)
     try:
-        return torch.empty(shape, dtype=TORCH_DTYPES[config.model.dtype],
+        return torch.empty(shape, dtype=torch_dtype(config.model.dtype),
                            pin_memory=device.type == "cuda")
     except (RuntimeError, OSError) as e:
         raise OutOfMemoryError(f"cannot allocate {num_blocks} blocks of swap space "
@@ -96,7 +95,7 @@ def cpu_kv_budget(requested: int | None) -> int:
 def check_capacity(config: EngineConfig, num_blocks: int) -> None:
     """The cache must hold at least one sequence of max_model_len tokens."""
     bs = config.cache.block_size
-    need = -(-config.model.max_model_len // bs)
+    need = cdiv(config.model.max_model_len, bs)
     if num_blocks < need:
         per_token = config.model.arch.kv_bytes_per_token(config.model.dtype)
         raise OutOfMemoryError(
@@ -111,15 +110,13 @@ def allocate_kv_cache(config: EngineConfig, num_blocks: int,
     """The whole cache as one tensor [L, 2, num_blocks, block_size, KVH, D]; layer i's
     cache is ``caches[i]`` (one tensor lets a single kernel copy blocks in all layers)."""
     arch = config.model.arch
-    from kvflow.models.loader import TORCH_DTYPES
-
     shape = (arch.num_hidden_layers, 2, num_blocks, config.cache.block_size,
              arch.num_key_value_heads, arch.head_dim)
     # Zeroed: attention reads whole blocks and masks the unwritten slots, and a masked
     # NaN still poisons the output (0 * NaN). On the CPU the cache is an anonymous
     # mapping, which the OS hands out zero-filled and commits page by page as it is
     # written; torch.empty could return recycled heap memory holding NaN bit patterns.
-    dtype = TORCH_DTYPES[config.model.dtype]
+    dtype = torch_dtype(config.model.dtype)
     try:
         if device.type == "cpu":
             return zeroed_host_tensor(shape, dtype)

@@ -3,33 +3,38 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvflow.config import GiB, EngineConfig
-from kvflow.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
-from kvflow.layers.attention import get_attention_backend
+from kvflow.config import GiB, EngineConfig, torch_dtype
+from kvflow.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvflow.layers.attention import AttentionSpec, get_attention_backend, model_rotary
 from kvflow.layers.custom_op import use_kernels
 from kvflow.layers.sampler import Sampler, gather_logprobs
 from kvflow.logger import init_logger
 from kvflow.models.loader import load_model
+from kvflow.utils import cdiv
 from kvflow.worker import kv_cache
 from kvflow.worker.block_table import DeviceBlockTable
-from kvflow.worker.input_batch import InputBatch, RequestExtras
-from kvflow.worker.sampling_meta import build_sampling_metadata
-from kvflow.worker.step_inputs import PLACEHOLDER, StepInputs, build_step_inputs
+from kvflow.worker.input_batch import InputBatch
+from kvflow.worker.step_builder import StepBuilder
+from kvflow.worker.step_inputs import StepHostOutputs, StepInputs
 from kvflow.worker.transfer import to_device, to_host_async
+
+if TYPE_CHECKING:
+    from kvflow.worker.cuda_graphs import CudaGraphRunner
 
 logger = init_logger(__name__)
 
 
 class StepHandle:
-    """A launched step: its GPU work is queued; ``result()`` waits for it alone (not for
-    steps queued after it) and returns the sampled tokens as plain lists."""
+    """A launched step: its device work is queued; ``result()`` waits for it alone (not
+    for steps queued after it) and returns the sampled tokens as plain lists."""
 
-    def __init__(self, runner: "ModelRunner", inputs: StepInputs | None, host: dict,
-                 event: torch.cuda.Event | None) -> None:
-        self.runner = runner
+    def __init__(self, builder: StepBuilder, inputs: StepInputs | None,
+                 host: StepHostOutputs, event: torch.cuda.Event | None) -> None:
+        self.builder = builder
         self.inputs = inputs
         self.host = host  # pinned copies of the step's outputs
         self.event = event
@@ -39,7 +44,7 @@ class StepHandle:
         if self._result is None:
             if self.event is not None:
                 self.event.synchronize()
-            self._result = self.runner.finish_step(self)
+            self._result = self.builder.finish(self.inputs, self.host)
         return self._result
 
 
@@ -59,27 +64,25 @@ class ModelRunner:
                     self.device, time.perf_counter() - start, self.weight_bytes / GiB,
                     backend.name)
         self.sampler = Sampler()
-        self.vocab_size = config.model.arch.vocab_size
-        self.eos_token_ids = list(config.model.arch.eos_token_ids)
-        max_blocks = -(-config.model.max_model_len // self.block_size)
-        self.batch = InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len,
-                                max_blocks)
-        self.extras: dict[str, RequestExtras] = {}
+        max_blocks = cdiv(config.model.max_model_len, self.block_size)
+        self.num_sms = 1
+        device_block_table = None
+        if self.device.type == "cuda":
+            device_block_table = DeviceBlockTable(config.scheduler.max_num_seqs, max_blocks,
+                                                  self.device)
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.attn_spec = AttentionSpec(
+            block_size=self.block_size, num_kv_heads=config.model.arch.num_key_value_heads,
+            dtype=torch_dtype(config.model.dtype), device=self.device,
+            rotary=model_rotary(self.model), num_sms=self.num_sms)
+        self.step_builder = StepBuilder(
+            InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len, max_blocks),
+            self.block_size, self.device, backend.metadata_builder(self.attn_spec),
+            config.model.arch.vocab_size, device_block_table)
         self.kv_caches: torch.Tensor | None = None  # [L, 2, NB, BS, KVH, D]
         self.host_cache: torch.Tensor | None = None  # [NH, L, 2, BS, KVH, D] swap space
-        self.graphs = None  # CudaGraphRunner once captured
-        self.device_block_table = None
-        self.num_sms = 1
-        # Tokens sampled by the last launched step, still on the device: req_id ->
-        # (position in its sequence, index into last_sampled).
-        self.last_sampled: torch.Tensor | None = None
-        self.pending: dict[str, tuple[int, int]] = {}
+        self.graphs: CudaGraphRunner | None = None  # once captured
         self.idle_meter = None  # a GpuIdleMeter while a benchmark measures GPU idle time
-        if self.device.type == "cuda":
-            self.batch.record_ops = True
-            self.device_block_table = DeviceBlockTable(config.scheduler.max_num_seqs,
-                                                       max_blocks, self.device)
-            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     # --- KV cache ---------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -93,7 +96,8 @@ class ModelRunner:
             return kv_cache.num_blocks_for_budget(cfg, cfg.cache.kv_cache_memory)
         from kvflow.worker.profiler import profile_kv_budget
 
-        return kv_cache.num_blocks_for_budget(cfg, profile_kv_budget(self))
+        return kv_cache.num_blocks_for_budget(
+            cfg, profile_kv_budget(cfg, self.model, self.device, self.execute_model))
 
     def init_kv_cache(self, num_blocks: int) -> None:
         kv_cache.check_capacity(self.config, num_blocks)
@@ -111,9 +115,19 @@ class ModelRunner:
         """Compile kernels and capture CUDA graphs before serving (GPU only)."""
         if self.device.type != "cuda":
             return
-        from kvflow.worker.cuda_graphs import warmup_and_capture
+        cfg = self.config
+        if cfg.device.enforce_eager or not self.use_kernels:
+            logger.info("CUDA graphs off (%s)", "--enforce-eager" if cfg.device.enforce_eager
+                        else "no Triton kernels")
+            return
+        from kvflow.worker.cuda_graphs import CudaGraphRunner
 
-        warmup_and_capture(self)
+        graphs = CudaGraphRunner(self.model, self.step_builder.attn_builder,
+                                 cfg.scheduler.max_num_seqs, cfg.model.max_model_len,
+                                 self.step_builder.device_block_table.table.shape[1],
+                                 self.device)
+        graphs.capture()
+        self.graphs = graphs
 
     # --- one step ---------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -122,7 +136,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
         """Queue a step's GPU work and return at once (CPU: runs it)."""
-        self._update_states(so)
+        self.step_builder.update(so)
         # Order matters: a block swapped out may be reused by a swap-in or a copy.
         for dev_block, host_block in so.blocks_to_swap_out:
             self.host_cache[host_block].copy_(self.kv_caches[:, :, dev_block],
@@ -133,36 +147,15 @@ class ModelRunner:
         if so.blocks_to_copy:
             self._copy_blocks(so.blocks_to_copy)
         if so.total_num_scheduled_tokens == 0:
-            return StepHandle(self, None, {}, None)
+            return StepHandle(self.step_builder, None, StepHostOutputs(), None)
         if self.idle_meter is not None:
             self.idle_meter.step_start()
-        inputs = build_step_inputs(self, so)
+        inputs = self.step_builder.build(so)
         if self.graphs is not None and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return self._launch_sampling(inputs, hidden)
-
-    def _update_states(self, so: SchedulerOutput) -> None:
-        b = self.batch
-        for rid in so.finished_req_ids:
-            b.remove(rid)
-            self.extras.pop(rid, None)
-            self.pending.pop(rid, None)
-        for rid in so.preempted_req_ids:
-            b.remove(rid)  # extras (seeded generator) survive the preemption
-            self.pending.pop(rid, None)
-        for new in so.new_reqs:
-            b.add(new)
-            if new.req_id not in self.extras:
-                extras = RequestExtras()
-                if new.sampling_params.seed is not None:
-                    extras.generator = torch.Generator(self.device).manual_seed(
-                        new.sampling_params.seed)
-                self.extras[new.req_id] = extras
-        for cached in so.cached_reqs:
-            b.append_blocks(cached.req_id, cached.new_block_ids)
-            b.num_computed[b.index[cached.req_id]] = cached.num_computed_tokens
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst := block src in every layer, before the step runs."""
@@ -176,98 +169,33 @@ class ModelRunner:
 
             copy_blocks_ref(self.kv_caches, idx)
 
-    def num_kv_splits(self, num_decodes: int, max_seq_len: int) -> int:
-        if not self.use_kernels:
-            return 1
-        from kvflow.kernels.paged_attention import choose_num_kv_splits
-
-        return choose_num_kv_splits(num_decodes, max_seq_len,
-                                    self.config.model.arch.num_key_value_heads, self.num_sms)
-
-    def pending_source(self, req_id: str, position: int) -> int:
-        """Index into ``last_sampled`` of the in-flight token at ``position``."""
-        pos, idx = self.pending[req_id]
-        if pos != position:
-            raise RuntimeError(f"request {req_id}: token {position} is unknown")
-        return idx
-
     def _launch_sampling(self, inputs: StepInputs, hidden: torch.Tensor) -> StepHandle:
-        b = self.batch
-        host: dict = {}
-        if len(inputs.sample_reqs):
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            sample_rows = inputs.rows[inputs.sample_reqs]
-            sample_ids = [inputs.req_ids[i] for i in inputs.sample_reqs]
-            meta = build_sampling_metadata(self, sample_rows, sample_ids)
-            out = self.sampler(logits, meta)
-            host["sampled"] = to_host_async(out.sampled)
+        host = StepHostOutputs()
+        if inputs.sample.num_reqs:
+            logits = self.model.compute_logits(hidden[inputs.sample.logits_indices])
+            out = self.sampler(logits, self.step_builder.sampling_metadata(inputs))
+            host.sampled = to_host_async(out.sampled)
             if out.logprobs is not None:
-                host["lp"] = tuple(to_host_async(t) for t in (
+                host.logprobs = tuple(to_host_async(t) for t in (
                     out.logprob_token_ids, out.logprobs, out.sampled_ranks))
-            # The sampled tokens join each sequence now, as placeholders: the next step
-            # reads their values on the device, the host learns them in finish_step().
-            self.last_sampled = out.sampled
-            self.pending = {}
-            slots = []  # (request index, req_id, position, logprobs asked)
-            for j, rid in enumerate(sample_ids):
-                row = int(sample_rows[j])
-                pos = int(b.num_tokens[row])
-                self.pending[rid] = (pos, j)
-                slots.append((int(inputs.sample_reqs[j]), rid, pos, b.params[row].logprobs))
-                b.append_token(row, PLACEHOLDER)
-            host["slots"] = slots
-        if inputs.plp_indices:
-            host["plp"] = self._prompt_logprobs(inputs, hidden)
+            host.slots = self.step_builder.record_sampled(inputs, out.sampled)
+        if inputs.prompt_logprobs.indices:
+            host.prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         event = None
         if self.device.type == "cuda":
             if self.idle_meter is not None:
                 self.idle_meter.step_end()
             event = torch.cuda.Event()
             event.record()
-        return StepHandle(self, inputs, host, event)
-
-    def finish_step(self, handle: StepHandle) -> ModelRunnerOutput:
-        """Turn a completed step's outputs into plain lists; fill in placeholders."""
-        inputs = handle.inputs
-        if inputs is None:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        b, host = self.batch, handle.host
-        num_reqs = len(inputs.req_ids)
-        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
-        logprob_lists: list[list[LogprobsEntry] | None] = [None] * num_reqs
-        if "sampled" in host:
-            sampled = host["sampled"].tolist()
-            lp = [t.tolist() for t in host["lp"]] if "lp" in host else None
-            for j, (i, rid, pos, k) in enumerate(host["slots"]):
-                token = sampled[j]
-                sampled_lists[i] = [token]
-                row = b.index.get(rid)
-                if row is not None and b.token_ids[row, pos] == PLACEHOLDER:
-                    b.token_ids[row, pos] = token
-                if lp is not None and k is not None:
-                    logprob_lists[i] = [(lp[0][j][: k + 1], lp[1][j][: k + 1], lp[2][j])]
-        return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_lists,
-                                 logprobs=logprob_lists,
-                                 prompt_logprobs=self._prompt_logprobs_lists(host.get("plp")))
+        return StepHandle(self.step_builder, inputs, host, event)
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor):
-        dev = self.device
-        logits = self.model.compute_logits(hidden[to_device(inputs.plp_indices, dev,
-                                                            torch.int64)])
-        k_max = max(span[3] for span in inputs.plp_spans)
+        dev, plan = self.device, inputs.prompt_logprobs
+        logits = self.model.compute_logits(hidden[to_device(plan.indices, dev, torch.int64)])
+        k_max = max(span.num_logprobs for span in plan.spans)
         ids, lps, ranks = gather_logprobs(logits.log_softmax(dim=-1),
-                                          to_device(inputs.plp_targets, dev, torch.int64),
-                                          k_max)
-        return inputs.plp_spans, tuple(to_host_async(t) for t in (ids, lps, ranks))
-
-    @staticmethod
-    def _prompt_logprobs_lists(plp) -> dict[str, list[LogprobsEntry]]:
-        if plp is None:
-            return {}
-        spans, tensors = plp
-        ids, lps, ranks = (t.tolist() for t in tensors)
-        return {rid: [(ids[j][: k + 1], lps[j][: k + 1], ranks[j]) for j in range(start, end)]
-                for rid, start, end, k in spans}
+                                          to_device(plan.targets, dev, torch.int64), k_max)
+        return plan.spans, tuple(to_host_async(t) for t in (ids, lps, ranks))
 
 
 def _kernels_available() -> bool:

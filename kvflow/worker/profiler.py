@@ -8,14 +8,18 @@ memory. The KV cache gets ``gpu_memory_utilization * total - weights - peak acti
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
+from torch import nn
 
-from kvflow.config import GiB
+from kvflow.config import EngineConfig, GiB
 from kvflow.core.sched_output import NewRequestData, SchedulerOutput
 from kvflow.errors import OutOfMemoryError
 from kvflow.logger import init_logger
 from kvflow.sampling_params import SamplingParams
+from kvflow.utils import cdiv
 from kvflow.worker import kv_cache
 
 logger = init_logger(__name__)
@@ -25,9 +29,10 @@ CUDA_GRAPH_RESERVE = GiB // 2
 
 
 @torch.inference_mode()
-def profile_kv_budget(runner) -> int:
-    cfg = runner.config
-    device = runner.device
+def profile_kv_budget(cfg: EngineConfig, model: nn.Module, device: torch.device,
+                      execute_model: Callable[[SchedulerOutput], object]) -> int:
+    """Bytes the KV cache may take, measured with one largest-shape step run by
+    ``execute_model`` on ``model`` (weights already loaded on ``device``)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -38,10 +43,10 @@ def profile_kv_budget(runner) -> int:
     max_len = cfg.model.max_model_len
     lengths = [min(max_len - 1, tokens - i) for i in range(0, tokens, max_len - 1)]
     bs = cfg.cache.block_size
-    num_blocks = sum(-(-n // bs) for n in lengths)
+    num_blocks = sum(cdiv(n, bs) for n in lengths)
     scratch = kv_cache.allocate_kv_cache(cfg, num_blocks, device)
     scratch_bytes = scratch.numel() * scratch.element_size()
-    kv_cache.bind_kv_cache(runner.model, scratch)
+    kv_cache.bind_kv_cache(model, scratch)
 
     # A throw-away step through the real input path: prefill chunks of random tokens.
     rng = np.random.default_rng(0)
@@ -49,7 +54,7 @@ def profile_kv_budget(runner) -> int:
                             max_tokens=1)
     new_reqs, next_block = [], 0
     for i, n in enumerate(lengths):
-        nb = -(-n // bs)
+        nb = cdiv(n, bs)
         new_reqs.append(NewRequestData(
             req_id=f"profile-{i}", token_ids=rng.integers(0, cfg.model.arch.vocab_size,
                                                           n).tolist(),
@@ -60,7 +65,7 @@ def profile_kv_budget(runner) -> int:
                          num_scheduled_tokens={r.req_id: len(r.token_ids) for r in new_reqs},
                          total_num_scheduled_tokens=sum(lengths))
     try:
-        runner.execute_model(so)
+        execute_model(so)
         # Sampling at full width: logits and filters for max_num_seqs rows.
         rows = cfg.scheduler.max_num_seqs
         logits = torch.randn(rows, cfg.model.arch.vocab_size, device=device)
@@ -79,13 +84,13 @@ def profile_kv_budget(runner) -> int:
             f"the profiling step ({tokens} tokens) ran out of GPU memory; lower "
             f"--max-num-batched-tokens or --max-num-seqs: {e}") from None
     finally:
-        runner.execute_model(SchedulerOutput(
+        execute_model(SchedulerOutput(
             new_reqs=[], cached_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
             finished_req_ids={r.req_id for r in new_reqs}))
     peak = torch.cuda.max_memory_allocated(device)
     activations = peak - weights - scratch_bytes
     del scratch
-    kv_cache.bind_kv_cache(runner.model, [None] * cfg.model.arch.num_hidden_layers)
+    kv_cache.bind_kv_cache(model, [None] * cfg.model.arch.num_hidden_layers)
     torch.cuda.empty_cache()
     # CUDA context, cuBLAS workspaces, other processes: used memory torch did not reserve.
     non_torch = max(0, (total - free_before) - torch.cuda.memory_reserved(device))

@@ -6,12 +6,22 @@ import numpy as np
 import torch
 
 from kvflow.layers.sampler import SamplingMetadata
-from kvflow.worker.step_inputs import PLACEHOLDER
+from kvflow.worker.input_batch import InputBatch
+from kvflow.worker.step_inputs import PLACEHOLDER, PendingTokens
 from kvflow.worker.transfer import to_device
 
 
-def build_sampling_metadata(runner, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
-    b, dev, vocab = runner.batch, runner.device, runner.vocab_size
+def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, req_ids: list[str],
+                            generators: list[torch.Generator | None], pending: PendingTokens,
+                            vocab_size: int, device: torch.device) -> SamplingMetadata:
+    """Sampling tensors for sample rows ``rows`` (batch rows, one per sampled position;
+    ``req_ids`` and ``generators`` align with them).
+
+    Values a client chose are clamped to what a tensor and the vocabulary can hold: a
+    ``top_k`` at or above the vocabulary means no limit (as in vLLM), and no int here
+    overflows int64.
+    """
+    b, dev, vocab = batch, device, vocab_size
     params = [b.params[r] for r in rows]
     greedy = [p.greedy for p in params]
     f32 = torch.float32
@@ -19,11 +29,10 @@ def build_sampling_metadata(runner, rows: np.ndarray, req_ids: list[str]) -> Sam
         temperature=to_device([0.0 if g else p.temperature for p, g in zip(params, greedy)],
                               dev, f32),
         all_greedy=all(greedy), all_random=not any(greedy), top_k=None, top_p=None, min_p=None,
-        generators={j: runner.extras[rid].generator for j, rid in enumerate(req_ids)
-                    if runner.extras[rid].generator is not None})
-    if any(p.top_k > 0 for p in params):
-        meta.top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], dev,
-                               torch.int64)
+        generators={j: gen for j, gen in enumerate(generators) if gen is not None})
+    if any(0 < p.top_k < vocab for p in params):
+        meta.top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                               dev, torch.int64)
     if any(p.top_p < 1.0 for p in params):
         meta.top_p = to_device([p.top_p for p in params], dev, f32)
     if any(p.min_p > 0.0 for p in params):
@@ -31,7 +40,7 @@ def build_sampling_metadata(runner, rows: np.ndarray, req_ids: list[str]) -> Sam
     use_freq = any(p.presence_penalty or p.frequency_penalty for p in params)
     use_rep = any(p.repetition_penalty != 1.0 for p in params)
     if use_freq or use_rep:
-        meta.output_counts = _output_counts(runner, rows, req_ids)
+        meta.output_counts = _output_counts(b, rows, req_ids, pending, vocab, dev)
     if use_freq:
         meta.presence_penalty = to_device([p.presence_penalty for p in params], dev, f32)
         meta.frequency_penalty = to_device([p.frequency_penalty for p in params], dev, f32)
@@ -42,32 +51,32 @@ def build_sampling_metadata(runner, rows: np.ndarray, req_ids: list[str]) -> Sam
     for j, (p, r) in enumerate(zip(params, rows)):
         # Under min_tokens: the token sampled now may not end the request.
         if b.num_tokens[r] - b.num_prompt_tokens[r] < p.min_tokens:
-            stop = set(p.all_stop_token_ids)
-            if not p.ignore_eos:
-                stop.update(runner.eos_token_ids)
+            stop = {t for t in p.all_stop_token_ids if 0 <= t < vocab}
+            if not p.ignore_eos:  # the same EOS ids the scheduler stops on
+                stop.update(t for t in b.eos_token_ids[r] if 0 <= t < vocab)
             banned_rows += [j] * len(stop)
             banned_ids += sorted(stop)
     if banned_rows:
         meta.banned = (to_device(banned_rows, dev, torch.int64),
                        to_device(banned_ids, dev, torch.int64))
     asked = [p.logprobs for p in params if p.logprobs is not None]
-    meta.max_num_logprobs = max(asked) if asked else None
+    meta.max_num_logprobs = min(max(asked), vocab) if asked else None
     return meta
 
 
-def _output_counts(runner, rows: np.ndarray, req_ids: list[str]) -> torch.Tensor:
-    """Generated-token counts per row, including tokens still on the GPU."""
-    b, dev = runner.batch, runner.device
+def _output_counts(b: InputBatch, rows: np.ndarray, req_ids: list[str],
+                   pending: PendingTokens, vocab: int, dev: torch.device) -> torch.Tensor:
+    """Generated-token counts per row, including tokens still on the device."""
     outs = [b.output_token_ids(r) for r in rows]
-    counts = token_counts([o[o != PLACEHOLDER] for o in outs], runner.vocab_size, dev)
+    counts = token_counts([o[o != PLACEHOLDER] for o in outs], vocab, dev)
     pending_rows, src = [], []
     for j, (o, rid) in enumerate(zip(outs, req_ids)):
         for pos in np.nonzero(o == PLACEHOLDER)[0]:
             pending_rows.append(j)
-            src.append(runner.pending_source(rid, int(b.num_prompt_tokens[rows[j]] + pos)))
+            src.append(pending.source(rid, int(b.num_prompt_tokens[rows[j]] + pos)))
     if pending_rows:
         idx = (to_device(pending_rows, dev, torch.int64),
-               runner.last_sampled[to_device(src, dev, torch.int64)])
+               pending.token_ids[to_device(src, dev, torch.int64)])
         counts.index_put_(idx, torch.ones(len(src), dtype=counts.dtype, device=dev),
                           accumulate=True)
     return counts

@@ -5,6 +5,8 @@ the pure-torch path's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,7 +34,8 @@ class EagerGraph:
 
 
 def gpu_like(llm: LLM, graphs: bool) -> None:
-    """Switch a CPU engine to the GPU path: Triton kernels, device block table, graphs."""
+    """Switch a CPU engine to the GPU path: Triton kernels and their metadata builder,
+    device block table, graphs."""
     r = llm.engine.core.executor.runner
     backend = get_attention_backend("triton")
     for m in r.model.modules():
@@ -40,12 +43,17 @@ def gpu_like(llm: LLM, graphs: bool) -> None:
             m.backend = backend
     use_kernels(r.model, True)
     r.use_kernels = True
-    r.num_sms = 4
-    r.batch.record_ops = True
-    r.device_block_table = DeviceBlockTable(r.config.scheduler.max_num_seqs,
-                                            r.batch.block_table.shape[1], r.device)
+    sb = r.step_builder
+    # 4 SMs: small decode batches split their KV (the flash-decoding path runs too).
+    sb.attn_builder = backend.metadata_builder(dataclasses.replace(r.attn_spec, num_sms=4))
+    sb.device_block_table = DeviceBlockTable(r.config.scheduler.max_num_seqs,
+                                             sb.batch.block_table.shape[1], r.device)
+    sb.batch.record_ops = True
     if graphs:
-        g = cuda_graphs.CudaGraphRunner(r)
+        g = cuda_graphs.CudaGraphRunner(r.model, sb.attn_builder,
+                                        r.config.scheduler.max_num_seqs,
+                                        r.config.model.max_model_len,
+                                        sb.device_block_table.table.shape[1], r.device)
         g.sizes = g.sizes[:5]  # 1, 2, 4, 8, 16
         for bs in g.sizes:
             g.hidden[bs] = g._forward(bs)

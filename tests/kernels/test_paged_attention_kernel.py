@@ -15,6 +15,7 @@ import torch
 from kvflow.kernels.paged_attention import (TileConfig, attention_bytes_flops,
                                             choose_num_kv_splits, paged_attention)
 from kvflow.layers.attention.torch_backend import paged_attention_ref
+from kvflow.utils import cdiv
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.float16: dict(atol=1e-3, rtol=1e-3),
        torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
@@ -32,7 +33,7 @@ class Batch:
         assert all(n == 1 for n in q_lens[:num_decodes])
         torch.manual_seed(seed)
         self.q_lens, self.seq_lens, self.num_decodes = q_lens, seq_lens, num_decodes
-        nblk = [-(-s // block_size) for s in seq_lens]
+        nblk = [cdiv(s, block_size) for s in seq_lens]
         num_blocks = sum(nblk) + free_blocks + 1
         poison = num_blocks - 1  # a NaN block: what unused block-table entries point at
         self.kv_cache = torch.randn(2, num_blocks, block_size, kvh, d, dtype=dtype,

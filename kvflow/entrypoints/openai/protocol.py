@@ -282,14 +282,3 @@ class TokenizeResponse(_Response):
 
 class DetokenizeResponse(_Response):
     prompt: str
-
-
-class ErrorInfo(_Response):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(_Response):
-    error: ErrorInfo

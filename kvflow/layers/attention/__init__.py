@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvflow.layers.attention.backend import AttentionBackend, get_attention_backend
-from kvflow.layers.attention.metadata import AttentionMetadata
+from kvflow.layers.attention.backend import (AttentionBackend, AttentionMetadataBuilder,
+                                            get_attention_backend)
+from kvflow.layers.attention.metadata import AttentionMetadata, AttentionSpec
 from kvflow.layers.rotary import RotaryEmbedding
 
 
@@ -39,4 +40,15 @@ class Attention(nn.Module):
         return out.reshape(t, self.num_heads * self.head_dim)
 
 
-__all__ = ["Attention", "AttentionBackend", "AttentionMetadata", "get_attention_backend"]
+def model_rotary(model: nn.Module) -> RotaryEmbedding:
+    """The one rotary table a model's attention layers share (metadata builders plan a
+    step's cos/sin rows from it)."""
+    tables = {id(m.rotary): m.rotary for m in model.modules() if isinstance(m, Attention)}
+    if len(tables) != 1:
+        raise ValueError(f"expected one rotary table shared by every attention layer, "
+                         f"found {len(tables)}")
+    return next(iter(tables.values()))
+
+
+__all__ = ["Attention", "AttentionBackend", "AttentionMetadata", "AttentionMetadataBuilder",
+           "AttentionSpec", "get_attention_backend", "model_rotary"]

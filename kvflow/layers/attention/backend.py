@@ -1,5 +1,7 @@
-"""The attention backend interface: write this step's K/V into the paged cache, then
-attend over each request's whole context through its block table."""
+"""The attention backend interface: each step, a metadata builder derives what the
+backend needs from the step's AttentionMetadata (once, before the layers run); then every
+layer writes its K/V into the paged cache and attends over each request's whole context
+through its block table."""
 
 from __future__ import annotations
 
@@ -7,12 +9,28 @@ from typing import Protocol
 
 import torch
 
-from kvflow.layers.attention.metadata import AttentionMetadata
+from kvflow.layers.attention.metadata import AttentionMetadata, AttentionSpec
 from kvflow.layers.rotary import RotaryEmbedding
+
+
+class AttentionMetadataBuilder(Protocol):
+    def build(self, meta: AttentionMetadata, positions: torch.Tensor, *,
+              split_context: int | None = None) -> AttentionMetadata:
+        """Set ``meta.backend`` for this step and return ``meta``.
+
+        positions [T] are the step's token positions. ``split_context`` replaces the
+        step's longest context where a backend sizes work by it (a CUDA graph is captured
+        once for every context length it will replay).
+        """
+        ...
 
 
 class AttentionBackend(Protocol):
     name: str
+
+    def metadata_builder(self, spec: AttentionSpec) -> AttentionMetadataBuilder:
+        """The per-step metadata builder for this backend on ``spec``'s cache."""
+        ...
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, kv_cache: torch.Tensor, rotary: RotaryEmbedding,
@@ -20,7 +38,8 @@ class AttentionBackend(Protocol):
         """Apply rotary to q and k, store k and v at ``meta.slot_mapping`` in
         ``kv_cache`` [2, num_blocks, block_size, KVH, D], and return attention output.
 
-        q [T, H, D], k and v [T, KVH, D] -> [T, H, D].
+        q [T, H, D], k and v [T, KVH, D] -> [T, H, D]. ``meta.backend`` was built by
+        this backend's metadata builder.
         """
         ...
 

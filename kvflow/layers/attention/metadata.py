@@ -1,10 +1,17 @@
-"""What attention needs to know about the batch of one step (built by the model runner)."""
+"""What attention needs to know about the batch of one step.
+
+The step builder (``kvflow.worker.step_builder``) fills the fields every backend reads;
+then the backend's metadata builder (``AttentionBackend.metadata_builder``) derives its
+own per-step state once, before the first layer runs, and stores it in ``backend``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from kvflow.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -26,14 +33,27 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [R + 1] int32
     seq_lens: torch.Tensor  # [R] int32, context length after this step
     block_tables: torch.Tensor  # [R, max_blocks] int32
-    # Host copies (the CPU reference loops over requests).
+    # Host copies (the CPU backend plans per request from them).
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    # Split-KV (flash-decoding) partitions chosen by the runner for long contexts.
-    num_kv_splits: int = 1
-    # Per-step values a backend derives once and reuses in every layer.
-    backend_state: dict = field(default_factory=dict)
+    # What the backend's metadata builder derived for this step (its own type:
+    # TorchAttentionPlan, TritonAttentionMetadata); None until built.
+    backend: object | None = field(default=None)
 
     @property
     def num_prefills(self) -> int:
         return self.num_reqs - self.num_decodes
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionSpec:
+    """What a backend's metadata builder knows for the whole run: the cache layout, the
+    device, and the model's one rotary table (a step's cos/sin rows are planned with the
+    rest of the step)."""
+
+    block_size: int
+    num_kv_heads: int
+    dtype: torch.dtype  # KV cache dtype
+    device: torch.device
+    rotary: RotaryEmbedding | None = None
+    num_sms: int = 1  # streaming multiprocessors (split-KV choice on the GPU)

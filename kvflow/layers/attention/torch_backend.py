@@ -7,30 +7,48 @@ batched call over their gathered contexts, then one SDPA call per prefill chunk.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from kvflow.layers.attention.metadata import AttentionMetadata
+from kvflow.layers.attention.metadata import AttentionMetadata, AttentionSpec
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary_ref
+from kvflow.utils import cdiv
+
+
+def kv_write_index(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The slots a cache write stores to and which rows they come from: (slots, None)
+    when every row is written, else (kept slots, boolean mask over rows); -1 skips."""
+    keep = slot_mapping >= 0  # padding rows (-1) write nothing
+    if bool(keep.all()):
+        return slot_mapping, None
+    return slot_mapping[keep], keep
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """Store k, v [T, KVH, D] at flat slots of kv_cache [2, NB, BS, KVH, D]; -1 skips."""
+                 slot_mapping: torch.Tensor,
+                 index: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+    """Store k, v [T, KVH, D] at flat slots of kv_cache [2, NB, BS, KVH, D]; -1 skips.
+
+    ``index`` is ``kv_write_index(slot_mapping)`` when the caller planned it already
+    (the torch backend does, once per step instead of once per layer).
+    """
     _, nb, bs, kvh, d = kv_cache.shape
     flat = kv_cache.view(2, nb * bs, kvh, d)
-    t = slot_mapping.shape[0]
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        slot_mapping, k, v = slot_mapping[keep], k[:t][keep], v[:t][keep]
-    flat[0].index_copy_(0, slot_mapping, k[:t])
-    flat[1].index_copy_(0, slot_mapping, v[:t])
+    t = slot_mapping.shape[0]  # rows of k/v beyond it are CUDA-graph padding
+    slots, keep = kv_write_index(slot_mapping) if index is None else index
+    k, v = k[:t], v[:t]
+    if keep is not None:
+        k, v = k[keep], v[keep]
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int):
     """K and V of one request's first ``length`` positions: 2 x [length, KVH, D]."""
     _, _, bs, kvh, d = kv_cache.shape
-    nblk = -(-length // bs)
+    nblk = cdiv(length, bs)
     kv = kv_cache[:, block_table[:nblk].long()]  # [2, nblk, BS, KVH, D]
     kv = kv.reshape(2, nblk * bs, kvh, d)[:, :length]
     return kv[0], kv[1]
@@ -64,11 +82,11 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     return out
 
 
-def _context(kv_cache: torch.Tensor, block_ids: list[int], length: int, device):
+def _context(block_size: int, block_ids: list[int], length: int, device):
     """How to read one request's first ``length`` cached positions: a plain view when its
     blocks are consecutive (no copy), else the block ids to gather."""
     if all(b == block_ids[0] + i for i, b in enumerate(block_ids)):
-        return ("view", block_ids[0] * kv_cache.shape[2], length)
+        return ("view", block_ids[0] * block_size, length)
     return ("gather", torch.tensor(block_ids, device=device), length)
 
 
@@ -84,45 +102,116 @@ def _read(kv_cache: torch.Tensor, how) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
-class TorchAttentionBackend:
-    """Rotary, cache write and attention in plain torch (any device).
+@dataclass
+class TorchAttentionPlan:
+    """What the torch backend derives once per step and reuses in every layer."""
 
-    What depends only on the batch (cos/sin rows, which slots to write, how to read each
-    request's context, masks) is planned once per step and reused by every layer.
-    """
+    cos_sin: tuple[torch.Tensor, torch.Tensor]  # [T, D/2] float32 each
+    write: tuple[torch.Tensor, torch.Tensor | None]  # kv_write_index(slot_mapping)
+    # Decodes sorted by context length (None: already sorted), then grouped:
+    # (rows of the sorted decodes, how to read their contexts, additive mask or None).
+    decode_order: torch.Tensor | None
+    decodes: list[tuple[slice, tuple, torch.Tensor | None]]
+    # Prefill chunks: (start, end, how to read the cached context or None, mask, causal).
+    prefills: list[tuple[int, int, tuple | None, torch.Tensor | None, bool]]
 
-    name = "torch"
+
+class TorchMetadataBuilder:
+    """Plans a step for the torch backend: what depends only on the batch (cos/sin rows,
+    which slots to write, how to read each request's context, masks)."""
+
     # Decodes are batched in groups of similar context length, so padding each group to
     # its longest context wastes little.
     DECODE_GROUP = 4
 
+    def __init__(self, spec: AttentionSpec) -> None:
+        if spec.rotary is None:
+            raise ValueError("the torch attention backend plans cos/sin rows: the spec "
+                             "needs the model's rotary table")
+        self.spec = spec
+
+    def build(self, meta: AttentionMetadata, positions: torch.Tensor, *,
+              split_context: int | None = None) -> AttentionMetadata:
+        dev = positions.device
+        bs, dtype = self.spec.block_size, self.spec.dtype
+        t = meta.slot_mapping.shape[0]
+        cos_sin = self.spec.rotary.cos_sin(positions[:t])
+        write = kv_write_index(meta.slot_mapping)
+        tables = meta.block_tables.tolist()
+        lens, qsl = meta.seq_lens_cpu, meta.query_start_loc_cpu
+        # Decodes run in groups of similar length, sorted; the forward permutes q into
+        # that order once per layer and the outputs back once.
+        decodes = []
+        order = sorted(range(meta.num_decodes), key=lens.__getitem__)
+        decode_order = None if order == sorted(order) else torch.tensor(order, device=dev)
+        for g in range(0, len(order), self.DECODE_GROUP):
+            idx = order[g: g + self.DECODE_GROUP]
+            rows = slice(g, g + len(idx))
+            max_len = lens[idx[-1]]
+            nblk = cdiv(max_len, bs)
+            if len(idx) == 1:
+                how = _context(bs, tables[idx[0]][:nblk], max_len, dev)
+                decodes.append((rows, how, None))
+                continue
+            gather = torch.tensor([b for i in idx for b in tables[i][:nblk]], device=dev)
+            length = nblk * bs
+            seq = torch.tensor([lens[i] for i in idx], device=dev)
+            # An additive float mask: SDPA would convert a boolean one in every layer.
+            pad = torch.arange(length, device=dev)[None, :] >= seq[:, None]  # [b, L]
+            mask = torch.zeros(len(idx), 1, 1, length, dtype=dtype,
+                               device=dev).masked_fill_(pad[:, None, None, :], float("-inf"))
+            decodes.append((rows, ("batch", gather, length), mask))
+        prefills = []
+        for i in range(meta.num_decodes, meta.num_reqs):
+            s, e, seq_len = qsl[i], qsl[i + 1], lens[i]
+            n = e - s
+            if n == seq_len:
+                prefills.append((s, e, None, None, True))
+                continue
+            how = _context(bs, tables[i][: cdiv(seq_len, bs)], seq_len, dev)
+            q_pos = torch.arange(seq_len - n, seq_len, device=dev)[:, None]
+            future = torch.arange(seq_len, device=dev)[None, :] > q_pos  # [n, L]
+            mask = torch.zeros(n, seq_len, dtype=dtype, device=dev).masked_fill_(
+                future, float("-inf"))
+            prefills.append((s, e, how, mask, False))
+        meta.backend = TorchAttentionPlan(cos_sin=cos_sin, write=write,
+                                          decode_order=decode_order, decodes=decodes,
+                                          prefills=prefills)
+        return meta
+
+
+class TorchAttentionBackend:
+    """Rotary, cache write and attention in plain torch (any device), from the step's
+    TorchAttentionPlan."""
+
+    name = "torch"
+
+    def metadata_builder(self, spec: AttentionSpec) -> TorchMetadataBuilder:
+        return TorchMetadataBuilder(spec)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, kv_cache: torch.Tensor, rotary: RotaryEmbedding,
                 scale: float, meta: AttentionMetadata) -> torch.Tensor:
-        plan = meta.backend_state.get("torch")
-        if plan is None:
-            plan = meta.backend_state["torch"] = self._plan(positions, rotary, kv_cache, meta)
-        cos, sin = plan["cos_sin"]
+        plan = meta.backend
+        if not isinstance(plan, TorchAttentionPlan):
+            raise RuntimeError("attention metadata was not built by the torch backend's "
+                               "metadata builder")
+        cos, sin = plan.cos_sin
         q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
-        slots, keep = plan["write"]
-        _, nb, bs, kvh, d = kv_cache.shape
-        flat = kv_cache.view(2, nb * bs, kvh, d)
-        t = slots.shape[0] if keep is None else keep.shape[0]
-        flat[0].index_copy_(0, slots, k[:t] if keep is None else k[:t][keep])
-        flat[1].index_copy_(0, slots, v[:t] if keep is None else v[:t][keep])
+        write_kv_ref(k, v, kv_cache, meta.slot_mapping, plan.write)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            order = plan["decode_order"]  # decodes sorted by context length (None: already)
+            order = plan.decode_order
             qd = q[:nd] if order is None else q[:nd].index_select(0, order)
             od = torch.empty_like(qd)
-            for g, how, mask in plan["decodes"]:
+            for g, how, mask in plan.decodes:
                 od[g] = self._decode(qd[g], kv_cache, how, mask, scale)
             if order is None:
                 out[:nd] = od
             else:
                 out[:nd].index_copy_(0, order, od)
-        for s, e, how, mask, causal in plan["prefills"]:
+        for s, e, how, mask, causal in plan.prefills:
             if how is None:  # nothing cached before this chunk: attend to it directly
                 ki, vi = k[s:e], v[s:e]
             else:
@@ -134,56 +223,6 @@ class TorchAttentionBackend:
                 enable_gqa=True)
             out[s:e] = o[0].transpose(0, 1)
         return out
-
-    def _plan(self, positions, rotary, kv_cache, meta: AttentionMetadata) -> dict:
-        dev = positions.device
-        bs = kv_cache.shape[2]
-        t = meta.slot_mapping.shape[0]
-        slots = meta.slot_mapping
-        keep = slots >= 0  # padding rows (-1) write nothing
-        write = (slots, None) if bool(keep.all()) else (slots[keep], keep)
-        plan: dict = {"cos_sin": rotary.cos_sin(positions[:t]), "write": write}
-        tables = meta.block_tables.tolist()
-        lens, qsl = meta.seq_lens_cpu, meta.query_start_loc_cpu
-        # Decodes run in groups of similar length, sorted; the forward permutes q into
-        # that order once per layer and the outputs back once.
-        decodes = []
-        order = sorted(range(meta.num_decodes), key=lens.__getitem__)
-        plan["decode_order"] = (None if order == sorted(order)
-                                else torch.tensor(order, device=dev))
-        for g in range(0, len(order), self.DECODE_GROUP):
-            idx = order[g: g + self.DECODE_GROUP]
-            rows = slice(g, g + len(idx))
-            max_len = lens[idx[-1]]
-            nblk = -(-max_len // bs)
-            if len(idx) == 1:
-                how = _context(kv_cache, tables[idx[0]][:nblk], max_len, dev)
-                decodes.append((rows, how, None))
-                continue
-            gather = torch.tensor([b for i in idx for b in tables[i][:nblk]], device=dev)
-            length = nblk * bs
-            seq = torch.tensor([lens[i] for i in idx], device=dev)
-            # An additive float mask: SDPA would convert a boolean one in every layer.
-            pad = torch.arange(length, device=dev)[None, :] >= seq[:, None]  # [b, L]
-            mask = torch.zeros(len(idx), 1, 1, length, dtype=kv_cache.dtype,
-                               device=dev).masked_fill_(pad[:, None, None, :], float("-inf"))
-            decodes.append((rows, ("batch", gather, length), mask))
-        plan["decodes"] = decodes
-        prefills = []
-        for i in range(meta.num_decodes, meta.num_reqs):
-            s, e, seq_len = qsl[i], qsl[i + 1], lens[i]
-            n = e - s
-            if n == seq_len:
-                prefills.append((s, e, None, None, True))
-                continue
-            how = _context(kv_cache, tables[i][: -(-seq_len // bs)], seq_len, dev)
-            q_pos = torch.arange(seq_len - n, seq_len, device=dev)[:, None]
-            future = torch.arange(seq_len, device=dev)[None, :] > q_pos  # [n, L]
-            mask = torch.zeros(n, seq_len, dtype=kv_cache.dtype, device=dev).masked_fill_(
-                future, float("-inf"))
-            prefills.append((s, e, how, mask, False))
-        plan["prefills"] = prefills
-        return plan
 
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, how, mask,

@@ -4,16 +4,41 @@ prefill chunks)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kvflow.kernels.paged_attention import paged_attention
+from kvflow.kernels.paged_attention import choose_num_kv_splits, paged_attention
 from kvflow.kernels.rotary_kv import rotary_and_cache_write
-from kvflow.layers.attention.metadata import AttentionMetadata
+from kvflow.layers.attention.metadata import AttentionMetadata, AttentionSpec
 from kvflow.layers.rotary import RotaryEmbedding
+
+
+@dataclass
+class TritonAttentionMetadata:
+    num_kv_splits: int  # split-KV (flash-decoding) partitions of the decode launch
+
+
+class TritonMetadataBuilder:
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+
+    def build(self, meta: AttentionMetadata, positions: torch.Tensor, *,
+              split_context: int | None = None) -> AttentionMetadata:
+        context = meta.max_seq_len if split_context is None else split_context
+        splits = 1
+        if meta.num_decodes:
+            splits = choose_num_kv_splits(meta.num_decodes, context, self.spec.num_kv_heads,
+                                          self.spec.num_sms)
+        meta.backend = TritonAttentionMetadata(num_kv_splits=splits)
+        return meta
 
 
 class TritonAttentionBackend:
     name = "triton"
+
+    def metadata_builder(self, spec: AttentionSpec) -> TritonMetadataBuilder:
+        return TritonMetadataBuilder(spec)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, kv_cache: torch.Tensor, rotary: RotaryEmbedding,
@@ -23,4 +48,4 @@ class TritonAttentionBackend:
         return paged_attention(
             q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
             num_decodes=meta.num_decodes, max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len, num_kv_splits=meta.num_kv_splits)
+            max_seq_len=meta.max_seq_len, num_kv_splits=meta.backend.num_kv_splits)

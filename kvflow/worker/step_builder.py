@@ -1,0 +1,228 @@
+"""The step builder: the one owner of the worker's per-request state between steps.
+
+It keeps the persistent batch, per-request extras (seeded generators, prompt-logprob
+progress) and the tokens still in flight from the last launched step. Each step it
+applies the SchedulerOutput, builds the step's inputs (vectorized numpy gathers, then a
+handful of host-to-device copies), the attention metadata (the backend's builder runs
+here, before the layers) and the sampling metadata; after sampling it records the
+sampled tokens as placeholders, and when the host copies arrive it fills them in.
+
+Overlapped steps: step N+1 is built before step N's tokens reach the host. Its input ids
+at those positions are PLACEHOLDER in the batch and are taken on the device from
+``pending.token_ids``; nothing else in the worker knows about placeholders.
+
+Ranks: the builder reads only the SchedulerOutput and its own state, so every rank of a
+parallel group builds the same inputs; ``record_sampled`` takes the step's sampled ids
+(sampled once, the same on every rank).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvflow.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from kvflow.layers.attention import AttentionMetadata, AttentionMetadataBuilder
+from kvflow.layers.sampler import SamplingMetadata
+from kvflow.utils import cdiv
+from kvflow.worker.block_table import DeviceBlockTable
+from kvflow.worker.input_batch import InputBatch, RequestExtras
+from kvflow.worker.sampling_meta import build_sampling_metadata
+from kvflow.worker.step_inputs import (PLACEHOLDER, PendingTokens, PromptLogprobsPlan,
+                                       PromptLogprobsSpan, SamplePlan, SampleSlot,
+                                       StepHostOutputs, StepInputs)
+from kvflow.worker.transfer import to_device
+
+
+class StepBuilder:
+    def __init__(self, batch: InputBatch, block_size: int, device: torch.device,
+                 attn_builder: AttentionMetadataBuilder, vocab_size: int,
+                 device_block_table: DeviceBlockTable | None = None) -> None:
+        self.batch = batch
+        self.block_size = block_size
+        self.device = device
+        self.attn_builder = attn_builder
+        self.vocab_size = vocab_size
+        # A device mirror of the block table (GPU): the batch logs its edits for it.
+        self.device_block_table = device_block_table
+        batch.record_ops = device_block_table is not None
+        self.extras: dict[str, RequestExtras] = {}
+        self.pending = PendingTokens()
+
+    # --- state ------------------------------------------------------------------
+    def update(self, so: SchedulerOutput) -> None:
+        """Apply a SchedulerOutput's request changes to the persistent batch."""
+        b = self.batch
+        for rid in so.finished_req_ids:
+            b.remove(rid)
+            self.extras.pop(rid, None)
+            self.pending.drop(rid)
+        for rid in so.preempted_req_ids:
+            b.remove(rid)  # extras (seeded generator) survive the preemption
+            self.pending.drop(rid)
+        for new in so.new_reqs:
+            b.add(new)
+            if new.req_id not in self.extras:
+                extras = RequestExtras()
+                seed = new.sampling_params.seed
+                if seed is not None:
+                    # torch seeds are 64-bit; wrap larger ints instead of overflowing.
+                    extras.generator = torch.Generator(self.device).manual_seed(
+                        seed % (1 << 64))
+                self.extras[new.req_id] = extras
+        for cached in so.cached_reqs:
+            b.append_blocks(cached.req_id, cached.new_block_ids)
+            b.num_computed[b.index[cached.req_id]] = cached.num_computed_tokens
+
+    # --- inputs -----------------------------------------------------------------
+    def build(self, so: SchedulerOutput) -> StepInputs:
+        """The step's tensors, decodes first, with the attention metadata built."""
+        b, bs, dev = self.batch, self.block_size, self.device
+        ids = list(so.num_scheduled_tokens)
+        n = np.fromiter((so.num_scheduled_tokens[r] for r in ids), dtype=np.int64,
+                        count=len(ids))
+        order = np.argsort(n > 1, kind="stable")  # decodes first
+        n = n[order]
+        req_ids = [ids[i] for i in order]
+        rows = np.fromiter((b.index[r] for r in req_ids), dtype=np.int64, count=len(ids))
+        num_reqs = len(req_ids)
+        nc = b.num_computed[rows]  # [R]
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)  # [R + 1]
+        np.cumsum(n, out=qsl[1:])
+        total = int(qsl[-1])
+        tok_req = np.repeat(np.arange(num_reqs), n)  # [T] request of each token
+        positions = nc[tok_req] + (np.arange(total) - qsl[:-1][tok_req])  # [T]
+        tok_rows = rows[tok_req]
+        input_ids = b.token_ids[tok_rows, positions]  # [T]
+        slots = b.block_table[tok_rows, positions // bs].astype(np.int64) * bs \
+            + positions % bs  # [T]
+        seq_lens = nc + n  # [R]
+        max_seq = int(seq_lens.max())
+        # A request samples when this step reaches its last known token.
+        sample_reqs = np.nonzero(seq_lens == b.num_tokens[rows])[0]  # [S]
+        sample = SamplePlan(
+            req_indices=sample_reqs, offsets=np.arange(len(sample_reqs) + 1, dtype=np.int64),
+            logits_indices=to_device(qsl[1:][sample_reqs] - 1, dev, torch.int64))
+        plp = self._plan_prompt_logprobs(req_ids, rows, nc, n, qsl)
+
+        width = cdiv(max_seq, bs)
+        if self.device_block_table is not None:
+            self.device_block_table.apply(b.take_block_table_ops())
+            block_tables = self.device_block_table.gather(to_device(rows, dev, torch.int64),
+                                                          width)
+        else:
+            block_tables = torch.from_numpy(b.block_table[rows, :width])
+        positions_dev = to_device(positions, dev, torch.int64)
+        meta = AttentionMetadata(
+            num_actual_tokens=total, num_reqs=num_reqs, num_decodes=int((n == 1).sum()),
+            max_query_len=int(n.max()), max_seq_len=max_seq,
+            slot_mapping=to_device(slots, dev, torch.int64),
+            query_start_loc=to_device(qsl, dev, torch.int32),
+            seq_lens=to_device(seq_lens, dev, torch.int32), block_tables=block_tables,
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
+        self.attn_builder.build(meta, positions_dev)
+        input_ids_dev = to_device(input_ids, dev, torch.int64)
+        unknown = np.nonzero(input_ids == PLACEHOLDER)[0]
+        if len(unknown):  # tokens sampled by the step still in flight: take them on device
+            src = [self.pending.source(req_ids[tok_req[i]], int(positions[i]))
+                   for i in unknown]
+            input_ids_dev[to_device(unknown, dev, torch.int64)] = \
+                self.pending.token_ids[to_device(src, dev, torch.int64)]
+        return StepInputs(req_ids=req_ids, rows=rows, input_ids=input_ids_dev,
+                          positions=positions_dev, meta=meta, sample=sample,
+                          prompt_logprobs=plp)
+
+    def _plan_prompt_logprobs(self, req_ids: list[str], rows: np.ndarray, nc: np.ndarray,
+                              n: np.ndarray, qsl: np.ndarray) -> PromptLogprobsPlan:
+        """Which positions of this step's prompt chunks still owe prompt logprobs.
+
+        The hidden state at position p scores prompt token p + 1.
+        """
+        b = self.batch
+        plan = PromptLogprobsPlan()
+        for i, rid in enumerate(req_ids):
+            k = b.params[rows[i]].prompt_logprobs
+            if k is None:
+                continue
+            extras = self.extras[rid]
+            num_prompt = int(b.num_prompt_tokens[rows[i]])
+            first = max(int(nc[i]), extras.prompt_logprobs_done)
+            last = min(int(nc[i] + n[i]), num_prompt - 1)  # exclusive bound on p
+            if first >= last:
+                continue
+            start = len(plan.indices)
+            base = int(qsl[i]) - int(nc[i])
+            plan.indices.extend(range(base + first, base + last))
+            plan.targets.extend(b.token_ids[rows[i], first + 1: last + 1].tolist())
+            plan.spans.append(PromptLogprobsSpan(rid, start, len(plan.indices),
+                                                 min(k, self.vocab_size)))
+            extras.prompt_logprobs_done = last
+        return plan
+
+    def sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
+        """Sampling tensors for the step's sample rows (one per sampled position)."""
+        sample = inputs.sample
+        counts = sample.counts()
+        req_idx = np.repeat(sample.req_indices, counts)  # [N] request of each sample row
+        rows = inputs.rows[req_idx]
+        req_ids = [inputs.req_ids[i] for i in req_idx]
+        generators = [self.extras[rid].generator for rid in req_ids]
+        return build_sampling_metadata(self.batch, rows, req_ids, generators, self.pending,
+                                       self.vocab_size, self.device)
+
+    # --- outputs ----------------------------------------------------------------
+    def record_sampled(self, inputs: StepInputs, sampled: torch.Tensor) -> list[SampleSlot]:
+        """The step sampled ``sampled`` [N] (on the device): those tokens join their
+        sequences now as placeholders, so the next step can be built before the host
+        learns their values (``finish`` fills them in)."""
+        b, sample = self.batch, inputs.sample
+        self.pending = PendingTokens(token_ids=sampled)
+        slots = []
+        for j, (i, count) in enumerate(zip(sample.req_indices, sample.counts())):
+            i, count = int(i), int(count)
+            rid = inputs.req_ids[i]
+            row = int(inputs.rows[i])
+            pos = int(b.num_tokens[row])
+            first = int(sample.offsets[j])
+            self.pending.spans[rid] = (pos, first, count)
+            slots.append(SampleSlot(i, rid, pos, first, count, b.params[row].logprobs))
+            for _ in range(count):
+                b.append_token(row, PLACEHOLDER)
+        return slots
+
+    def finish(self, inputs: StepInputs | None, host: StepHostOutputs) -> ModelRunnerOutput:
+        """A completed step's outputs as plain lists; placeholders get their values."""
+        if inputs is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        b = self.batch
+        num_reqs = len(inputs.req_ids)
+        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprob_lists: list[list[LogprobsEntry] | None] = [None] * num_reqs
+        if host.sampled is not None:
+            sampled = host.sampled.tolist()
+            lp = [t.tolist() for t in host.logprobs] if host.logprobs is not None else None
+            for s in host.slots:
+                tokens = sampled[s.first_row: s.first_row + s.count]
+                sampled_lists[s.req_index] = tokens
+                row = b.index.get(s.req_id)
+                if row is not None:  # still running: fill in its placeholders
+                    for pos, token in enumerate(tokens, start=s.position):
+                        if b.token_ids[row, pos] == PLACEHOLDER:
+                            b.token_ids[row, pos] = token
+                k = s.num_logprobs
+                if lp is not None and k is not None:
+                    logprob_lists[s.req_index] = [
+                        (lp[0][r][: k + 1], lp[1][r][: k + 1], lp[2][r])
+                        for r in range(s.first_row, s.first_row + s.count)]
+        return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_lists,
+                                 logprobs=logprob_lists,
+                                 prompt_logprobs=_prompt_logprobs_lists(host.prompt_logprobs))
+
+
+def _prompt_logprobs_lists(plp) -> dict[str, list[LogprobsEntry]]:
+    if plp is None:
+        return {}
+    spans, tensors = plp
+    ids, lps, ranks = (t.tolist() for t in tensors)
+    return {s.req_id: [(ids[j][: s.num_logprobs + 1], lps[j][: s.num_logprobs + 1],
+                        ranks[j]) for j in range(s.start, s.end)] for s in spans}

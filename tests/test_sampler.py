@@ -1,0 +1,117 @@
+"""The sampler's filters and penalties on small hand-computed cases, and the sharded
+branch of the linear layers' weight loader."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvflow.errors import ModelLoadError
+from kvflow.layers.linear import MergedLinear, QKVLinear
+from kvflow.layers.sampler import (Sampler, SamplingMetadata, apply_penalties,
+                                   apply_top_k_top_p_min_p, gather_logprobs)
+
+NEG = float("-inf")
+
+
+def meta(rows: int, **kw) -> SamplingMetadata:
+    base = dict(temperature=torch.ones(rows), all_greedy=False, all_random=True, top_k=None,
+                top_p=None, min_p=None, generators={})
+    base.update(kw)
+    return SamplingMetadata(**base)
+
+
+def kept(logits: torch.Tensor) -> list[list[bool]]:
+    return (logits > NEG).tolist()
+
+
+def test_top_k_keeps_the_k_largest_per_row():
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0], [0.5, 0.1, 0.3, 0.2]])
+    out = apply_top_k_top_p_min_p(logits, meta(2, top_k=torch.tensor([2, 4])))
+    assert kept(out) == [[False, True, True, False], [True, True, True, True]]
+    assert out[0, 1] == 4.0 and out[0, 2] == 3.0  # kept values are unchanged
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    # probs 0.5, 0.25, 0.125, 0.125 (as logits: log of them).
+    logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()
+    # 0.5 alone < 0.6, 0.5 + 0.25 >= 0.6: two tokens kept.
+    assert kept(apply_top_k_top_p_min_p(logits, meta(1, top_p=torch.tensor([0.6])))) == \
+        [[True, True, False, False]]
+    # p = 0.5 exactly: the first token already has it.
+    assert kept(apply_top_k_top_p_min_p(logits, meta(1, top_p=torch.tensor([0.5])))) == \
+        [[True, False, False, False]]
+    # A tiny p still keeps the most likely token.
+    assert kept(apply_top_k_top_p_min_p(logits, meta(1, top_p=torch.tensor([1e-6])))) == \
+        [[True, False, False, False]]
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()
+    # Threshold 0.3 * 0.5 = 0.15: the two 0.125 tokens go.
+    out = apply_top_k_top_p_min_p(logits, meta(1, min_p=torch.tensor([0.3])))
+    assert kept(out) == [[True, True, False, False]]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    logits = torch.tensor([[2.0, -1.0, 3.0, -2.0]])
+    m = meta(1, repetition_penalty=torch.tensor([2.0]),
+             prompt_mask=torch.tensor([[True, False, False, False]]),
+             output_counts=torch.tensor([[0, 1, 0, 0]], dtype=torch.int32))
+    assert apply_penalties(logits, m).tolist() == [[1.0, -2.0, 3.0, -2.0]]
+
+
+def test_frequency_and_presence_penalties_use_output_counts_only():
+    logits = torch.tensor([[1.0, 1.0, 1.0]])
+    m = meta(1, frequency_penalty=torch.tensor([0.5]), presence_penalty=torch.tensor([0.25]),
+             output_counts=torch.tensor([[0, 1, 3]], dtype=torch.int32))
+    # token 1: 1 - 0.5 * 1 - 0.25 = 0.25; token 2: 1 - 0.5 * 3 - 0.25 = -0.75.
+    assert apply_penalties(logits, m).tolist() == [[1.0, 0.25, -0.75]]
+
+
+def test_sampler_bans_min_tokens_ids_and_returns_ranked_logprobs():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 1.0, 0.0]])
+    m = meta(2, temperature=torch.zeros(2), all_greedy=True, all_random=False,
+             banned=(torch.tensor([0]), torch.tensor([1])), max_num_logprobs=1)
+    out = Sampler()(logits, m)
+    assert out.sampled.tolist() == [2, 0]  # row 0's best token (1) is banned
+    # Logprobs come from the raw logits: token 2 of row 0 ranks second there.
+    assert out.sampled_ranks.tolist() == [2, 1]
+    assert out.logprob_token_ids.tolist() == [[2, 1], [0, 0]]
+    expected = 1.0 - math.log(math.exp(0) + math.exp(5) + math.exp(1))
+    assert out.logprobs[0, 0].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_gather_logprobs_without_top_n():
+    lp = torch.tensor([[-0.1, -2.0, -3.0]])
+    ids, lps, ranks = gather_logprobs(lp, torch.tensor([1]), 0)
+    assert ids.tolist() == [[1]] and lps.tolist() == [[-2.0]] and ranks.tolist() == [2]
+
+
+def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+
+    def draw(rows):
+        gen = torch.Generator().manual_seed(7)
+        return Sampler()(logits[rows], meta(len(rows), generators={0: gen})).sampled[0]
+
+    assert draw([1]) == draw([1, 0, 2])
+
+
+def test_merged_weight_loader_places_each_shard():
+    qkv = QKVLinear(hidden_size=2, head_dim=1, num_heads=2, num_kv_heads=1, bias=True,
+                    dtype=torch.float32)
+    for shard, rows, fill in (("q", 2, 1.0), ("k", 1, 2.0), ("v", 1, 3.0)):
+        qkv.weight.weight_loader(qkv.weight, torch.full((rows, 2), fill), shard)
+        qkv.bias.weight_loader(qkv.bias, torch.full((rows,), fill), shard)
+    assert qkv.weight[:, 0].tolist() == [1.0, 1.0, 2.0, 3.0]
+    assert qkv.bias.tolist() == [1.0, 1.0, 2.0, 3.0]
+    gate_up = MergedLinear(2, [3, 1], False, torch.float32)
+    gate_up.weight.weight_loader(gate_up.weight, torch.full((1, 2), 9.0), 1)
+    assert gate_up.weight[3].tolist() == [9.0, 9.0]
+    with pytest.raises(ModelLoadError, match="unknown shard"):
+        qkv.weight.weight_loader(qkv.weight, torch.zeros(1, 2), "o")
+    with pytest.raises(ModelLoadError, match="does not match"):
+        qkv.weight.weight_loader(qkv.weight, torch.zeros(2, 2), "k")  # k has one row
