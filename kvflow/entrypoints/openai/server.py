@@ -18,6 +18,7 @@ from typing import Annotated
 
 import uvicorn
 from fastapi import Body, FastAPI, Request, Response
+from fastapi.openapi.utils import get_openapi
 
 from kvflow import __version__
 from kvflow.config import GiB
@@ -150,6 +151,7 @@ def build_app(engine: AsyncEngine, args: ServerArgs, request_exit: Callable[[int
                   description="OpenAI-compatible API of kvflow (see docs/serving.md)",
                   docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.kvflow = state
+    app.openapi = lambda: _openapi(app)
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=args.api_key,
                        max_body_bytes=args.max_body_bytes)
@@ -157,6 +159,21 @@ def build_app(engine: AsyncEngine, args: ServerArgs, request_exit: Callable[[int
     state.routes = [f"{method} {route.path}" for route in app.routes
                     for method in sorted(getattr(route, "methods", ()) or ()) if method != "HEAD"]
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema without its 422 entries: validation errors here are OpenAI's 400
+    (the error handlers), which every route documents instead."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version,
+                             description=app.description, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
