@@ -212,7 +212,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return json_response(ModelList(data=[model_card()]))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
-             responses=_error_responses(404))
+             responses=_error_responses(401, 404))
     async def model(model_id: str):
         state.completions.check_model(model_id)
         return json_response(model_card())
@@ -240,7 +240,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return engine.tokenizer
 
     @app.post("/tokenize", response_model=TokenizeResponse,
-              responses=_error_responses(400, 404, 503))
+              responses=_error_responses(400, 401, 404, 413, 503))
     async def tokenize(body: Annotated[TokenizeRequest, Body()]):
         state.completions.check_model(body.model)
         tok = tokenizer()
@@ -255,7 +255,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             token_strs=tok.convert_ids_to_tokens(ids)))
 
     @app.post("/detokenize", response_model=DetokenizeResponse,
-              responses=_error_responses(400, 404, 503))
+              responses=_error_responses(400, 401, 404, 413, 503))
     async def detokenize(body: DetokenizeRequest):
         state.completions.check_model(body.model)
         tok = tokenizer()

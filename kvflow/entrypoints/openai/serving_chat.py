@@ -26,10 +26,12 @@ _MESSAGE_EXTRAS = ("name", "tool_calls", "tool_call_id", "refusal", "reasoning_c
 
 def message_dict(m) -> dict:
     """A validated ChatMessage as chat templates expect it: text content (text parts
-    joined by newlines), the optional fields that were given."""
+    joined by newlines, "" for none), the optional fields that were given."""
     content = m.content
     if isinstance(content, list):
         content = "\n".join(part.text for part in content)
+    elif content is None:  # an assistant turn of tool calls: templates expect a string
+        content = ""
     extras = {k: getattr(m, k) for k in _MESSAGE_EXTRAS if getattr(m, k) is not None}
     return {**extras, "role": m.role, "content": content}
 
