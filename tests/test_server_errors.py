@@ -174,6 +174,7 @@ def test_queue_full_is_429(guarded):
                 r = [c async for c in r]
             return "ok"
         except openai.RateLimitError as e:
+            assert e.response.headers["retry-after"] == "1"  # clients know when to retry
             return e.response.json()["error"]
 
     async def run():
