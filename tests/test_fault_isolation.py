@@ -32,7 +32,8 @@ def assert_idle(llm: LLM) -> None:
     assert all(c == 0 for c in s.kv.ref_counts())
     core.step()  # hands the worker the ids of the last requests that ended
     runner = core.executor.runner
-    assert not runner.batch.req_ids and not runner.extras
+    worker = getattr(runner, "step_builder", runner)  # owns the persistent batch
+    assert not worker.batch.req_ids and not worker.extras
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -148,4 +149,19 @@ def test_out_of_range_values_are_bounded_in_the_core():
         llm.generate([[5, 6]], SamplingParams(min_tokens=10**6, max_tokens=None))
     with pytest.raises(InvalidParameterError, match="priority"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=2), priority=[2**64])
+    assert_idle(llm)
+
+
+def test_isolation_with_a_full_kv_cache(monkeypatch):
+    """Few blocks: preemptions happen, and a suspect may have to wait for blocks to run
+    alone while the others make progress."""
+    monkeypatch.setenv("KVFLOW_FAULT_TOKEN", str(POISON))
+    llm = tiny(num_gpu_blocks_override=14, max_model_len=56)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    good = prompts(5, seed=4)
+    expected = [o.outputs[0].token_ids for o in llm.generate(good, params)]
+    bad = prompts(1, seed=5)[0] + [POISON]
+    outs = llm.generate(good[:2] + [bad] + good[2:], params)
+    assert outs[2].outputs[0].finish_reason == "error"
+    assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 2] == expected
     assert_idle(llm)

@@ -19,7 +19,7 @@ def test_short_soak(tmp_path):
     code = soak.main(["--requests", "120", "--concurrency", "12", "--max-tokens", "3",
                       "--max-words", "8", "--invalid-share", "0.1",
                       "--disconnect-share", "0.1", "--timeout-share", "0.05",
-                      "--kv-cache-memory", "16MiB", "--save-result", str(out)])
+                      "--kv-cache-memory", "32MiB", "--save-result", str(out)])
     result = json.loads(out.read_text())
     assert code == 0, (result["checks"], result["failures"])
     counts = result["counts"]

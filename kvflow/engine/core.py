@@ -152,6 +152,10 @@ class EngineCore:
         """
         if self._probe is not None or (self._suspects and self._probe_due):
             return self._probe_step()
+        return self._guarded_step()
+
+    def _guarded_step(self) -> list[EngineCoreOutput]:
+        """A normal step; if it fails, recover (the step's requests become suspects)."""
         self._probe_due = True
         launched: list[SchedulerOutput] = []
         try:
@@ -244,6 +248,9 @@ class EngineCore:
                 return sched.update_from_output(prev_out, prev_handle.result())
             except Exception as e:
                 return self._recover(e, [prev_out])
+        if self._probe is not None and (self._probe.is_finished()
+                                        or self._probe.request_id not in sched.requests):
+            self._probe = None  # aborted meanwhile
         while self._probe is None:
             if not self._suspects:
                 self._probe_due = False
@@ -266,7 +273,10 @@ class EngineCore:
                 bisect.insort(waiting, req, key=Request.sort_key)
             sched.waiting = waiting
         if so.is_empty and not so.finished_req_ids:
-            return []  # no blocks for it yet: try again next step
+            # No blocks for it yet: the others run a step (and free some) meanwhile.
+            if probe in sched.waiting:
+                sched.waiting.remove(probe)
+            return self._guarded_step()
         try:
             out = self.executor.execute_model_async(so).result()
             outputs = sched.update_from_output(so, out)
