@@ -386,3 +386,17 @@ class TokenizeResponse(_Response):
 
 class DetokenizeResponse(_Response):
     prompt: str
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Response):
+    """OpenAI's error body; the routes document their error statuses with it (the
+    bodies themselves are written by errors.py)."""
+
+    error: ErrorInfo
