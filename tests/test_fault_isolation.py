@@ -67,9 +67,8 @@ def test_failing_request_ends_alone(monkeypatch, async_scheduling):
 
 
 def test_failure_mid_generation_and_streaming(monkeypatch):
-    """A fault after some tokens (the poison is generated, not prompted, here: a stop
-    token id forces nothing, so inject through the prompt of a late arrival) while other
-    requests are mid-decode: they keep their tokens."""
+    """A request that fails on arrival while the others are mid-decode (streaming
+    deltas): they lose no token and end with exactly the tokens of a run without it."""
     monkeypatch.setenv("KVFLOW_FAULT_TOKEN", str(POISON))
     llm = tiny()
     engine = llm.engine
