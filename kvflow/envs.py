@@ -42,3 +42,11 @@ def git_commit() -> str | None:
     """KVFLOW_GIT_COMMIT: the commit benchmark results record, for copies of the tree
     without git history (e.g. a GPU machine that receives the working tree)."""
     return os.environ.get("KVFLOW_GIT_COMMIT") or None
+
+
+def fault_token() -> int | None:
+    """KVFLOW_FAULT_TOKEN (tests only): a model step that schedules a request whose tokens
+    contain this token id raises inside the worker, to test per-request fault isolation
+    (kvflow.engine.faults)."""
+    value = os.environ.get("KVFLOW_FAULT_TOKEN")
+    return int(value) if value else None

@@ -61,6 +61,18 @@ class EngineNotReadyError(KvflowError):
     error_type = "service_unavailable"
 
 
+class RequestFailedError(KvflowError):
+    """The engine could not run this request (a step failed on its data) and ended it;
+    other requests and the engine went on."""
+
+
+class RequestTimeoutError(KvflowError):
+    """The request ran longer than the server's per-request timeout and was ended."""
+
+    http_status = 504
+    error_type = "timeout"
+
+
 class QueueFullError(KvflowError):
     """The waiting queue is at its limit; the client should retry later."""
 

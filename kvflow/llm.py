@@ -82,16 +82,15 @@ class LLM:
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of messages) or to
         several, then generate."""
+        from kvflow.entrypoints.chat_utils import render_chat
+
         tokenizer = self.get_tokenizer()
-        if tokenizer is None:
-            raise InvalidParameterError("chat needs a tokenizer; this model has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:
-            text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                 **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            text, ids = render_chat(tokenizer, conv, add_generation_prompt,
+                                    chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

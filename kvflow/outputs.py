@@ -27,7 +27,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    # "stop", "length", "abort", "error" (the engine could not run it; RequestOutput.extra
+    # ["error"] says why) or None while running
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
 
     def finished(self) -> bool:

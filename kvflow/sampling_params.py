@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from kvflow.errors import InvalidParameterError
@@ -98,6 +99,11 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            _check(not isinstance(value, bool) and isinstance(value, (int, float))
+                   and math.isfinite(value), name, "a finite number", value)
         _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",

@@ -50,7 +50,7 @@ def post(server, path: str, body, **kw) -> httpx.Response:
     ({"max_tokens": 0}, "max_tokens"),
     ({"logprobs": 50}, "logprobs"),
     ({"temperature": "hot"}, "temperature"),
-    ({"stop": [""]}, "stop"),
+    ({"stop": [""]}, "stop.0"),
     ({"bogus_parameter": 1}, "bogus_parameter"),
     ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"prompt": []}, "prompt"),
@@ -174,6 +174,7 @@ def test_queue_full_is_429(guarded):
                 r = [c async for c in r]
             return "ok"
         except openai.RateLimitError as e:
+            assert e.response.headers["retry-after"] == "1"  # clients know when to retry
             return e.response.json()["error"]
 
     async def run():

@@ -14,7 +14,6 @@ import asyncio
 import json
 import math
 import re
-import resource
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +22,7 @@ import numpy as np
 from kvflow import envs
 from kvflow.bench.datasets import BenchRequest, length_range, random_requests
 from kvflow.bench.machine import save_result
+from kvflow.entrypoints.utils import normalize_base_url, raise_fd_limit
 
 
 @dataclass
@@ -236,19 +236,10 @@ async def _scrape_prefix_cache(session, base: str, headers: dict) -> tuple[float
         return None
 
 
-def _raise_fd_limit() -> None:
-    # Thousands of requests at once need as many sockets.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 async def run_benchmark(ns: argparse.Namespace) -> dict:
     import aiohttp
 
-    base = ns.base_url.rstrip("/")
-    if base.endswith("/v1"):
-        base = base[:-3]
+    base = normalize_base_url(ns.base_url)
     api_key = ns.api_key or envs.api_key()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = aiohttp.ClientTimeout(total=ns.request_timeout)
@@ -314,7 +305,7 @@ def run_serve_benchmark(ns: argparse.Namespace) -> int:
         raise SystemExit("--request-rate and --burstiness must be > 0")
     if any("=" not in kv for kv in ns.metadata):
         raise SystemExit("--metadata takes KEY=VALUE")
-    _raise_fd_limit()
+    raise_fd_limit()
     summary = asyncio.run(run_benchmark(ns))
     print(format_result(summary, ns.request_rate, ns.max_concurrency))
     if ns.save_result:

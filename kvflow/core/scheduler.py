@@ -134,6 +134,9 @@ class Scheduler:
         self.fork_children: dict[str, dict[str, Request]] = {}
         self.finished_req_ids: set[str] = set()  # the worker must drop their state
         self._in_worker: set[str] = set()  # requests whose full data the worker holds
+        # Requests the worker has state for (the per-request extras it keeps across a
+        # preemption): told to the worker when they end, even if preempted at the time.
+        self._worker_knows: set[str] = set()
         self.num_preemptions = 0
 
     # --- admission ----------------------------------------------------------
@@ -317,6 +320,7 @@ class Scheduler:
                                                      step.computed_before[rid]))
             else:
                 self._in_worker.add(rid)
+                self._worker_knows.add(rid)
                 new_reqs.append(NewRequestData(
                     req_id=rid, token_ids=list(req.all_token_ids),
                     num_prompt_tokens=req.num_prompt_tokens,
@@ -417,13 +421,44 @@ class Scheduler:
             self.host_pool.release([self.host_pool.blocks[h] for h in req.swapped_blocks])
             req.swapped_blocks = []
         del self.requests[req.request_id]
-        if req.request_id in self._in_worker:
-            self._in_worker.discard(req.request_id)
+        self._in_worker.discard(req.request_id)
+        if req.request_id in self._worker_knows:
+            self._worker_knows.discard(req.request_id)
             self.finished_req_ids.add(req.request_id)
         # Samples still waiting for this one's prompt now compute it themselves.
         self._release_forks(req.request_id)
         for child in self.fork_children.pop(req.request_id, {}).values():
             child.fork_parent = None
+
+    # --- recovery after a failed step ---------------------------------------------
+    def reset_after_failed_step(self, failed: set[str]) -> list[str]:
+        """A step that scheduled the requests in ``failed`` raised, so what it should have
+        written (KV, sampled tokens) is unknown. Put every running request back in the
+        waiting queue to be recomputed from its known tokens, as a recompute preemption
+        does, and forget every token still in flight. Returns the ids the worker must drop.
+
+        The failed step's requests register no further prefix-cache blocks: their KV for
+        that step may never have been written.
+        """
+        reset = []
+        for req in self.running:
+            if req.request_id in failed:
+                req.num_computed_tokens = 0  # keeps blocks of the failed step uncached
+            self.kv.free(req)
+            req.num_computed_tokens = req.num_cached_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            self._in_worker.discard(req.request_id)
+            reset.append(req)
+        self.running = []
+        for req in self.requests.values():
+            req.num_placeholders = 0  # nothing is in flight any more
+            if req.swapped_blocks and req.request_id in failed:
+                # Its swap-out may not have happened: recompute instead.
+                self.host_pool.release([self.host_pool.blocks[h] for h in req.swapped_blocks])
+                req.swapped_blocks, req.num_swapped_tokens = [], 0
+        for req in reset:
+            self._enqueue(req)
+        return [r.request_id for r in reset]
 
     # --- state ------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

@@ -33,8 +33,8 @@ from kvflow import errors
 from kvflow.config import EngineConfig
 from kvflow.engine.args import EngineArgs
 from kvflow.engine.messages import (Abort, AddRequest, CoreStats, EngineError, FinishStopped,
-                                    Outputs, Ready, RequestError, Shutdown, Stats,
-                                    api_codec)
+                                    Outputs, Ready, RequestError, RequestFailed, Shutdown,
+                                    Stats, api_codec)
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.processor import InputProcessor, PromptType, child_request_id
 from kvflow.engine.stats import IterationStats, SequenceTracker, StatsListener
@@ -436,6 +436,8 @@ class AsyncEngine:
             self._notify(msg.stats, None)
         elif isinstance(msg, RequestError):
             self._on_request_error(msg)
+        elif isinstance(msg, RequestFailed):
+            self._on_request_failed(msg)
         elif isinstance(msg, Ready):
             if self._ready_future is not None and not self._ready_future.done():
                 self._ready_future.set_result(msg)
@@ -463,6 +465,19 @@ class AsyncEngine:
         it.step_s = msg.step_s
         it.api_s = time.monotonic() - now
         self._notify(msg.stats, it)
+
+    def _on_request_failed(self, msg: RequestFailed) -> None:
+        """The core ended one sample because a step failed on it: fail its request (the
+        error first, so its generator raises it) and abort its other samples."""
+        op = self.output_processor
+        entry = op.child_to_parent.get(msg.request_id) if op is not None else None
+        if entry is None:
+            return
+        rid = entry[0].request_id
+        stream = self._streams.get(rid)
+        if stream is not None:
+            stream.put(errors.RequestFailedError(msg.message))
+        self.abort(rid)
 
     def _on_request_error(self, msg: RequestError) -> None:
         op = self.output_processor

@@ -6,14 +6,20 @@ server. It sees only EngineCoreRequests and produces EngineCoreOutputs.
 
 from __future__ import annotations
 
+import bisect
+import collections
 import time
+import traceback
+from dataclasses import dataclass
 
+from kvflow import envs
 from kvflow.config import EngineConfig
 from kvflow.core.request import Request, RequestStatus
-from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest
+from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SwapPolicy
 from kvflow.engine.messages import CoreStats
-from kvflow.errors import QueueFullError
+from kvflow.engine.processor import bound_for_engine
+from kvflow.errors import InvalidParameterError, QueueFullError
 from kvflow.logger import init_logger
 from kvflow.worker.executor import Executor
 
@@ -37,23 +43,68 @@ def swap_policy(config: EngineConfig) -> SwapPolicy | None:
                       swap_s_per_block=block_bytes(config) / link_bytes_per_s)
 
 
+# Step failures in a row, with no step succeeding in between, after which the failure is
+# taken to be the engine's (a broken device, a bug every request hits), not one
+# request's: the error then propagates and the engine core exits as it always did.
+MAX_CONSECUTIVE_STEP_FAILURES = 8
+
+
+@dataclass
+class RequestFailure:
+    """A request the engine core ended because a step failed on its data."""
+
+    request_id: str
+    message: str
+
+
+def describe_failure(e: BaseException) -> str:
+    """One line: the exception and where it was raised (logs keep no traceback: a
+    request's failure is not the server's crash)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" at {frames[-1].filename.rsplit('/', 2)[-1]}:{frames[-1].lineno} " \
+        f"({frames[-1].name})" if frames else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
         self.executor = Executor(config)
         self.num_blocks = self.executor.initialize()
+        if envs.fault_token() is not None:  # tests only
+            from kvflow.engine.faults import FaultInjectingExecutor
+
+            logger.warning("fault injection on: steps with token %d fail", envs.fault_token())
+            self.executor = FaultInjectingExecutor(self.executor, envs.fault_token())
         self.scheduler = Scheduler(config.scheduler, config.cache.block_size, self.num_blocks,
                                    config.cache.enable_prefix_caching, swap_policy(config))
         self.num_steps = 0
         self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet collected
+        # Fault isolation (see step()): requests of a failed step wait here to be run
+        # alone, one at a time; the one being run alone is the probe.
+        self._suspects: collections.deque[Request] = collections.deque()
+        self._probe: Request | None = None
+        self._probe_due = False
+        self._consecutive_failures = 0
+        self._failures: list[RequestFailure] = []
+        self.num_step_failures = 0
         logger.info("engine core ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request; raises a kvflow error if it can never run."""
+        vocab = self.config.model.arch.vocab_size
+        # Second line of defence: the API process checked this already, but nothing a
+        # client sends may reach the worker's tensors out of range.
+        params = bound_for_engine(req.sampling_params, vocab,
+                                  self.config.model.max_model_len)
+        for t in req.prompt_token_ids:
+            if not 0 <= t < vocab:
+                raise InvalidParameterError(f"prompt token ids must be in [0, {vocab}), "
+                                            f"got {t}", param="prompt")
         parent = self.scheduler.requests.get(req.fork_of) if req.fork_of else None
         self.scheduler.add_request(Request(
-            req.request_id, req.prompt_token_ids, req.sampling_params,
+            req.request_id, req.prompt_token_ids, params,
             eos_token_ids=frozenset(req.eos_token_ids), arrival_time=req.arrival_time,
             priority=req.priority, fork_parent=parent, cache_salt=req.cache_salt))
 
@@ -91,8 +142,35 @@ class EngineCore:
         With async scheduling, this schedules and launches step N+1 before it waits for
         step N, so the GPU always has the next step queued while the CPU updates state:
         the outputs returned are step N's.
+
+        Fault isolation: if a step raises, every running request is put back to be
+        recomputed (the scheduler's and the worker's state are reset as for a
+        preemption), and the requests of the failed step become suspects. Each suspect
+        then runs alone for a step (a probe), between normal steps for everyone else: a
+        probe that fails again is the request the failure comes from, and it ends with a
+        RequestFailure (``take_failures``); one that succeeds goes on as usual.
         """
+        if self._probe is not None or (self._suspects and self._probe_due):
+            return self._probe_step()
+        return self._guarded_step()
+
+    def _guarded_step(self) -> list[EngineCoreOutput]:
+        """A normal step; if it fails, recover (the step's requests become suspects)."""
+        self._probe_due = True
+        launched: list[SchedulerOutput] = []
+        try:
+            outputs = self._normal_step(launched)
+        except Exception as e:
+            return self._recover(e, launched)
+        if launched and not launched[-1].is_empty:
+            self._consecutive_failures = 0
+        return outputs
+
+    def _normal_step(self, launched: list[SchedulerOutput]) -> list[EngineCoreOutput]:
+        if self._in_flight is not None:
+            launched.append(self._in_flight[0])
         sched_out = self.scheduler.schedule()
+        launched.append(sched_out)
         handle = None
         if not sched_out.is_empty or sched_out.finished_req_ids:
             handle = self.executor.execute_model_async(sched_out)
@@ -105,12 +183,131 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None:
             prev_out, prev_handle = self._in_flight
+            self._in_flight = None
             outputs = self.scheduler.update_from_output(prev_out, prev_handle.result())
+            launched.remove(prev_out)
         self._in_flight = (sched_out, handle) if handle is not None else None
         return outputs
 
+    def _recover(self, error: Exception, launched: list[SchedulerOutput]
+                 ) -> list[EngineCoreOutput]:
+        """Reset after a failed normal step; the step's requests become suspects."""
+        outputs: list[EngineCoreOutput] = []
+        if self._in_flight is not None:  # async: a step launched earlier may be fine
+            prev_out, prev_handle = self._in_flight
+            self._in_flight = None
+            try:
+                outputs = self.scheduler.update_from_output(prev_out, prev_handle.result())
+                if prev_out in launched:
+                    launched.remove(prev_out)
+            except Exception:
+                pass  # it failed too: its requests are in ``launched``
+        failed = {rid for so in launched for rid in so.num_scheduled_tokens}
+        self._note_failure(error, failed)
+        if not failed:
+            raise error  # nothing to attribute it to: the engine's own failure
+        self._reset(failed, launched)
+        waiting = self.scheduler.waiting
+        suspects = [r for r in waiting if r.request_id in failed]
+        for req in suspects:
+            waiting.remove(req)
+        self._suspects.extend(suspects)
+        self._probe_due = True
+        logger.warning("a step of %d request(s) failed (%s); running each of them alone "
+                       "to find the one it comes from", len(failed), describe_failure(error))
+        return outputs
+
+    def _note_failure(self, error: Exception, failed: set[str]) -> None:
+        self.num_step_failures += 1
+        self._consecutive_failures += 1
+        if self._consecutive_failures > MAX_CONSECUTIVE_STEP_FAILURES:
+            logger.error("%d steps failed in a row (%d request(s) in the last); this is "
+                         "not one request's fault", self._consecutive_failures, len(failed))
+            raise error
+
+    def _reset(self, failed: set[str], launched: list[SchedulerOutput]) -> None:
+        """Scheduler and worker back to a state without the failed step(s)."""
+        reset_ids = self.scheduler.reset_after_failed_step(failed)
+        # The worker drops them (their KV is recomputed), and whatever the failed steps
+        # told it to forget, in case it never got that far.
+        finished = set().union(*(so.finished_req_ids for so in launched))
+        self.executor.execute_model_async(SchedulerOutput(
+            new_reqs=[], cached_reqs=[], num_scheduled_tokens={},
+            total_num_scheduled_tokens=0, preempted_req_ids=set(reset_ids),
+            finished_req_ids=finished)).result()
+
+    def _probe_step(self) -> list[EngineCoreOutput]:
+        """Run the probe (the next live suspect) alone for one step."""
+        sched = self.scheduler
+        if self._in_flight is not None:
+            # Async scheduling: collect the step in flight first, so that the probe's
+            # step does not replace the tokens the worker still has to resolve.
+            prev_out, prev_handle = self._in_flight
+            try:
+                self._in_flight = None
+                return sched.update_from_output(prev_out, prev_handle.result())
+            except Exception as e:
+                return self._recover(e, [prev_out])
+        if self._probe is not None and (self._probe.is_finished()
+                                        or self._probe.request_id not in sched.requests):
+            self._probe = None  # aborted meanwhile
+        while self._probe is None:
+            if not self._suspects:
+                self._probe_due = False
+                return []
+            req = self._suspects.popleft()
+            if not req.is_finished() and req.request_id in sched.requests:
+                self._probe = req
+        probe = self._probe
+        # Schedule the probe alone: everyone else is out of sight for this one call.
+        running, waiting = sched.running, sched.waiting
+        if probe in running:
+            running.remove(probe)
+        sched.running = [probe] if probe.status == RequestStatus.RUNNING else []
+        sched.waiting = [] if sched.running else [probe]
+        try:
+            so = sched.schedule()
+        finally:
+            sched.running = running + sched.running
+            for req in sched.waiting:
+                bisect.insort(waiting, req, key=Request.sort_key)
+            sched.waiting = waiting
+        if so.is_empty and not so.finished_req_ids:
+            # No blocks for it yet: the others run a step (and free some) meanwhile.
+            if probe in sched.waiting:
+                sched.waiting.remove(probe)
+            return self._guarded_step()
+        try:
+            out = self.executor.execute_model_async(so).result()
+            outputs = sched.update_from_output(so, out)
+        except Exception as e:
+            self._probe = None
+            self._note_failure(e, {probe.request_id})
+            self._reset({probe.request_id}, [so])
+            message = (f"the engine could not run this request ({describe_failure(e)}); "
+                       f"other requests were not affected")
+            logger.error("request %s failed on its own: %s; it is ended with an error",
+                         probe.request_id, describe_failure(e))
+            sched.finish_requests([probe.request_id], RequestStatus.FINISHED_ABORTED)
+            self._failures.append(RequestFailure(probe.request_id, message))
+            return []
+        if not so.is_empty:
+            self.num_steps += 1
+            self._consecutive_failures = 0
+        if probe.is_finished() or any(o.req_id == probe.request_id and o.new_token_ids
+                                      for o in outputs):
+            self._probe = None  # it ran a whole step and sampled: cleared
+            self._probe_due = False
+        return outputs
+
+    def take_failures(self) -> list[RequestFailure]:
+        """Requests ended because a step failed on their data, since the last call."""
+        failures, self._failures = self._failures, []
+        return failures
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or bool(self._failures))
 
     def stats(self) -> CoreStats:
         """A snapshot of the scheduler for logs and /metrics (sent as is over IPC)."""

@@ -29,8 +29,8 @@ import zmq
 from kvflow import envs
 from kvflow.engine.args import EngineArgs
 from kvflow.engine.messages import (Abort, AddRequest, CoreStats, EngineError, FinishStopped,
-                                    Outputs, Ready, RequestError, Shutdown, Stats,
-                                    core_codec)
+                                    Outputs, Ready, RequestError, RequestFailed, Shutdown,
+                                    Stats, core_codec)
 from kvflow.errors import KvflowError
 from kvflow.logger import init_logger
 
@@ -97,6 +97,8 @@ class EngineCoreProc:
                 outputs = self.core.step()
                 elapsed = time.perf_counter() - start
                 stalled = self.core.num_steps == steps and not outputs
+                for failure in self.core.take_failures():
+                    self._send(RequestFailed(failure.request_id, failure.message))
                 if outputs:
                     stats = self.stats()
                     self._send(Outputs(outputs=outputs, stats=stats, step_s=elapsed))

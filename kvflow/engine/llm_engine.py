@@ -68,6 +68,13 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         for child_id, stop in stopped:
             self.core.finish_requests([child_id], stop_reason=stop)
+        for failure in self.core.take_failures():
+            # The request ends with finish_reason "error"; the others go on.
+            ro, siblings = self.output_processor.fail_request(failure.request_id,
+                                                             failure.message)
+            self.core.abort_requests(siblings)
+            if ro is not None:
+                outputs.append(ro)
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -7,7 +7,7 @@ they carry (EngineCoreRequest, EngineCoreOutput, SamplingParams) are plain datac
 that msgspec encodes and checks field by field.
 
 API -> core: AddRequest, Abort, FinishStopped, Shutdown.
-Core -> API: Ready, Outputs, Stats, RequestError, EngineError.
+Core -> API: Ready, Outputs, Stats, RequestError, RequestFailed, EngineError.
 """
 
 from __future__ import annotations
@@ -89,6 +89,14 @@ class RequestError(msgspec.Struct, tag="request_error", frozen=True):
     param: str | None = None
 
 
+class RequestFailed(msgspec.Struct, tag="request_failed", frozen=True):
+    """The core ended an engine-core request because a step failed on its data (see
+    EngineCore.step); the engine goes on. The API fails the whole API request."""
+
+    request_id: str  # engine-core (child) id
+    message: str
+
+
 class EngineError(msgspec.Struct, tag="engine_error", frozen=True):
     """The core hit an unexpected error and is exiting; ``message`` says why."""
 
@@ -96,7 +104,7 @@ class EngineError(msgspec.Struct, tag="engine_error", frozen=True):
 
 
 ToCore = AddRequest | Abort | FinishStopped | Shutdown
-FromCore = Ready | Outputs | Stats | RequestError | EngineError
+FromCore = Ready | Outputs | Stats | RequestError | RequestFailed | EngineError
 
 
 class MessageCodec:
@@ -124,5 +132,5 @@ def core_codec() -> MessageCodec:
 
 
 __all__ = ["CoreStats", "AddRequest", "Abort", "FinishStopped", "Shutdown", "Ready",
-           "Outputs", "Stats", "RequestError", "EngineError", "ToCore", "FromCore",
+           "Outputs", "Stats", "RequestError", "RequestFailed", "EngineError", "ToCore", "FromCore",
            "MessageCodec", "api_codec", "core_codec"]

@@ -187,6 +187,28 @@ class OutputProcessor:
                                 cumulative_logprob=s.cumulative_logprob, logprobs=logprobs,
                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason)
 
+    def fail_request(self, child_id: str, message: str
+                     ) -> tuple[RequestOutput | None, list[str]]:
+        """The engine core ended ``child_id`` with an error: the whole request ends, its
+        sample finishing with reason "error" (``extra["error"]`` says why). Returns the
+        final output and the ids of its other samples still running (to abort)."""
+        entry = self.child_to_parent.get(child_id)
+        if entry is None:
+            return None, []
+        state, sample = entry
+        siblings = [child_request_id(state.request_id, s.index, state.params.n)
+                    for s in state.samples if s.finish_reason is None and s is not sample]
+        for s in state.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "error" if s is sample else "abort"
+                s.changed = True
+        state.metrics.finished_time = time.monotonic()
+        self._forget(state)
+        ro = self._make_output(state)
+        if ro is not None:
+            ro.extra["error"] = message
+        return ro, siblings
+
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns its engine-core ids that may still be running."""
         state = self.requests.get(request_id)

@@ -18,6 +18,47 @@ from kvflow.sampling_params import SamplingParams
 
 PromptType = str | list[int] | Mapping
 
+# What the IPC messages can carry (msgspec: signed 64-bit integers) and the worker can
+# turn into int64 tensors.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int64(value: object, param: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or \
+            not INT64_MIN <= value <= INT64_MAX:
+        raise InvalidParameterError(f"{param} must be a 64-bit integer in [{INT64_MIN}, "
+                                    f"{INT64_MAX}], got {value!r}", param=param)
+
+
+def bound_for_engine(params: SamplingParams, vocab_size: int, max_model_len: int
+                     ) -> SamplingParams:
+    """The request's sampling values checked against this engine (vocabulary, context
+    length, 64-bit integers) and bounded where a value simply means "no limit".
+
+    Runs where a request enters the engine: in the InputProcessor (so nothing that cannot
+    cross the process boundary is sent) and again in the EngineCore (defence in depth:
+    whatever reaches the worker's tensors is in range). Returns ``params`` itself or a
+    bounded copy; the caller's object is never changed.
+    """
+    for t in params.stop_token_ids or []:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise InvalidParameterError(
+                f"stop_token_ids must be token ids in [0, {vocab_size}), got {t!r}",
+                param="stop_token_ids")
+    if params.min_tokens > max_model_len:
+        raise InvalidParameterError(
+            f"min_tokens must be at most the context length ({max_model_len}), got "
+            f"{params.min_tokens}", param="min_tokens")
+    if params.max_tokens is not None and params.max_tokens > INT64_MAX:
+        raise InvalidParameterError(f"max_tokens must be at most {INT64_MAX}",
+                                    param="max_tokens")
+    if params.seed is not None:
+        _int64(params.seed, "seed")
+    # top_k at or above the vocabulary keeps every token: the same as no limit (vLLM).
+    if params.top_k >= vocab_size:
+        return params.clone(top_k=0)
+    return params
+
 
 @dataclass
 class ProcessedRequest:
@@ -88,14 +129,13 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError("sampling_params must be a SamplingParams",
                                         param="sampling_params")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidParameterError(f"priority must be an integer, got {priority!r}",
-                                        param="priority")
+        _int64(priority, "priority")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameterError("cache_salt must be a non-empty string",
                                         param="cache_salt")
-        text, ids = self.tokenize_prompt(prompt)
         cfg = self.config
+        params = bound_for_engine(params, self.vocab_size, cfg.model.max_model_len)
+        text, ids = self.tokenize_prompt(prompt)
         check_request_fits(len(ids), params.max_tokens, cfg.model.max_model_len,
                            cfg.cache.block_size, self.num_blocks)
         arrival = time.monotonic() if arrival_time is None else arrival_time

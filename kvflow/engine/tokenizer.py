@@ -226,12 +226,14 @@ class Tokenizer:
         return self.chat_templates.get("default")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                            chat_template: str | None = None, **template_kwargs: Any) -> str:
+                            chat_template: str | None = None, max_chars: int | None = None,
+                            **template_kwargs: Any) -> str:
         """Render ``messages`` with the model's chat template.
 
         ``chat_template`` picks a named template of the model or is a template itself;
         ``template_kwargs`` (tools, documents, enable_thinking ...) reach the template as
-        variables. Bad messages or a failing template raise InvalidParameterError.
+        variables. Bad messages or a failing template raise InvalidParameterError, and so
+        does a rendering that grows past ``max_chars`` (it stops there).
         """
         template = self._pick_template(chat_template, template_kwargs.get("tools"))
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
@@ -243,7 +245,19 @@ class Tokenizer:
                      "messages": messages, "add_generation_prompt": add_generation_prompt}
         compiled = _compile_template(template)
         try:
-            return compiled.render(**variables)
+            if max_chars is None:
+                return compiled.render(**variables)
+            parts, size = [], 0
+            for piece in compiled.generate(**variables):
+                size += len(piece)
+                if size > max_chars:
+                    raise InvalidParameterError(
+                        f"the chat template renders these messages to more than "
+                        f"{max_chars} characters", param="messages")
+                parts.append(piece)
+            return "".join(parts)
+        except InvalidParameterError:
+            raise
         except Exception as e:  # the template's raise_exception, type errors on odd input ...
             raise InvalidParameterError(f"the chat template cannot render these messages: "
                                         f"{type(e).__name__}: {e}", param="messages") from None

@@ -3,15 +3,15 @@ streaming each reply as it is generated (standard library only)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import argparse
 import json
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 from kvflow import envs
+from kvflow.entrypoints.utils import normalize_base_url
 
 
 class ServerError(Exception):
@@ -75,9 +75,7 @@ def stream_reply(base: str, api_key: str | None, body: dict, out=sys.stdout) -> 
 
 
 def chat_with_server(ns: argparse.Namespace) -> int:
-    base = ns.url.rstrip("/")
-    if base.endswith("/v1"):
-        base = base[:-3]
+    base = normalize_base_url(ns.url)
     api_key = ns.api_key or envs.api_key()
     try:
         model = pick_model(base, api_key, getattr(ns, "model_flag", None) or ns.model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -66,19 +67,57 @@ def kvflow_error_sse(e: KvflowError) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+_TYPE_NAME = re.compile(r"^(constrained-)?(str|int|float|bool|bytes|dict|list|none|tuple|"
+                        r"set|decimal)$")
+
+
+def _is_branch(part: str) -> bool:
+    """A union member's label in an error location (``str``, ``list[int]``, a tag)."""
+    return any(c in part for c in "[]()") or bool(_TYPE_NAME.match(part))
+
+
 def _validation_param(loc: tuple) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
-    # Drop pydantic's union branch names (e.g. "list[int]") after the field.
-    parts = [p for p in parts if not any(c in p for c in "[]()")]
+    parts = [p for p in parts if not _is_branch(p)]
     return ".".join(parts) if parts else None
 
 
+def _branches(errs: list, param: str | None) -> list[str]:
+    """The union members a field's value was tried against, as readable type names."""
+    names = []
+    for e in errs:
+        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+        if _validation_param(tuple(loc)) is None or not (
+                _validation_param(tuple(loc)) or "").startswith(param or ""):
+            continue
+        label = next((p for p in loc if _is_branch(p) and not p.startswith("[")), None)
+        if label:
+            label = re.sub(r"tagged-union\[.*\]", "object", label.replace("constrained-", ""))
+            if label not in names:
+                names.append(label)
+    return names
+
+
 def validation_error(errs: list) -> InvalidParameterError:
-    """The first of pydantic's validation errors as a kvflow error naming the parameter."""
+    """pydantic's validation errors as one kvflow error naming the parameter and what it
+    allows. For a union (``stop``: a string or a list of strings), the error of the member
+    the value's shape matched is the informative one; if it matched none, the message
+    lists the members."""
     if not errs:
         return InvalidParameterError("invalid request")
     first = errs[0]
     param = _validation_param(tuple(first.get("loc", ())))
+    if len(errs) > 1:
+        same = [e for e in errs
+                if (_validation_param(tuple(e.get("loc", ()))) or "").startswith(param or "")]
+        deeper = [e for e in same if not str(e.get("type", "")).endswith("_type")]
+        if deeper:
+            first = deeper[0]
+            param = _validation_param(tuple(first.get("loc", ())))
+        elif len(_branches(same, param)) > 1 and param is not None:
+            return InvalidParameterError(
+                f"invalid type for {param!r}: expected one of "
+                f"{', '.join(_branches(same, param))}", param=param)
     kind = first.get("type", "")
     if kind == "extra_forbidden":
         message = f"unknown parameter: {param!r} is not a parameter of this endpoint"
@@ -88,7 +127,8 @@ def validation_error(errs: list) -> InvalidParameterError:
         message = f"the request body is not a valid JSON object: {first.get('msg')}"
         param = None
     else:
-        message = f"invalid value for {param!r}: {first.get('msg')}"
+        msg = str(first.get("msg", "")).removeprefix("Value error, ")
+        message = f"invalid value for {param!r}: {msg}"
     return InvalidParameterError(message, param=param)
 
 

@@ -1,20 +1,39 @@
 """Request and response schemas of the OpenAI-compatible API (pydantic).
 
 Requests accept the OpenAI parameters plus vLLM's well-known extensions (top_k, min_p,
-repetition_penalty, ignore_eos, ...); an unknown parameter is refused with a 400 that
-names it, as OpenAI does. Responses follow OpenAI's shapes field by field.
+repetition_penalty, ignore_eos, ...), validated strictly: no string-to-number or
+bool-to-number coercion, OpenAI's ranges (temperature 0..2, penalties -2..2, ...), roles
+from OpenAI's list, integers bounded to what the engine can carry, and bounds on lists and
+strings that cost work per token (stop strings, samples, logit_bias entries). An unknown
+parameter is refused with a 400 that names it, as OpenAI does. The bounds an operator may
+want to move are RequestLimits (server options); the request models are built for one
+set of limits (``request_models``), so /openapi.json describes the real constraints.
+Responses follow OpenAI's shapes field by field.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, Literal
+from functools import lru_cache
+from types import SimpleNamespace
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat,
+                      StrictInt, StrictStr, Tag, field_validator, model_serializer,
+                      model_validator)
+
+from kvflow.entrypoints.chat_utils import RESERVED_TEMPLATE_KWARGS
+from kvflow.entrypoints.openai.server_args import RequestLimits
+from kvflow.sampling_params import MAX_LOGPROBS
+
+# What the engine can carry: msgspec IPC and int64 tensors (seeds, priorities); token
+# ids and token counts fit in 32 bits.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Response(BaseModel):
@@ -33,105 +52,190 @@ class _Response(BaseModel):
 
 # --- requests -----------------------------------------------------------------------
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+Float = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
+ShortStr = Annotated[StrictStr, Field(max_length=1024)]
 
-    include_usage: bool = False
+
+class StreamOptions(_Request):
+    include_usage: StrictBool = False
     """Send a last chunk with the usage of the whole request (and ``usage: null`` before)."""
+    include_obfuscation: StrictBool | None = None
+    """Accepted for compatibility; no obfuscation padding is sent."""
 
 
-class SamplingRequest(_Request):
-    """Parameters shared by completions and chat completions."""
-
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    logit_bias: dict[str, float] | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    priority: int = 0
-    """kvflow/vLLM extension: lower values are served first (and preempted last)."""
-    cache_salt: str | None = None
-    """kvflow/vLLM extension: requests share cached prefix KV only with the same salt."""
-    return_token_ids: bool = False
-    """kvflow/vLLM extension: add token_ids (and prompt_token_ids) to each choice."""
-    # Accepted for compatibility; they change nothing here.
-    store: bool | None = None
-    metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
+class TextPart(_Request):
+    type: Literal["text"]
+    text: StrictStr
 
 
-class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+def _part_kind(value: Any) -> str:
+    return "[text]" if isinstance(value, dict) and value.get("type") == "text" else "[other]"
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class OtherPart(BaseModel):
+    """A content part that is not text (image_url, input_audio, file ...): refused."""
 
-    type: str
-    text: str | None = None
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: StrictStr
 
-
-class ChatMessage(BaseModel):
-    # Extra fields (name, tool_calls, tool_call_id ...) reach the chat template.
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: str | list[ContentPart] | None = None
+    @model_validator(mode="after")
+    def _refuse(self):
+        raise ValueError(f"only text content parts are supported (type 'text'), got "
+                         f"type {self.type!r}")
 
 
-class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+# (Tag names in brackets: error locations leave them out, see errors._validation_param.)
+ContentPart = Annotated[Annotated[TextPart, Tag("[text]")]
+                        | Annotated[OtherPart, Tag("[other]")], Discriminator(_part_kind)]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
-class TokenizeCompletionRequest(_Request):
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
+class ChatMessage(_Request):
+    role: Role
+    content: StrictStr | list[ContentPart] | None = None
+    """Text, or a list of text parts; null only for an assistant message with tool_calls."""
+    name: ShortStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: ShortStr | None = None
+    refusal: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (a string or a list of text parts); it "
+                             "may be null only in an assistant message with tool_calls")
+        return self
 
 
-class TokenizeChatRequest(_Request):
-    model: str | None = None
-    messages: list[ChatMessage]
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[int]
+def _check_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value:
+        clash = sorted(set(value) & RESERVED_TEMPLATE_KWARGS)
+        if clash:
+            raise ValueError(f"may not set {', '.join(clash)} (the renderer's own "
+                             f"arguments: {', '.join(sorted(RESERVED_TEMPLATE_KWARGS))})")
+    return value
+
+
+@lru_cache(maxsize=8)
+def request_models(limits: RequestLimits = RequestLimits()) -> SimpleNamespace:
+    """The request models for one set of limits: ``.completion``, ``.chat``,
+    ``.tokenize`` (completion or chat form), ``.detokenize``."""
+    lim = limits
+    StopStr = Annotated[StrictStr, Field(min_length=1, max_length=lim.max_stop_length)]
+    TemplateKwargs = Annotated[dict[str, Any] | None, Field(
+        description="extra variables for the chat template; may not set "
+        + ", ".join(sorted(RESERVED_TEMPLATE_KWARGS)))]
+
+    class SamplingRequest(_Request):
+        """Parameters shared by completions and chat completions."""
+
+        model: ShortStr | None = None
+        n: Annotated[StrictInt, Field(ge=1, le=lim.max_n)] = 1
+        temperature: Annotated[Float, Field(ge=0, le=2)] | None = None
+        top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
+        top_k: Annotated[StrictInt, Field(
+            ge=-1, le=INT64_MAX, description="-1 or 0: no limit; at or above the "
+            "vocabulary size: no limit")] | None = None
+        min_p: Annotated[Float, Field(ge=0, le=1)] | None = None
+        presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+        frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+        repetition_penalty: Annotated[Float, Field(gt=0, le=100)] | None = None
+        seed: Int64 | None = None
+        stop: StopStr | Annotated[list[StopStr], Field(max_length=lim.max_stop)] | None = None
+        stop_token_ids: Annotated[list[TokenId], Field(max_length=lim.max_stop)] | None = None
+        ignore_eos: StrictBool = False
+        min_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] = 0
+        stream: StrictBool = False
+        stream_options: StreamOptions | None = None
+        user: ShortStr | None = None
+        logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                                   Annotated[Float, Field(ge=-100, le=100)]],
+                              Field(max_length=lim.max_logit_bias)] | None = None
+        skip_special_tokens: StrictBool = True
+        spaces_between_special_tokens: StrictBool = True
+        include_stop_str_in_output: StrictBool = False
+        priority: Int64 = 0
+        """kvflow/vLLM extension: lower values are served first (and preempted last)."""
+        cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=1024)] | None = None
+        """kvflow/vLLM extension: requests share cached prefix KV only with the same salt."""
+        return_token_ids: StrictBool = False
+        """kvflow/vLLM extension: add token_ids (and prompt_token_ids) to each choice."""
+        # Accepted for compatibility; they change nothing here.
+        store: StrictBool | None = None
+        metadata: Annotated[dict[Annotated[str, Field(max_length=64)],
+                                 Annotated[StrictStr, Field(max_length=512)]],
+                            Field(max_length=16)] | None = None
+        service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+        prompt_cache_key: ShortStr | None = None
+        safety_identifier: ShortStr | None = None
+
+    TokenPrompt = Annotated[list[TokenId], Field(min_length=1)]
+
+    class CompletionRequest(SamplingRequest):
+        prompt: (StrictStr | Annotated[list[StrictStr], Field(min_length=1,
+                                                              max_length=lim.max_prompts)]
+                 | TokenPrompt
+                 | Annotated[list[TokenPrompt], Field(min_length=1,
+                                                      max_length=lim.max_prompts)])
+        max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = 16
+        echo: StrictBool = False
+        logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+        best_of: Annotated[StrictInt, Field(ge=1, le=lim.max_n)] | None = None
+        suffix: StrictStr | None = None
+
+    Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=lim.max_messages)]
+
+    class ChatCompletionRequest(SamplingRequest):
+        messages: Messages
+        max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
+        max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
+        logprobs: StrictBool = False
+        top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+        tools: list[dict[str, Any]] | None = None
+        tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+        parallel_tool_calls: StrictBool | None = None
+        response_format: ResponseFormat | None = None
+        add_generation_prompt: StrictBool = True
+        chat_template_kwargs: TemplateKwargs = None
+
+        _kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
+
+    class TokenizeCompletionRequest(_Request):
+        model: ShortStr | None = None
+        prompt: StrictStr
+        add_special_tokens: StrictBool = True
+
+    class TokenizeChatRequest(_Request):
+        model: ShortStr | None = None
+        messages: Messages
+        add_generation_prompt: StrictBool = True
+        chat_template_kwargs: TemplateKwargs = None
+
+        _kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
+
+    def tokenize_kind(value: Any) -> str:
+        return "[chat]" if isinstance(value, dict) and "messages" in value else "[completion]"
+
+    TokenizeRequest = Annotated[
+        Annotated[TokenizeCompletionRequest, Tag("[completion]")]
+        | Annotated[TokenizeChatRequest, Tag("[chat]")], Discriminator(tokenize_kind)]
+
+    class DetokenizeRequest(_Request):
+        model: ShortStr | None = None
+        tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
+
+    return SimpleNamespace(completion=CompletionRequest, chat=ChatCompletionRequest,
+                           tokenize=TokenizeRequest, detokenize=DetokenizeRequest,
+                           tokenize_completion=TokenizeCompletionRequest,
+                           tokenize_chat=TokenizeChatRequest, sampling=SamplingRequest)
 
 
 # --- responses ----------------------------------------------------------------------
@@ -282,3 +386,17 @@ class TokenizeResponse(_Response):
 
 class DetokenizeResponse(_Response):
     prompt: str
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Response):
+    """OpenAI's error body; the routes document their error statuses with it (the
+    bodies themselves are written by errors.py)."""
+
+    error: ErrorInfo

@@ -5,35 +5,37 @@ in the background: /health answers 503 until the model is loaded, 200 while it s
 and 503 again if the engine core dies (the server then exits non-zero).
 """
 
-from __future__ import annotations
+# No "from __future__ import annotations": the routes' body types are built per app
+# (request_models) and FastAPI must see them as objects, not names.
 
 import asyncio
-import resource
+import dataclasses
 import signal
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from typing import Annotated
 
 import uvicorn
-from fastapi import FastAPI, Request, Response
-from pydantic import ValidationError
+from fastapi import Body, FastAPI, Request, Response
+from fastapi.openapi.utils import get_openapi
 
 from kvflow import __version__
 from kvflow.config import GiB
 from kvflow.engine.async_client import AsyncEngine, CoreProcess, EngineState
 from kvflow.engine.stats import LoggingStatsListener
 from kvflow.entrypoints.openai.errors import (error_response, install_error_handlers,
-                                              kvflow_error_response, validation_error)
+                                              kvflow_error_response)
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusMetrics
 from kvflow.entrypoints.openai.middleware import GuardMiddleware
-from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                DetokenizeRequest, DetokenizeResponse,
-                                                ModelCard, ModelList, TokenizeChatRequest,
-                                                TokenizeCompletionRequest, TokenizeResponse)
+from kvflow.entrypoints.openai.protocol import (ChatCompletionResponse, CompletionResponse,
+                                                DetokenizeResponse, ErrorResponse, ModelCard,
+                                                ModelList, TokenizeResponse, request_models)
 from kvflow.entrypoints.openai.server_args import ServerArgs
 from kvflow.entrypoints.openai.serving import ClientDisconnected, json_response
 from kvflow.entrypoints.openai.serving_chat import ChatServing, message_dict
 from kvflow.entrypoints.openai.serving_completion import CompletionServing
+from kvflow.entrypoints.utils import raise_fd_limit
 from kvflow.errors import InvalidParameterError, KvflowError
 from kvflow.logger import init_logger
 
@@ -44,6 +46,21 @@ logger = init_logger(__name__)
 DEAD_EXIT_DELAY_S = 2.0
 # HTTP status for a request whose client went away (nginx's convention; nobody reads it).
 CLIENT_CLOSED = 499
+# Waiting requests beyond which the server answers 429 when --max-queued-requests is not
+# given: a burst beyond it gets told to come back instead of piling up without bound.
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+
+
+def _error_responses(*statuses: int) -> dict:
+    """OpenAPI entries for the error statuses a route answers (OpenAI's error body)."""
+    return {status: {"model": ErrorResponse} for status in statuses}
+
+
+def _generation_responses(model) -> dict:
+    return {200: {"model": model, "description": "the response; with stream: true, "
+                  "server-sent events of chunks ending in data: [DONE]",
+                  "content": {"text/event-stream": {}}},
+            **_error_responses(400, 401, 404, 413, 429, 500, 503, 504)}
 
 
 class ServerState:
@@ -58,8 +75,8 @@ class ServerState:
         self.model_name = engine.config.model.name
         self.metrics = PrometheusMetrics(self.model_name)
         self.stats_logger = LoggingStatsListener(args.stats_log_interval)
-        self.completions = CompletionServing(engine, self.model_name)
-        self.chat = ChatServing(engine, self.model_name)
+        self.completions = CompletionServing(engine, self.model_name, args)
+        self.chat = ChatServing(engine, self.model_name, args)
         self.created = int(time.time())
         self.routes: list[str] = []  # "METHOD /path", filled in once the app has them
         engine.add_stats_listener(self.metrics)
@@ -129,9 +146,12 @@ def build_app(engine: AsyncEngine, args: ServerArgs, request_exit: Callable[[int
             await engine.shutdown()
             logger.info("engine stopped")
 
+    # /openapi.json and /docs sit behind the API key like every route but /health.
     app = FastAPI(title="kvflow", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+                  description="OpenAI-compatible API of kvflow (see docs/serving.md)",
+                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.kvflow = state
+    app.openapi = lambda: _openapi(app)
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=args.api_key,
                        max_body_bytes=args.max_body_bytes)
@@ -141,10 +161,29 @@ def build_app(engine: AsyncEngine, args: ServerArgs, request_exit: Callable[[int
     return app
 
 
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema without its 422 entries: validation errors here are OpenAI's 400
+    (the error handlers), which every route documents instead."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version,
+                             description=app.description, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
 
-    @app.get("/health")
+    models = request_models(state.args.limits)
+    CompletionRequest, ChatCompletionRequest = models.completion, models.chat
+    TokenizeRequest, DetokenizeRequest = models.tokenize, models.detokenize
+
+    @app.get("/health", responses=_error_responses(503))
     async def health():
         if engine.state is EngineState.READY:
             return {"status": "ok"}
@@ -154,7 +193,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return kvflow_error_response(e)
         return error_response(503, "the engine is not ready", "service_unavailable")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {}}}})
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -167,23 +207,26 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return ModelCard(id=state.model_name, created=state.created, root=m.path or m.model,
                          max_model_len=m.max_model_len)
 
-    @app.get("/v1/models")
-    async def models():
+    @app.get("/v1/models", response_model=ModelList)
+    async def models_route():
         return json_response(ModelList(data=[model_card()]))
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
+             responses=_error_responses(401, 404))
     async def model(model_id: str):
         state.completions.check_model(model_id)
         return json_response(model_card())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None,
+              responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, raw: Request):
         try:
             return await state.completions.create(body, raw)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=_generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         try:
             return await state.chat.create(body, raw)
@@ -196,27 +239,23 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise InvalidParameterError("this model has no tokenizer")
         return engine.tokenizer
 
-    @app.post("/tokenize")
-    async def tokenize(body: dict):
-        try:
-            req = (TokenizeChatRequest if "messages" in body
-                   else TokenizeCompletionRequest).model_validate(body)
-        except ValidationError as e:
-            raise validation_error(e.errors()) from None
-        state.completions.check_model(req.model)
+    @app.post("/tokenize", response_model=TokenizeResponse,
+              responses=_error_responses(400, 401, 404, 413, 503))
+    async def tokenize(body: Annotated[TokenizeRequest, Body()]):
+        state.completions.check_model(body.model)
         tok = tokenizer()
-        if isinstance(req, TokenizeChatRequest):
-            messages = [message_dict(m) for m in req.messages]
-            _, ids = await engine.run_in_pool(state.chat.render, messages,
-                                              req.add_generation_prompt,
-                                              req.chat_template_kwargs or {})
+        if isinstance(body, models.tokenize_chat):
+            messages = [message_dict(m) for m in body.messages]
+            _, ids = await state.chat.render(messages, body.add_generation_prompt,
+                                             body.chat_template_kwargs)
         else:
-            ids = await engine.run_in_pool(tok.encode, req.prompt, req.add_special_tokens)
+            ids = await engine.run_in_pool(tok.encode, body.prompt, body.add_special_tokens)
         return json_response(TokenizeResponse(
             count=len(ids), max_model_len=engine.config.model.max_model_len, tokens=ids,
             token_strs=tok.convert_ids_to_tokens(ids)))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse,
+              responses=_error_responses(400, 401, 404, 413, 503))
     async def detokenize(body: DetokenizeRequest):
         state.completions.check_model(body.model)
         tok = tokenizer()
@@ -232,7 +271,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 def run_server(engine_args, server_args: ServerArgs) -> int:
     """Serve until SIGINT/SIGTERM (exit 0) or until the engine core dies (exit 1)."""
     start = time.monotonic()
-    _raise_fd_limit()
+    raise_fd_limit()
+    if engine_args.max_queued_requests is None:
+        engine_args = dataclasses.replace(engine_args,
+                                          max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS)
     # The core's start-up (imports, model load) overlaps this process's own.
     core = CoreProcess(engine_args)
     try:
@@ -260,13 +302,6 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
     if not server.started and exit_code[0] == 0:
         exit_code[0] = 1  # e.g. the port was taken
     return exit_code[0]
-
-
-def _raise_fd_limit() -> None:
-    # Each open connection is a file descriptor; a benchmark at rate inf opens thousands.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 class _Server(uvicorn.Server):

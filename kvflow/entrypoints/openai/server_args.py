@@ -3,12 +3,38 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvflow import envs
 from kvflow.errors import InvalidParameterError
 
 MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request bounds an operator may want to move (``kvflow serve`` options)."""
+
+    max_n: int = 128
+    """Most samples per request (``n``, ``best_of``): each is a sequence in the batch."""
+    max_stop: int = 16
+    """Most stop strings, and most stop token ids, per request."""
+    max_stop_length: int = 256
+    """Longest stop string in characters (each costs string matching on every delta)."""
+    max_logit_bias: int = 300
+    """Most logit_bias entries (OpenAI's limit)."""
+    max_messages: int = 2048
+    """Most messages in one chat request."""
+    max_prompts: int = 256
+    """Most prompts in one completion request (a list of prompts)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_stop", "max_stop_length", "max_logit_bias",
+                     "max_messages", "max_prompts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidParameterError(f"{name} must be an integer >= 1, got {value!r}",
+                                            param=name)
 
 
 @dataclass(frozen=True)
@@ -33,6 +59,15 @@ class ServerArgs:
     """Threads that tokenize prompts and render chat templates."""
     shutdown_timeout: float = 30.0
     """On SIGINT/SIGTERM, how long in-flight responses may take to finish."""
+    request_timeout: float | None = None
+    """Longest a generation request may take, queueing included; past it the request is
+    aborted and answered 504 (inside a stream: an error event). None: no limit."""
+    chat_template_timeout: float = 5.0
+    """Longest a chat template may take to render one request's messages (400 past it)."""
+    max_chat_prompt_chars: int = 4 * MiB
+    """Longest prompt a chat template may render, in characters (400 past it)."""
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    """Per-request bounds (samples, stop strings, logit_bias entries, messages, prompts)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -50,6 +85,15 @@ class ServerArgs:
         if self.shutdown_timeout < 0:
             raise InvalidParameterError("shutdown_timeout must be >= 0",
                                         param="shutdown_timeout")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise InvalidParameterError("request_timeout must be > 0 (or not given)",
+                                        param="request_timeout")
+        if not self.chat_template_timeout > 0:
+            raise InvalidParameterError("chat_template_timeout must be > 0",
+                                        param="chat_template_timeout")
+        if self.max_chat_prompt_chars < 1:
+            raise InvalidParameterError("max_chat_prompt_chars must be >= 1",
+                                        param="max_chat_prompt_chars")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -72,6 +116,26 @@ class ServerArgs:
                        help="threads for tokenization and chat templates")
         g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                        help="seconds in-flight responses get on SIGINT/SIGTERM")
+        g.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                       help="seconds a generation request may take, queueing included "
+                       "(504 past it; default: no limit)")
+        g.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout,
+                       help="seconds a chat template may take to render (400 past it)")
+        g.add_argument("--max-chat-prompt-chars", type=int, default=d.max_chat_prompt_chars,
+                       help="longest prompt a chat template may render, in characters")
+        lim = d.limits
+        g.add_argument("--max-n", type=int, default=lim.max_n,
+                       help="most samples per request (n, best_of)")
+        g.add_argument("--max-stop", type=int, default=lim.max_stop,
+                       help="most stop strings (and most stop token ids) per request")
+        g.add_argument("--max-stop-length", type=int, default=lim.max_stop_length,
+                       help="longest stop string, in characters")
+        g.add_argument("--max-logit-bias", type=int, default=lim.max_logit_bias,
+                       help="most logit_bias entries per request")
+        g.add_argument("--max-messages", type=int, default=lim.max_messages,
+                       help="most messages per chat request")
+        g.add_argument("--max-prompts", type=int, default=lim.max_prompts,
+                       help="most prompts per completion request")
         return parser
 
     @classmethod
@@ -81,4 +145,11 @@ class ServerArgs:
                    stats_log_interval=ns.stats_log_interval, access_log=ns.access_log,
                    uvicorn_log_level=ns.uvicorn_log_level,
                    tokenizer_workers=ns.tokenizer_workers,
-                   shutdown_timeout=ns.shutdown_timeout)
+                   shutdown_timeout=ns.shutdown_timeout, request_timeout=ns.request_timeout,
+                   chat_template_timeout=ns.chat_template_timeout,
+                   max_chat_prompt_chars=ns.max_chat_prompt_chars,
+                   limits=RequestLimits(max_n=ns.max_n, max_stop=ns.max_stop,
+                                        max_stop_length=ns.max_stop_length,
+                                        max_logit_bias=ns.max_logit_bias,
+                                        max_messages=ns.max_messages,
+                                        max_prompts=ns.max_prompts))

@@ -4,6 +4,7 @@ client-disconnect handling, stream plumbing and logprob formatting."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 
@@ -12,14 +13,11 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from kvflow.engine.async_client import AsyncEngine
-from kvflow.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, \
-    UsageInfo
-from kvflow.errors import InvalidParameterError, ModelNotFoundError
+from kvflow.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from kvflow.entrypoints.openai.server_args import ServerArgs
+from kvflow.errors import InvalidParameterError, ModelNotFoundError, RequestTimeoutError
 from kvflow.outputs import Logprob, PositionLogprobs, RequestOutput
 from kvflow.sampling_params import OutputKind, SamplingParams
-
-# Most samples one request may ask for (each is a sequence in the batch).
-MAX_N = 128
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty")
@@ -47,6 +45,19 @@ def sse_event(chunk: dict) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+class ChunkBuilder:
+    """The stream chunks of one response, chat or completion: the fields every chunk
+    repeats are fixed once, each chunk then adds its choices (and the usage, in the last
+    one). Plain dicts shaped like protocol.ChatCompletionChunk / CompletionChunk."""
+
+    def __init__(self, request_id: str, obj: str, model: str) -> None:
+        self.head = {"id": request_id, "object": obj, "created": int(time.time()),
+                     "model": model}
+
+    def __call__(self, choices: list[dict], usage: dict | None = None) -> bytes:
+        return sse_event({**self.head, "choices": choices, "usage": usage})
+
+
 def sse_response(events: AsyncIterator[bytes | str]) -> StreamingResponse:
     # no-cache / no buffering: proxies must pass each event on as it comes.
     return StreamingResponse(events, media_type="text/event-stream",
@@ -60,13 +71,18 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def run_until_disconnect(request: Request, work: Awaitable):
+async def run_until_disconnect(request: Request, work: Awaitable,
+                               deadline: float | None = None):
     """Await ``work``; if the client disconnects first, cancel it (which aborts its engine
-    requests) and raise ClientDisconnected."""
+    requests) and raise ClientDisconnected; if ``deadline`` (loop time) passes first,
+    cancel it and raise RequestTimeoutError."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
+    timeout = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop()
+                                                .time())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher}, timeout=timeout,
+                           return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         task.cancel()
         raise
@@ -76,7 +92,32 @@ async def run_until_disconnect(request: Request, work: Awaitable):
         return task.result()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    raise ClientDisconnected()
+    if watcher.done() and not watcher.cancelled():
+        raise ClientDisconnected()
+    raise timeout_error()
+
+
+def timeout_error() -> RequestTimeoutError:
+    return RequestTimeoutError("the request took longer than the server's request timeout "
+                               "(--request-timeout) and was ended")
+
+
+async def until_deadline(agen: AsyncIterator, deadline: float | None) -> AsyncIterator:
+    """The items of ``agen`` while ``deadline`` (loop time) has not passed; then
+    RequestTimeoutError (the pending item is cancelled, which aborts its request)."""
+    if deadline is None:
+        async for item in agen:
+            yield item
+        return
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            item = await asyncio.wait_for(agen.__anext__(), max(0.0, deadline - loop.time()))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise timeout_error() from None
+        yield item
 
 
 async def gather_or_cancel(aws: list[Awaitable]) -> list:
@@ -172,9 +213,16 @@ def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 class OpenAIServing:
     """Base of the endpoints that generate."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str,
+                 args: ServerArgs | None = None) -> None:
         self.engine = engine
         self.model_name = served_model_name
+        self.args = args or ServerArgs()
+
+    def deadline(self) -> float | None:
+        """Loop time by which a request arriving now must be done (--request-timeout)."""
+        t = self.args.request_timeout
+        return None if t is None else asyncio.get_running_loop().time() + t
 
     def check_model(self, name: str | None) -> None:
         if name is None or name == self.model_name or name == self.engine.config.model.model:
@@ -182,11 +230,9 @@ class OpenAIServing:
         raise ModelNotFoundError(f"the model {name!r} does not exist: this server serves "
                                  f"{self.model_name!r} (see /v1/models)", param="model")
 
-    def sampling_params(self, req: SamplingRequest, *, max_tokens: int | None,
+    def sampling_params(self, req, *, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None
                         ) -> SamplingParams:
-        if not isinstance(req.n, int) or req.n > MAX_N:
-            raise InvalidParameterError(f"n must be at most {MAX_N}, got {req.n}", param="n")
         if req.logit_bias:
             raise InvalidParameterError("logit_bias is not supported by this server",
                                         param="logit_bias")

@@ -4,104 +4,97 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import Request
 
+from kvflow.entrypoints.chat_utils import render_chat
 from kvflow.entrypoints.openai.errors import kvflow_error_sse
-from kvflow.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest,
-                                                ChatCompletionResponse, ChatLogprobs,
-                                                ChatMessage, ChatResponseMessage,
+from kvflow.entrypoints.openai.protocol import (ChatChoice, ChatCompletionResponse,
+                                                ChatLogprobs, ChatResponseMessage,
                                                 ChatTokenLogprob, TopLogprob)
-from kvflow.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, chain_first,
-                                               json_response, last_output, random_id,
-                                               run_until_disconnect, sse_event, sse_response,
-                                               usage_info)
+from kvflow.entrypoints.openai.serving import (SSE_DONE, ChunkBuilder, OpenAIServing,
+                                               chain_first, json_response, last_output,
+                                               random_id, run_until_disconnect,
+                                               sse_response, until_deadline, usage_info)
 from kvflow.errors import InvalidParameterError, KvflowError
 from kvflow.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from kvflow.sampling_params import MAX_LOGPROBS
+
+# Message fields that reach the chat template besides role and content.
+_MESSAGE_EXTRAS = ("name", "tool_calls", "tool_call_id", "refusal", "reasoning_content")
 
 
-def message_dict(m: ChatMessage) -> dict:
-    """A message as chat templates expect it: text content, extra fields kept."""
+def message_dict(m) -> dict:
+    """A validated ChatMessage as chat templates expect it: text content (text parts
+    joined by newlines, "" for none), the optional fields that were given."""
     content = m.content
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise InvalidParameterError(f"only text content parts are supported, got "
-                                            f"{part.type!r}", param="messages")
-            texts.append(part.text)
-        content = "\n".join(texts)
-    return {**(m.model_extra or {}), "role": m.role, "content": content}
+        content = "\n".join(part.text for part in content)
+    elif content is None:  # an assistant turn of tool calls: templates expect a string
+        content = ""
+    extras = {k: getattr(m, k) for k in _MESSAGE_EXTRAS if getattr(m, k) is not None}
+    return {**extras, "role": m.role, "content": content}
 
 
 class ChatServing(OpenAIServing):
-    def render(self, messages: list[dict], add_generation_prompt: bool,
-               template_kwargs: dict) -> tuple[str, list[int]]:
-        """Chat template -> (prompt text, token ids); runs in the tokenizer thread pool."""
-        tok = self.engine.tokenizer
-        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                       **template_kwargs)
-        return text, tok.encode(text, add_special_tokens=False)
+    async def render(self, messages: list[dict], add_generation_prompt: bool,
+                     template_kwargs: dict | None) -> tuple[str, list[int]]:
+        """Chat template -> (prompt text, token ids), in the tokenizer thread pool, limited
+        in time and size (--chat-template-timeout, --max-chat-prompt-chars)."""
+        a = self.args
+        return await self.engine.run_in_pool(
+            partial(render_chat, self.engine.tokenizer, messages, add_generation_prompt,
+                    template_kwargs, timeout_s=a.chat_template_timeout,
+                    max_chars=a.max_chat_prompt_chars))
 
-    def check_request(self, req: ChatCompletionRequest) -> None:
+    def check_request(self, req) -> None:
         if self.engine.tokenizer is None:
             raise InvalidParameterError("this model has no tokenizer, so it cannot chat; use "
                                         "/v1/completions with token ids", param="messages")
-        if not req.messages:
-            raise InvalidParameterError("messages must not be empty", param="messages")
         if req.tools:
             raise InvalidParameterError("tools are not supported by this server",
                                         param="tools")
         if isinstance(req.tool_choice, dict) or req.tool_choice not in (None, "none", "auto"):
-            raise InvalidParameterError("tool_choice is not supported by this server",
-                                        param="tool_choice")
-        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise InvalidParameterError("tool_choice is not supported by this server (only "
+                                        "'none' or 'auto' without tools)", param="tool_choice")
+        if req.response_format and req.response_format.type != "text":
             raise InvalidParameterError("only response_format {'type': 'text'} is supported",
                                         param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidParameterError("top_logprobs needs logprobs to be true",
                                         param="top_logprobs")
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise InvalidParameterError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
-                                        f"{req.top_logprobs}", param="top_logprobs")
-        for name in ("max_completion_tokens", "max_tokens"):
-            value = getattr(req, name)
-            if value is not None and value < 1:
-                raise InvalidParameterError(f"{name} must be an integer >= 1, got {value}",
-                                            param=name)
 
-    async def create(self, req: ChatCompletionRequest, raw: Request):
+    async def create(self, req, raw: Request):
         self.engine.check_ready()
         self.check_model(req.model)
         self.check_request(req)
+        deadline = self.deadline()
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
         arrival = time.monotonic()
         messages = [message_dict(m) for m in req.messages]
-        text, ids = await self.engine.run_in_pool(self.render, messages,
-                                                  req.add_generation_prompt,
-                                                  req.chat_template_kwargs or {})
+        text, ids = await self.render(messages, req.add_generation_prompt,
+                                      req.chat_template_kwargs)
         request_id = random_id("chatcmpl")
         gen = self.engine.generate(request_id, {"prompt": text, "prompt_token_ids": ids},
                                    params, arrival_time=arrival, priority=req.priority,
                                    cache_salt=req.cache_salt)
         if req.stream:
             try:
-                first = await run_until_disconnect(raw, gen.__anext__())
+                first = await run_until_disconnect(raw, gen.__anext__(), deadline)
             except BaseException:
                 await gen.aclose()
                 raise
-            return sse_response(self._stream(req, request_id, first, gen))
+            return sse_response(self._stream(req, request_id, first, gen, deadline))
         try:
-            final = await run_until_disconnect(raw, last_output(gen))
+            final = await run_until_disconnect(raw, last_output(gen), deadline)
         finally:
             await gen.aclose()
         return json_response(self._response(req, request_id, final))
 
-    def _logprobs(self, req: ChatCompletionRequest, c: CompletionOutput
+    def _logprobs(self, req, c: CompletionOutput
                   ) -> ChatLogprobs | None:
         if not req.logprobs:
             return None
@@ -121,7 +114,7 @@ class ChatServing(OpenAIServing):
         return ChatTokenLogprob(token=text, logprob=lp.logprob if lp is not None else
                                 float("-inf"), bytes=list(text.encode()), top_logprobs=tops)
 
-    def _response(self, req: ChatCompletionRequest, request_id: str,
+    def _response(self, req, request_id: str,
                   ro: RequestOutput) -> ChatCompletionResponse:
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                               logprobs=self._logprobs(req, c), finish_reason=c.finish_reason,
@@ -134,16 +127,10 @@ class ChatServing(OpenAIServing):
             id=request_id, model=self.model_name, choices=choices, usage=usage,
             prompt_token_ids=ro.prompt_token_ids if req.return_token_ids else None)
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str,
-                      first: RequestOutput, gen) -> AsyncIterator[bytes | str]:
-        created = int(time.time())
+    async def _stream(self, req, request_id: str, first: RequestOutput, gen,
+                      deadline: float | None) -> AsyncIterator[bytes | str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-            # ChatCompletionChunk's shape, as a plain dict (see serving.sse_event).
-            return sse_event({"id": request_id, "object": "chat.completion.chunk",
-                              "created": created, "model": self.model_name,
-                              "choices": choices, "usage": usage})
+        chunk = ChunkBuilder(request_id, "chat.completion.chunk", self.model_name)
 
         def choice(index: int, delta: dict, c: CompletionOutput | None = None) -> dict:
             lp = self._logprobs(req, c) if c is not None else None
@@ -160,7 +147,7 @@ class ChatServing(OpenAIServing):
         try:
             for i in range(req.n):
                 yield chunk([choice(i, {"role": "assistant", "content": ""})])
-            async for ro in chain_first(first, gen):
+            async for ro in until_deadline(chain_first(first, gen), deadline):
                 last = ro
                 for c in ro.outputs:
                     completion_tokens += len(c.token_ids)

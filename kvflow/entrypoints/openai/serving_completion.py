@@ -9,12 +9,12 @@ from fastapi import Request
 
 from kvflow.entrypoints.openai.errors import kvflow_error_sse
 from kvflow.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
-                                                CompletionRequest, CompletionResponse)
-from kvflow.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, close_all,
-                                               gather_or_cancel, json_response, last_output,
-                                               merge_streams, random_id,
-                                               run_until_disconnect, sse_event, sse_response,
-                                               usage_info)
+                                                CompletionResponse)
+from kvflow.entrypoints.openai.serving import (SSE_DONE, ChunkBuilder, OpenAIServing,
+                                               close_all, gather_or_cancel, json_response,
+                                               last_output, merge_streams, random_id,
+                                               run_until_disconnect, sse_response,
+                                               until_deadline, usage_info)
 from kvflow.errors import InvalidParameterError, KvflowError
 from kvflow.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
@@ -34,8 +34,9 @@ def normalize_prompts(prompt) -> list[str | list[int]]:
 
 
 class CompletionServing(OpenAIServing):
-    async def create(self, req: CompletionRequest, raw: Request):
+    async def create(self, req, raw: Request):
         self.engine.check_ready()
+        deadline = self.deadline()
         self.check_model(req.model)
         if req.suffix:
             raise InvalidParameterError("suffix is not supported", param="suffix")
@@ -54,20 +55,20 @@ class CompletionServing(OpenAIServing):
         if req.stream:
             try:
                 firsts = await run_until_disconnect(
-                    raw, gather_or_cancel([g.__anext__() for g in gens]))
+                    raw, gather_or_cancel([g.__anext__() for g in gens]), deadline)
             except BaseException:
                 await close_all(gens)
                 raise
-            return sse_response(self._stream(req, request_id, firsts, gens))
+            return sse_response(self._stream(req, request_id, firsts, gens, deadline))
         try:
             finals = await run_until_disconnect(raw, gather_or_cancel(
-                [last_output(g) for g in gens]))
+                [last_output(g) for g in gens]), deadline)
         finally:
             await close_all(gens)
         return json_response(self._response(req, request_id, finals))
 
     # --- non-streaming --------------------------------------------------------------
-    def _response(self, req: CompletionRequest, request_id: str,
+    def _response(self, req, request_id: str,
                   finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
         prompt_tokens = completion_tokens = cached = 0
@@ -82,7 +83,7 @@ class CompletionServing(OpenAIServing):
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                   usage=usage_info(prompt_tokens, completion_tokens, cached))
 
-    def _choice(self, req: CompletionRequest, index: int, ro: RequestOutput,
+    def _choice(self, req, index: int, ro: RequestOutput,
                 c: CompletionOutput, prompt_text: str, with_prompt: bool
                 ) -> CompletionChoice:
         logprobs = None
@@ -100,10 +101,14 @@ class CompletionServing(OpenAIServing):
             else None)
 
     def _prompt_text(self, ro: RequestOutput) -> str:
+        """The echoed prompt: as sent, or token ids decoded with their special tokens, so
+        that it is the concatenation of the prompt's logprob tokens (text_offset points
+        into it)."""
         if ro.prompt is not None:
             return ro.prompt
         tok = self.engine.tokenizer
-        return tok.decode(ro.prompt_token_ids) if tok is not None else ""
+        return tok.decode(ro.prompt_token_ids, skip_special_tokens=False) \
+            if tok is not None else ""
 
     def _add_prompt_logprobs(self, out: CompletionLogprobs, ro: RequestOutput) -> int:
         positions = ro.prompt_logprobs or []
@@ -139,15 +144,10 @@ class CompletionServing(OpenAIServing):
         return {self.token_text(lp, t): lp.logprob for t, lp in pos.items()}
 
     # --- streaming ------------------------------------------------------------------
-    async def _stream(self, req: CompletionRequest, request_id: str,
-                      firsts: list[RequestOutput], gens: list) -> AsyncIterator[bytes | str]:
-        created = int(time.time())
+    async def _stream(self, req, request_id: str, firsts: list[RequestOutput], gens: list,
+                      deadline: float | None) -> AsyncIterator[bytes | str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-            return sse_event({"id": request_id, "object": "text_completion",
-                              "created": created, "model": self.model_name,
-                              "choices": choices, "usage": usage})
+        chunk = ChunkBuilder(request_id, "text_completion", self.model_name)
 
         n = req.n
         echoed: set[int] = set()
@@ -157,7 +157,7 @@ class CompletionServing(OpenAIServing):
         cached = [0] * len(firsts)
         merged = merge_streams(firsts, gens)
         try:
-            async for i, ro in merged:
+            async for i, ro in until_deadline(merged, deadline):
                 cached[i] = max(cached[i], ro.num_cached_tokens)
                 for c in ro.outputs:
                     index = i * n + c.index
@@ -175,7 +175,7 @@ class CompletionServing(OpenAIServing):
             await close_all(gens)
         yield SSE_DONE
 
-    def _stream_choice(self, req: CompletionRequest, index: int, ro: RequestOutput,
+    def _stream_choice(self, req, index: int, ro: RequestOutput,
                        c: CompletionOutput, first: bool, offsets: dict[int, int]) -> dict:
         """A choice of a stream chunk (CompletionChoice's shape)."""
         with_prompt = req.echo and first
