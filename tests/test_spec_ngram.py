@@ -68,3 +68,51 @@ def test_engine_args_turn_async_scheduling_off():
     with pytest.raises(InvalidParameterError, match="async_scheduling cannot"):
         EngineArgs(load_format="dummy", device="cpu", speculative_config=spec,
                    async_scheduling=True).create_engine_config()
+
+
+def test_cli_generate_with_ngram_and_bad_config():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVFLOW_NO_PROGRESS": "1"}
+    cmd = [sys.executable, "-m", "kvflow.cli", "generate"]
+    p = subprocess.run(cmd + ["tiny-llama", "--load-format", "dummy", "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 0}'],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "num_speculative_tokens must be" in p.stderr
+    p = subprocess.run(cmd + ["--max-model-len", "512", "--kv-cache-memory", "128MiB",
+                              "--max-tokens", "12", "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 3}', "--prompt",
+                              "Repeat exactly: one two three four five six seven eight"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "one two three" in p.stdout
+
+
+def test_spec_counters_in_log_line_and_metrics():
+    from kvflow.engine.messages import CoreStats
+    from kvflow.engine.stats import LoggingStatsListener
+    from kvflow.entrypoints.openai.metrics import PrometheusMetrics
+
+    def core(drafts, tokens, accepted, per_pos):
+        return CoreStats(num_running=1, num_waiting=0, num_blocks=10, num_used_blocks=2,
+                         kv_cache_usage=0.2, num_preemptions=0, num_steps=5,
+                         spec_num_drafts=drafts, spec_num_draft_tokens=tokens,
+                         spec_num_accepted_tokens=accepted, spec_accepted_per_pos=per_pos)
+
+    log = LoggingStatsListener(5.0)
+    log.log(0.0)
+    log.record(core(10, 40, 20, (9, 6, 3, 2)), None)
+    line = log.log(5.0)
+    assert "acceptance 50.0%" in line and "mean accepted length 3.00" in line
+    assert "accepted per position [0.90, 0.60, 0.30, 0.20]" in line
+    m = PrometheusMetrics("m")
+    m.record(core(10, 40, 20, (9, 6, 3, 2)), None)
+    m.record(core(12, 48, 21, (10, 6, 3, 2)), None)
+    text = m.render().decode()
+    assert 'kvflow:spec_decode_num_drafts_total{model_name="m"} 12.0' in text
+    assert 'kvflow:spec_decode_num_draft_tokens_total{model_name="m"} 48.0' in text
+    assert 'kvflow:spec_decode_num_accepted_tokens_total{model_name="m"} 21.0' in text
+    assert ('kvflow:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}'
+            ' 10.0') in text
