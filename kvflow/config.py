@@ -320,3 +320,9 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig | None = None
     """Speculative decoding; None: off."""
+
+    def __post_init__(self) -> None:
+        # The worker appends a verification step's tokens when the step is collected, so
+        # no step may be built while one is in flight.
+        require(self.speculative is None or not self.scheduler.async_scheduling,
+                "async_scheduling", "cannot be combined with speculative decoding")
