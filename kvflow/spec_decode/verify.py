@@ -1,38 +1,29 @@
-"""The worker's side of speculative decoding: place the scheduled drafts in the step,
-verify them with the rejection sampler, and propose the next drafts.
+"""The worker's side of speculative decoding, used by the step builder and the runner:
+place the scheduled drafts in the step, verify them with the rejection sampler, and
+propose the next drafts.
 
 The scheduler counts a request's drafts among its scheduled tokens (they come last), so
-the step already computes K/V and hidden states for them like any other tokens; what is
-special is only where logits are taken (one row per draft plus one after them) and how
-the tokens are chosen from those rows.
+the step computes K/V and hidden states for them like for any other tokens; what is
+special is only where logits are taken (one sample row per draft plus one after them,
+``SamplePlan`` with ``d + 1`` rows for the request) and how tokens are chosen from them.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvflow.config import SpeculativeConfig
-from kvflow.core.sched_output import LogprobsEntry, SchedulerOutput
-from kvflow.layers.rejection_sampler import INVALID_TOKEN, RejectionSampler
+from kvflow.core.sched_output import SchedulerOutput
+from kvflow.layers.rejection_sampler import RejectionSampler
 from kvflow.layers.sampler import SamplingMetadata, gather_logprobs
 from kvflow.spec_decode.proposer import make_proposer
-from kvflow.worker.transfer import to_device, to_host_async
-
-
-@dataclass
-class DraftPlan:
-    """Where one step's drafts sit, for the requests that sample (in sampling order)."""
-
-    num_draft: list[int]  # [S] drafts per sampling request
-    draft_token_ids: list[int]  # [D] flat, request-major
-    logits_indices: np.ndarray  # [S + D] flat token indices: d_i + 1 rows per request
+from kvflow.worker.transfer import to_device
 
 
 class SpecDecoder:
-    """Owned by the model runner when speculative decoding is on."""
+    """Owned by the model runner (and handed to its step builder) when speculative
+    decoding is on."""
 
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
         self.config = config
@@ -51,55 +42,40 @@ class SpecDecoder:
             batch.token_ids[row, start: start + len(drafts)] = drafts
 
     @staticmethod
-    def plan(so: SchedulerOutput, req_ids: list[str], sample_reqs: np.ndarray,
-             qsl: np.ndarray) -> DraftPlan:
-        """``sample_reqs`` [S]: indices into ``req_ids`` of requests that sample;
-        ``qsl`` [R + 1]: their query start offsets in the flat token list."""
+    def num_drafts(so: SchedulerOutput, req_ids: list[str]) -> np.ndarray:
+        """[R] drafts of each request of the step (0 for most)."""
         spec = so.scheduled_spec_decode_tokens
-        num_draft, flat, idx = [], [], []
-        for i in sample_reqs.tolist():
-            drafts = spec.get(req_ids[i], ())
-            end = int(qsl[i + 1])
-            num_draft.append(len(drafts))
-            flat.extend(drafts)
-            idx.extend(range(end - 1 - len(drafts), end))
-        return DraftPlan(num_draft, flat, np.asarray(idx, dtype=np.int64))
-
-    # --- sampling -------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, meta: SamplingMetadata, plan: DraftPlan,
-               min_tokens_left: list[int]) -> dict:
-        """logits [S + D, V] -> host copies of the verdict (queued, not waited for)."""
-        drafts = to_device(plan.draft_token_ids, self.device, torch.int64)
-        out = self.rejection_sampler(logits, drafts, plan.num_draft, meta,
-                                     min_tokens_left=min_tokens_left)
-        host = {"spec_tokens": to_host_async(out.token_ids),
-                "spec_accepted": to_host_async(out.num_accepted)}
-        if meta.max_num_logprobs is not None:
-            # Logprobs of each emitted token at its own row (raw logits, as Sampler does).
-            ids = out.row_token_ids.clamp(min=0)
-            host["spec_lp"] = tuple(to_host_async(t) for t in gather_logprobs(
-                logits.log_softmax(dim=-1), ids, meta.max_num_logprobs))
-        return host
+        return np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64,
+                           count=len(req_ids))
 
     @staticmethod
-    def emitted(host: dict, plan: DraftPlan, j: int, k: int | None
-                ) -> tuple[list[int], list[LogprobsEntry] | None]:
-        """Sampling request j's emitted tokens (accepted drafts + one) and, when it asked
-        for ``k`` logprobs, one entry per emitted token."""
-        if "spec_list" not in host:
-            host["spec_list"] = host["spec_tokens"].tolist()
-            host["spec_acc"] = host["spec_accepted"].tolist()
-            host["spec_row0"] = np.concatenate(([0], np.cumsum(np.asarray(plan.num_draft) + 1)))
-            if "spec_lp" in host:
-                host["spec_lp_list"] = [t.tolist() for t in host["spec_lp"]]
-        n = host["spec_acc"][j] + 1
-        tokens = host["spec_list"][j][:n]
-        assert INVALID_TOKEN not in tokens
-        if k is None or "spec_lp_list" not in host:
-            return tokens, None
-        ids, lps, ranks = host["spec_lp_list"]
-        r0 = int(host["spec_row0"][j])
-        return tokens, [(ids[r][: k + 1], lps[r][: k + 1], ranks[r]) for r in range(r0, r0 + n)]
+    def sample_rows(qsl: np.ndarray, sample_reqs: np.ndarray, nd: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """Sample rows of drafting requests: the last d + 1 tokens of each one's chunk.
+        Returns offsets [S + 1] and flat token indices [N]."""
+        counts = nd[sample_reqs] + 1  # [S]
+        offsets = np.zeros(len(sample_reqs) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        ends = qsl[1:][sample_reqs]  # [S] one past each request's last token
+        row_req = np.repeat(np.arange(len(sample_reqs)), counts)  # [N]
+        within = np.arange(int(offsets[-1])) - offsets[:-1][row_req]
+        return offsets, ends[row_req] - counts[row_req] + within
+
+    # --- sampling -------------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, meta: SamplingMetadata, num_draft: list[int],
+               draft_token_ids: list[int], min_tokens_left: list[int]):
+        """logits [N, V] (N = sum(d_i + 1)), ``meta`` with one row per request ->
+        (token emitted at each sample row [N], INVALID_TOKEN past a request's last;
+        logprobs of those tokens (ids, logprobs, ranks) or None)."""
+        drafts = to_device(draft_token_ids, self.device, torch.int64)
+        out = self.rejection_sampler(logits, drafts, num_draft, meta,
+                                     min_tokens_left=min_tokens_left)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            # Logprobs of each emitted token at its own row (raw logits, as Sampler does).
+            logprobs = gather_logprobs(logits.log_softmax(dim=-1),
+                                       out.row_token_ids.clamp(min=0), meta.max_num_logprobs)
+        return out.row_token_ids, logprobs
 
     # --- after the step -------------------------------------------------------------
     def propose(self, batch, req_ids: list[str], sampled: list[list[int]]) -> list[list[int]]:
