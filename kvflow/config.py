@@ -6,9 +6,9 @@ This module is pure Python (no torch): the scheduler in ``kvflow.core`` reads it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from kvflow.errors import require
+from kvflow.errors import InvalidParameterError, require
 
 GiB = 1 << 30
 
@@ -250,6 +250,66 @@ class DeviceConfig:
         return self.device.startswith("cuda")
 
 
+SPEC_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config``, JSON shaped like vLLM's)."""
+
+    method: str
+    """How drafts are proposed: ngram (prompt lookup: continue the longest recent n-gram
+    that occurred earlier in the request's own tokens; no extra model)."""
+    num_speculative_tokens: int
+    """Draft tokens proposed per request per step (k); a step yields 1 to k + 1 tokens."""
+    prompt_lookup_min: int = 1
+    """ngram: shortest suffix n-gram to look up."""
+    prompt_lookup_max: int = 4
+    """ngram: longest suffix n-gram to look up (longer matches are tried first)."""
+    disable_by_batch_size: int | None = 8
+    """No drafts while more than this many requests run: a large batch already reads the
+    weights once for many tokens, and verifying drafts would only add compute. None:
+    always speculate."""
+
+    def __post_init__(self) -> None:
+        require(self.method in SPEC_METHODS, "speculative_config.method",
+                f"must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        require(isinstance(self.num_speculative_tokens, int)
+                and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+                "speculative_config.num_speculative_tokens",
+                f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.num_speculative_tokens!r}")
+        require(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
+                "speculative_config.prompt_lookup_min",
+                f"must be an integer >= 1, got {self.prompt_lookup_min!r}")
+        require(isinstance(self.prompt_lookup_max, int)
+                and self.prompt_lookup_min <= self.prompt_lookup_max <= 64,
+                "speculative_config.prompt_lookup_max",
+                f"must be an integer in [prompt_lookup_min ({self.prompt_lookup_min}), 64], "
+                f"got {self.prompt_lookup_max!r}")
+        if self.disable_by_batch_size is not None:
+            require(isinstance(self.disable_by_batch_size, int)
+                    and self.disable_by_batch_size >= 1,
+                    "speculative_config.disable_by_batch_size",
+                    f"must be an integer >= 1 or null, got {self.disable_by_batch_size!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SpeculativeConfig":
+        """Build from user JSON, naming any unknown or missing option."""
+        if not isinstance(values, dict):
+            raise InvalidParameterError("speculative_config must be a JSON object, got "
+                                        f"{type(values).__name__}",
+                                        param="speculative_config")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        require(not unknown, "speculative_config",
+                f"has unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        for name in ("method", "num_speculative_tokens"):
+            require(name in values, "speculative_config", f"needs {name!r}")
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, in one object."""
@@ -258,3 +318,11 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding; None: off."""
+
+    def __post_init__(self) -> None:
+        # The worker appends a verification step's tokens when the step is collected, so
+        # no step may be built while one is in flight.
+        require(self.speculative is None or not self.scheduler.async_scheduling,
+                "async_scheduling", "cannot be combined with speculative decoding")

@@ -1,8 +1,10 @@
-"""Random workloads with random aborts: every request ends, no block leaks, every
-reference count returns to zero, and the scheduler's invariants hold at every step."""
+"""Random workloads with random aborts (and random draft tokens with random acceptance):
+every request ends, no block leaks, every reference count returns to zero, and the
+scheduler's invariants hold at every step."""
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
@@ -36,7 +38,14 @@ def check_invariants(s: Scheduler) -> None:
             refs[b] += 1
         assert len(r.block_ids) * s.block_size >= r.num_computed_tokens
         if r.status == RequestStatus.RUNNING:
-            assert r.num_computed_tokens <= r.num_tokens_scheduled_for
+            assert r.num_computed_tokens <= r.num_tokens_scheduled_for + r.num_drafts_in_flight
+            if not r.num_placeholders:  # no block held only by rejected drafts
+                assert len(r.block_ids) <= -(-r.num_computed_tokens // s.block_size)
+            # A hashed (cached) block holds K/V of known, computed tokens only.
+            for i, b in enumerate(r.block_ids):
+                if pool.blocks[b].block_hash is not None:
+                    assert (i + 1) * s.block_size <= min(r.num_computed_tokens, r.num_tokens)
+                    assert pool.blocks[b].block_hash == r.block_hashes[i]
     assert refs == s.kv.ref_counts()
     assert pool.num_free_blocks == sum(1 for x in refs if x == 0)
     if s.host_pool is not None:
@@ -59,12 +68,16 @@ def check_invariants(s: Scheduler) -> None:
        budget=st.integers(4, 64), max_seqs=st.integers(1, 8),
        eos_every=st.integers(3, 50), chunked=st.booleans(), overlap=st.booleans(),
        caching=st.booleans(), mode=st.sampled_from(["recompute", "swap", "auto"]),
-       host_blocks=st.integers(0, 24), shared=st.booleans())
+       host_blocks=st.integers(0, 24), shared=st.booleans(), spec=st.integers(0, 4),
+       spec_seed=st.integers(0, 2**16))
 def test_random_workloads(reqs, num_blocks, block_size, budget, max_seqs, eos_every, chunked,
-                          overlap, caching, mode, host_blocks, shared):
+                          overlap, caching, mode, host_blocks, shared, spec, spec_seed):
     """``overlap``: step N+1 is scheduled before step N's tokens are known, as the GPU
     engine does to keep the device busy. ``caching``: automatic prefix caching (prompts
-    share prefixes when ``shared``). ``mode``: preemption by recompute, swap or auto."""
+    share prefixes when ``shared``). ``mode``: preemption by recompute, swap or auto.
+    ``spec``: up to this many draft tokens proposed after each sampled token, each
+    verification keeping a random number of them."""
+    rng = random.Random(spec_seed)
     max_len = 64
     if not chunked:
         budget = max(budget, max_len)
@@ -100,19 +113,28 @@ def test_random_workloads(reqs, num_blocks, block_size, budget, max_seqs, eos_ev
         so = s.schedule()
         assert so.total_num_scheduled_tokens <= budget
         check_invariants(s)
-        ids, sampled = [], []
+        ids, sampled, proposals = [], [], []
         for rid, num in so.num_scheduled_tokens.items():
             r = s.requests[rid]
             assert num >= 1
             assert r.num_placeholders <= (2 if overlap else 1)
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            assert len(drafts) < num and r.num_drafts_in_flight == len(drafts)
             ids.append(rid)
-            counter += 1
-            token = EOS if counter % eos_every == 0 else 7
             # A sampling chunk ends where the token it samples (a placeholder) begins.
-            samples = (r.num_placeholders > 0
-                       and r.num_computed_tokens == r.num_tokens_scheduled_for - 1)
-            sampled.append([token] if samples else [])
-        current = (so, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled))
+            samples = (r.num_placeholders > 0 and
+                       r.num_computed_tokens - len(drafts) == r.num_tokens_scheduled_for - 1)
+            assert samples or not drafts
+            out = []
+            if samples:
+                out = drafts[:rng.randint(0, len(drafts))]
+                counter += 1
+                out.append(EOS if counter % eos_every == 0 else 7)
+            sampled.append(out)
+            proposals.append([rng.choice([7, 8, EOS]) for _ in range(rng.randint(0, spec))]
+                             if samples and spec else [])
+        current = (so, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled,
+                                         spec_token_ids=proposals if spec else None))
         if so.is_empty:
             current = None  # nothing to launch (as in EngineCore.step)
         if overlap:

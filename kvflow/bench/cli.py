@@ -25,9 +25,14 @@ def add_bench_parser(sub) -> None:
 
     tp = kinds.add_parser("throughput", help="offline throughput on a dataset")
     _common(tp)
-    tp.add_argument("--dataset", choices=["random", "shared-prefix"], default="random",
+    tp.add_argument("--dataset", choices=["random", "shared-prefix", "chat", "edit"],
+                    default="random",
                     help="random: random token prompts; shared-prefix: --prefix-len shared "
-                    "tokens then --input-len unique ones per prompt")
+                    "tokens then --input-len unique ones per prompt; chat: open questions "
+                    "(chat template); edit: passages to copy back with small edits")
+    tp.add_argument("--spec-baseline", action="store_true",
+                    help="with --speculative-config: also run kvflow without speculation "
+                    "in the same invocation and report the ratio")
     tp.add_argument("--prefix-len", type=int, default=1000,
                     help="shared-prefix dataset: length of the common prefix")
     tp.add_argument("--num-prompts", type=int, default=64)

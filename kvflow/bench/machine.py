@@ -79,7 +79,8 @@ def save_result(path: str | None, result: dict) -> dict:
     write it as JSON to ``path`` (when given). Returns the stamped result."""
     result = {"command": "kvflow " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
               "commit": git_commit(), "machine": machine_info(),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **result}
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "loadavg": os.getloadavg(), **result}
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import time
 
@@ -10,14 +11,22 @@ import numpy as np
 import torch
 
 from kvflow.bench.datasets import (BenchRequest, length_range, random_requests,
-                                   shared_prefix_requests)
+                                   shared_prefix_requests, text_requests)
 from kvflow.bench.machine import save_result
 from kvflow.engine.args import EngineArgs
 from kvflow.errors import InvalidParameterError
 
 
-def _workload(ns: argparse.Namespace, vocab_size: int, special: set[int]
+def _workload(ns: argparse.Namespace, vocab_size: int, special: set[int], config=None
               ) -> list[BenchRequest]:
+    if ns.dataset in ("chat", "edit"):
+        from kvflow.engine.llm_engine import load_tokenizer
+
+        tok = load_tokenizer(config)
+        if tok is None or tok.chat_template is None:
+            raise InvalidParameterError(f"--dataset {ns.dataset} needs a model with a chat "
+                                        "template", param="dataset")
+        return text_requests(ns.dataset, ns.num_prompts, ns.output_len, tok)
     if ns.dataset == "shared-prefix":
         return shared_prefix_requests(ns.num_prompts, ns.prefix_len, ns.input_len,
                                       ns.output_len, vocab_size, ns.seed, special)
@@ -62,7 +71,7 @@ def _device(config) -> str:
 def run_throughput(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     config = args.create_engine_config()
-    requests = _workload(ns, config.model.arch.vocab_size, _special_ids(config))
+    requests = _workload(ns, config.model.arch.vocab_size, _special_ids(config), config)
     n_in = sum(len(r.prompt_token_ids) for r in requests)
     n_out = sum(r.output_len for r in requests) * ns.n
     if ns.n > 1 and ns.backend != "kvflow":
@@ -76,9 +85,19 @@ def run_throughput(ns: argparse.Namespace) -> int:
                                      max(r.output_len for r in requests)],
                 "seed": ns.seed, "temperature": ns.temperature}
     results: dict = {"workload": workload, "engine_config": _config_summary(config)}
-    for backend in _backends(ns):
+    backends = _backends(ns)
+    if getattr(ns, "spec_baseline", False):
+        if config.speculative is None:
+            raise InvalidParameterError("--spec-baseline compares against speculative "
+                                        "decoding: give --speculative-config too",
+                                        param="spec_baseline")
+        backends = ["kvflow-no-spec"] + backends
+    for backend in backends:
         if backend == "kvflow":
             elapsed, extra = _kvflow_throughput(args, config, requests, ns)
+        elif backend == "kvflow-no-spec":
+            elapsed, extra = _kvflow_throughput(
+                args, dataclasses.replace(config, speculative=None), requests, ns)
         else:
             elapsed, extra = _hf_throughput(config, requests, ns)
         _release_memory()
@@ -94,6 +113,17 @@ def run_throughput(ns: argparse.Namespace) -> int:
                   f"KV slots allocated but empty {100 * fig['kv_slot_waste']:.2f}%, "
                   f"preemptions {fig['preemptions']} ({fig['swap_outs']} swapped), "
                   f"copy-on-write block copies {fig['copy_on_write_blocks']}")
+            if "spec_decode" in fig:
+                sd = fig["spec_decode"]
+                print(f"[kvflow] spec decode: acceptance {100 * sd['acceptance_rate']:.1f}%, "
+                      f"mean accepted length {sd['mean_accepted_length']:.2f}, "
+                      f"{sd['num_draft_tokens']} drafts, per position "
+                      f"{[round(x, 2) for x in sd['position_acceptance']]}")
+    if "kvflow" in results and "kvflow-no-spec" in results:
+        ratio = (results["kvflow"]["output_tokens_per_s"]
+                 / results["kvflow-no-spec"]["output_tokens_per_s"])
+        results["spec_over_no_spec"] = ratio
+        print(f"kvflow with / without speculative decoding, output tokens/s: {ratio:.2f}x")
     if "kvflow" in results and "hf" in results:
         ratio = results["kvflow"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
         results["kvflow_over_hf"] = ratio
@@ -109,7 +139,9 @@ def _config_summary(config) -> dict:
             "block_size": config.cache.block_size,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
             "max_num_seqs": config.scheduler.max_num_seqs,
-            "enforce_eager": config.device.enforce_eager}
+            "enforce_eager": config.device.enforce_eager,
+            "speculative_config": dataclasses.asdict(config.speculative)
+            if config.speculative is not None else None}
 
 
 def _kvflow_throughput(args, config, requests, ns) -> tuple[float, dict]:
@@ -143,6 +175,7 @@ def _run_kvflow(engine, requests: list[BenchRequest], ns, tag: str) -> dict:
     steps = 0
     preempt0, swaps0, copies0 = sched.num_preemptions, sched.num_swaps, sched.kv.num_copied_blocks
     query0, hit0 = sched.kv.num_query_tokens, sched.kv.num_hit_tokens
+    spec0 = sched.spec_stats.copy()
     slots = filled = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -151,7 +184,10 @@ def _run_kvflow(engine, requests: list[BenchRequest], ns, tag: str) -> dict:
         slots, filled = slots + s, filled + f
     elapsed = time.perf_counter() - start
     queries = sched.kv.num_query_tokens - query0
-    return {"elapsed_s": elapsed, "steps": steps,
+    extra = {}
+    if engine.config.speculative is not None:
+        extra["spec_decode"] = _spec_delta(spec0, sched.spec_stats)
+    return {**extra, "elapsed_s": elapsed, "steps": steps,
             "preemptions": sched.num_preemptions - preempt0,
             "swap_outs": sched.num_swaps - swaps0,
             "copy_on_write_blocks": sched.kv.num_copied_blocks - copies0,
@@ -159,6 +195,24 @@ def _run_kvflow(engine, requests: list[BenchRequest], ns, tag: str) -> dict:
             if queries else 0.0,
             # Slots of allocated KV blocks that held no token, averaged over the steps.
             "kv_slot_waste": 1 - filled / slots if slots else 0.0}
+
+
+def _spec_delta(before, after) -> dict:
+    """Speculative decoding over one benchmark run."""
+    from kvflow.core.spec_stats import SpecDecodingStats
+
+    pos = len(after.drafted_per_position)
+    pad = lambda xs: xs + [0] * (pos - len(xs))  # noqa: E731
+    d = SpecDecodingStats(
+        after.num_drafts - before.num_drafts, after.num_draft_tokens - before.num_draft_tokens,
+        after.num_accepted_tokens - before.num_accepted_tokens,
+        [a - b for a, b in zip(after.accepted_per_position, pad(before.accepted_per_position))],
+        [a - b for a, b in zip(after.drafted_per_position, pad(before.drafted_per_position))])
+    return {"num_drafts": d.num_drafts, "num_draft_tokens": d.num_draft_tokens,
+            "num_accepted_tokens": d.num_accepted_tokens,
+            "acceptance_rate": d.acceptance_rate,
+            "mean_accepted_length": d.mean_accepted_length,
+            "position_acceptance": d.position_acceptance()}
 
 
 def _attach_idle_meter(engine, ns):

@@ -144,6 +144,22 @@ class KVCacheManager:
         request.block_ids.extend(new_ids)
         return new_ids
 
+    def trim(self, request: Request) -> bool:
+        """Free the request's blocks past its computed tokens (speculative decoding: they
+        held only rejected draft tokens), newest first. Returns whether any were freed."""
+        held = self._blocks.get(request.request_id)
+        keep = self.blocks_needed(request.num_computed_tokens)
+        if not held or len(held) <= keep:
+            return False
+        dropped = held[keep:]
+        del held[keep:]
+        del request.block_ids[keep:]
+        rid = request.request_id
+        if self._num_registered.get(rid, 0) > keep:
+            self._num_registered[rid] = keep
+        self.pool.release(list(reversed(dropped)))
+        return True
+
     def _copy_on_write(self, request: Request, index: int) -> None:
         held = self._blocks[request.request_id]
         old = held[index]

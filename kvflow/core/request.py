@@ -75,6 +75,12 @@ class Request:
         # many tokens they hold.
         self.swapped_blocks: list[int] = []
         self.num_swapped_tokens = 0
+        # Speculative decoding: draft tokens proposed to follow the known tokens (verified
+        # the next time the request is scheduled), and how many drafts the step in flight
+        # verifies (the request is not scheduled again until that step's result is in,
+        # since it may keep anywhere from none to all of them).
+        self.spec_token_ids: list[int] = []
+        self.num_drafts_in_flight = 0
 
     # --- token bookkeeping -------------------------------------------------
     @property

@@ -52,6 +52,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Set when the block table was cut back to this many blocks before ``new_block_ids``
+    # are appended (blocks that held only rejected draft tokens were freed).
+    num_kept_blocks: int | None = None
 
 
 @dataclass
@@ -69,6 +72,10 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: draft tokens each request verifies this step. They are the
+    # last len(drafts) of its num_scheduled_tokens, placed after its known tokens; the
+    # step returns between 1 and len(drafts) + 1 tokens for it.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -80,9 +87,14 @@ class ModelRunnerOutput:
     """What one model step produced, per request (plain lists)."""
 
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]  # [] for a request still in the middle of its prompt
+    # [] for a request still in the middle of its prompt; with draft tokens the accepted
+    # drafts and then the one token sampled after them.
+    sampled_token_ids: list[list[int]]
     logprobs: list[list[LogprobsEntry] | None] | None = None
     prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
+    # Speculative decoding: drafts proposed to follow each request's new tokens ([] for
+    # none), or None when no proposer ran.
+    spec_token_ids: list[list[int]] | None = None
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """Iteration-level scheduler: one token-budget rule, no prefill/decode modes (pure Python).
 
 Each step every running request is owed ``num_tokens - num_computed_tokens`` tokens
-(the rest of its prompt, or one decode token). The budget goes to running requests
+(the rest of its prompt, or one decode token, plus any draft tokens proposed for it:
+speculative decoding verifies them in the same step, and afterwards
+``num_computed_tokens`` and the block table roll back past the rejected ones). The budget goes to running requests
 first, then to waiting ones in order of service. A long prompt takes what is left of the
 budget (chunked prefill), so prefill chunks and decodes share a step. When blocks run
 out, the running request served last (lowest priority, then latest arrival) is
@@ -17,6 +19,7 @@ from kvflow.config import SchedulerConfig, check_preemption_mode
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.request import Request, RequestStatus
+from kvflow.core.spec_stats import SpecDecodingStats
 from kvflow.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -86,15 +89,21 @@ class _Step:
         self.samples: set[str] = set()  # requests whose chunk ends in a sample
         self.swap_out: list[tuple[int, int]] = []  # (device block, host block)
         self.swap_in: list[tuple[int, int]] = []  # (host block, device block)
+        self.drafts: dict[str, list[int]] = {}  # draft tokens verified this step
 
-    def take(self, req: Request, n: int, ids: list[int]) -> None:
+    def take(self, req: Request, n: int, ids: list[int], drafts: list[int] = ()) -> None:
+        """``n`` counts the request's ``drafts`` too (they are its last tokens)."""
         rid = req.request_id
         self.num_scheduled[rid] = n
         self.new_block_ids[rid] = ids
         self.computed_before[rid] = req.num_computed_tokens
         req.num_computed_tokens += n
-        if req.num_computed_tokens == req.num_tokens_scheduled_for:
-            req.num_placeholders += 1  # this step samples its next token
+        req.spec_token_ids = []  # used now, or stale after this step
+        if drafts:
+            self.drafts[rid] = list(drafts)
+            req.num_drafts_in_flight = len(drafts)
+        if req.num_computed_tokens - len(drafts) == req.num_tokens_scheduled_for:
+            req.num_placeholders += 1  # this step samples its next token(s)
             self.samples.add(rid)
         self.budget -= n
         self.order.append(req)
@@ -109,6 +118,8 @@ class _Step:
             self.samples.discard(rid)
             req.num_placeholders -= 1
         req.num_computed_tokens = self.computed_before.pop(rid)
+        if self.drafts.pop(rid, None):
+            req.num_drafts_in_flight = 0
         del self.new_block_ids[rid]
         self.order.remove(req)
 
@@ -138,6 +149,10 @@ class Scheduler:
         # preemption): told to the worker when they end, even if preempted at the time.
         self._worker_knows: set[str] = set()
         self.num_preemptions = 0
+        # Requests whose block table rejected drafts cut back since the worker last heard:
+        # req_id -> blocks kept.
+        self._kept_blocks: dict[str, int] = {}
+        self.spec_stats = SpecDecodingStats()
 
     # --- admission ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -185,7 +200,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens_scheduled_for - req.num_computed_tokens, step.budget)
+            if req.num_drafts_in_flight:
+                i += 1  # its token count is unknown until the verifying step returns
+                continue
+            drafts = self._drafts_to_verify(req, step.budget)
+            n = min(req.num_tokens_scheduled_for - req.num_computed_tokens + len(drafts),
+                    step.budget)
             if n <= 0 or self._will_finish(req):
                 i += 1
                 continue
@@ -201,7 +221,7 @@ class Scheduler:
                 ids = self.kv.allocate_slots(req, n)
             if ids is None:
                 continue  # req itself was preempted; running[i] is now the next one
-            step.take(req, n, ids)
+            step.take(req, n, ids, drafts)
             i += 1
 
         # 2. Waiting requests, in order of service, while budget, seats and blocks last.
@@ -215,6 +235,18 @@ class Scheduler:
             if not self._admit(req, step):
                 break
         return self._build_output(step)
+
+    def _drafts_to_verify(self, req: Request, budget: int) -> list[int]:
+        """The proposed drafts this step can verify: only right after a sampled token
+        whose value is known (a token still in flight would shift their positions), and
+        no more than the budget, max_tokens and max_model_len leave room for (a step
+        yields at most one token past its drafts)."""
+        if not req.spec_token_ids or req.num_placeholders \
+                or req.num_computed_tokens != req.num_tokens - 1:
+            return []
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                   self.config.max_model_len - req.num_tokens - 1)
+        return req.spec_token_ids[:max(room, 0)]
 
     def _admit(self, req: Request, step: "_Step") -> bool:
         """Give the first waiting request its blocks and its share of the budget."""
@@ -291,6 +323,8 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_cached_tokens = 0
+        req.spec_token_ids = []
+        self._kept_blocks.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -317,7 +351,8 @@ class Scheduler:
             rid = req.request_id
             if rid in self._in_worker:
                 cached_reqs.append(CachedRequestData(rid, step.new_block_ids[rid],
-                                                     step.computed_before[rid]))
+                                                     step.computed_before[rid],
+                                                     self._kept_blocks.pop(rid, None)))
             else:
                 self._in_worker.add(rid)
                 self._worker_knows.add(rid)
@@ -334,7 +369,8 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in step.preempted},
             finished_req_ids=self.finished_req_ids,
             blocks_to_copy=self.kv.take_pending_copies(),
-            blocks_to_swap_out=step.swap_out, blocks_to_swap_in=step.swap_in)
+            blocks_to_swap_out=step.swap_out, blocks_to_swap_in=step.swap_in,
+            scheduled_spec_decode_tokens=step.drafts)
         self.finished_req_ids = set()
         return out
 
@@ -350,13 +386,20 @@ class Scheduler:
                 continue  # finished or aborted while the step ran
             i = row.get(rid)
             sampled = runner_out.sampled_token_ids[i] if i is not None else []
+            num_drafts = len(sched_out.scheduled_spec_decode_tokens.get(rid, ()))
+            if num_drafts:
+                self._roll_back_rejected(req, num_drafts, max(len(sampled) - 1, 0))
+            if sampled:
+                req.num_placeholders -= 1
             new_tokens: list[int] = []
             for token in sampled:
-                req.num_placeholders -= 1
                 req.append_output_token(token)
                 new_tokens.append(token)
                 if self._check_stop(req, token):
                     break
+            if (runner_out.spec_token_ids is not None and i is not None and new_tokens
+                    and req.status == RequestStatus.RUNNING):
+                req.spec_token_ids = list(runner_out.spec_token_ids[i])
             logprobs = None
             if runner_out.logprobs is not None and i is not None and runner_out.logprobs[i]:
                 logprobs = runner_out.logprobs[i][: len(new_tokens)]
@@ -373,6 +416,18 @@ class Scheduler:
                 (self.running if req in self.running else self.waiting).remove(req)
                 self._drop(req)
         return outputs
+
+    def _roll_back_rejected(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """After verification: the K/V written for rejected drafts is garbage. Step
+        ``num_computed_tokens`` back past them and free the blocks that held only them
+        (no hash was registered for those: hashes cover known tokens only)."""
+        req.num_drafts_in_flight = 0
+        self.spec_stats.observe(num_drafts, num_accepted)
+        if req.status != RequestStatus.RUNNING:
+            return  # preempted while the step ran: its blocks are already gone
+        req.num_computed_tokens -= num_drafts - num_accepted
+        if self.kv.trim(req):
+            self._kept_blocks[req.request_id] = len(req.block_ids)
 
     def _check_stop(self, req: Request, token: int) -> bool:
         sp = req.sampling_params
@@ -417,6 +472,7 @@ class Scheduler:
 
     def _drop(self, req: Request) -> None:
         self.kv.free(req)
+        self._kept_blocks.pop(req.request_id, None)
         if req.swapped_blocks:
             self.host_pool.release([self.host_pool.blocks[h] for h in req.swapped_blocks])
             req.swapped_blocks = []

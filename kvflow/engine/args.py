@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 
 from kvflow.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
-                           SchedulerConfig)
+                           SchedulerConfig, SpeculativeConfig)
 from kvflow.errors import InvalidParameterError
 from kvflow.models.registry import DEFAULT_MODEL, resolve_model
 
@@ -73,6 +74,10 @@ class EngineArgs:
     enforce_eager: bool = _arg(False, "never use CUDA graphs")
     async_scheduling: bool | None = _arg(None, "prepare and launch step N+1 while step N runs "
                                          "(default: on for GPU, off for CPU)")
+    speculative_config: str | dict | None = _arg(
+        None, "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (see "
+        "docs/speculative.md)")
 
     # --- CLI --------------------------------------------------------------------
     @classmethod
@@ -133,16 +138,27 @@ class EngineArgs:
             batched = 8192 if on_gpu else 2048
         if not self.enable_chunked_prefill:
             batched = max(batched, max_len)
+        speculative = parse_speculative_config(self.speculative_config)
+        async_scheduling = on_gpu if self.async_scheduling is None else self.async_scheduling
+        if speculative is not None and async_scheduling:
+            # A verification step's token count is known only when it ends, so the next
+            # step cannot be prepared during it: overlapping would only skip drafts.
+            if self.async_scheduling:
+                raise InvalidParameterError(
+                    "async_scheduling cannot be combined with speculative decoding; drop "
+                    "--async-scheduling or --speculative-config", param="async_scheduling")
+            async_scheduling = False
         scheduler = SchedulerConfig(
             max_num_batched_tokens=batched,
             max_num_seqs=(256 if on_gpu else 128) if self.max_num_seqs is None
             else self.max_num_seqs,
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
             max_queued_requests=self.max_queued_requests,
-            async_scheduling=on_gpu if self.async_scheduling is None else self.async_scheduling)
+            async_scheduling=async_scheduling)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(device=device,
-                                                enforce_eager=self.enforce_eager))
+                                                enforce_eager=self.enforce_eager),
+                            speculative=speculative)
 
     def _resolve_device(self) -> str:
         if self.device != "auto":
@@ -156,6 +172,24 @@ class EngineArgs:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_speculative_config(value: str | dict | SpeculativeConfig | None
+                             ) -> SpeculativeConfig | None:
+    """``--speculative-config`` JSON (or a dict from ``LLM(...)``) -> SpeculativeConfig."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidParameterError(f"speculative_config is not valid JSON ({e}); give "
+                                        "e.g. '{\"method\": \"ngram\", "
+                                        "\"num_speculative_tokens\": 4}'",
+                                        param="speculative_config") from None
+    return SpeculativeConfig.from_dict(value)
 
 
 def _cli_type(annotation):

@@ -17,7 +17,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SwapPolicy
-from kvflow.engine.messages import CoreStats
+from kvflow.engine.messages import CoreStats, spec_fields
 from kvflow.engine.processor import bound_for_engine
 from kvflow.errors import InvalidParameterError, QueueFullError
 from kvflow.logger import init_logger
@@ -316,7 +316,8 @@ class EngineCore:
                          num_blocks=self.num_blocks,
                          num_used_blocks=self.num_blocks - s.kv.num_free_blocks,
                          kv_cache_usage=s.kv.usage, num_preemptions=s.num_preemptions,
-                         num_steps=self.num_steps)
+                         num_steps=self.num_steps,
+                         **(spec_fields(s.spec_stats) if self.config.speculative else {}))
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -27,6 +27,12 @@ class CoreStats(msgspec.Struct, frozen=True):
     kv_cache_usage: float  # fraction of blocks held by requests
     num_preemptions: int  # since start
     num_steps: int  # engine steps that ran a model forward, since start
+    # Speculative decoding, since start (all 0 when it is off): verification steps of a
+    # request, draft tokens verified, drafts kept, and drafts kept per draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class AddRequest(msgspec.Struct, tag="add", frozen=True):
@@ -131,6 +137,15 @@ def core_codec() -> MessageCodec:
     return MessageCodec(ToCore)
 
 
-__all__ = ["CoreStats", "AddRequest", "Abort", "FinishStopped", "Shutdown", "Ready",
+def spec_fields(spec) -> dict:
+    """CoreStats keyword arguments from the scheduler's SpecDecodingStats (or None)."""
+    if spec is None:
+        return {}
+    return {"spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
+            "spec_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_accepted_per_pos": tuple(spec.accepted_per_position)}
+
+
+__all__ = ["spec_fields", "CoreStats", "AddRequest", "Abort", "FinishStopped", "Shutdown", "Ready",
            "Outputs", "Stats", "RequestError", "RequestFailed", "EngineError", "ToCore", "FromCore",
            "MessageCodec", "api_codec", "core_codec"]

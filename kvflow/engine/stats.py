@@ -132,6 +132,7 @@ class LoggingStatsListener:
         self._steps = 0
         self._step_s = 0.0
         self._api_s = 0.0
+        self._last_spec = (0, 0, 0)  # drafts, draft tokens, accepted at the last log
 
     def record(self, core: CoreStats | None, iteration: IterationStats | None) -> None:
         if core is not None:
@@ -145,6 +146,20 @@ class LoggingStatsListener:
                 self._steps += 1
                 self._step_s += iteration.step_s
                 self._api_s += iteration.api_s
+
+    def _spec_part(self, core: CoreStats) -> str:
+        """Speculative decoding over the interval: acceptance rate, tokens per
+        verification step, and per-position acceptance since start."""
+        now = (core.spec_num_drafts, core.spec_num_draft_tokens, core.spec_num_accepted_tokens)
+        drafts, tokens, accepted = (a - b for a, b in zip(now, self._last_spec))
+        self._last_spec = now
+        if not tokens:
+            return ", spec decode: no drafts"
+        per_pos = ", ".join(f"{a / core.spec_num_drafts:.2f}"
+                            for a in core.spec_accepted_per_pos)
+        return (f", spec decode: acceptance {100 * accepted / tokens:.1f}%, "
+                f"mean accepted length {1 + accepted / drafts:.2f}, "
+                f"drafts {tokens}, accepted per position [{per_pos}]")
 
     def log(self, now: float) -> str | None:
         """Log (and return) the line for the interval that ends now, if anything ran."""
@@ -170,6 +185,8 @@ class LoggingStatsListener:
         if self._steps:
             line += (f", engine step: {1000 * self._step_s / self._steps:.1f} ms, "
                      f"API per step: {1000 * self._api_s / self._steps:.2f} ms")
+        if core is not None and core.spec_num_draft_tokens:
+            line += self._spec_part(core)
         logger.info(line)
         self._last_log = now
         self._prompt_tokens = self._gen_tokens = self._queries = self._hits = 0

@@ -78,6 +78,12 @@ class InputBatch:
         if self.record_ops:
             self._ops.append(("write", row, nb, list(block_ids)))
 
+    def truncate_blocks(self, req_id: str, num_blocks: int) -> None:
+        """Speculative decoding freed the table's tail (blocks of rejected drafts); the
+        next append overwrites those entries, here and in a device copy alike."""
+        row = self.index[req_id]
+        self.num_blocks[row] = min(int(self.num_blocks[row]), num_blocks)
+
     def append_token(self, row: int, token_id: int) -> None:
         self.token_ids[row, self.num_tokens[row]] = token_id
         self.num_tokens[row] += 1

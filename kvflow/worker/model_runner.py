@@ -75,10 +75,15 @@ class ModelRunner:
             block_size=self.block_size, num_kv_heads=config.model.arch.num_key_value_heads,
             dtype=torch_dtype(config.model.dtype), device=self.device,
             rotary=model_rotary(self.model), num_sms=self.num_sms)
+        self.spec = None  # SpecDecoder when speculative decoding is on
+        if config.speculative is not None:
+            from kvflow.spec_decode.verify import SpecDecoder
+
+            self.spec = SpecDecoder(config.speculative, self.device)
         self.step_builder = StepBuilder(
             InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len, max_blocks),
             self.block_size, self.device, backend.metadata_builder(self.attn_spec),
-            config.model.arch.vocab_size, device_block_table)
+            config.model.arch.vocab_size, device_block_table, spec=self.spec)
         self.kv_caches: torch.Tensor | None = None  # [L, 2, NB, BS, KVH, D]
         self.host_cache: torch.Tensor | None = None  # [NH, L, 2, BS, KVH, D] swap space
         self.graphs: CudaGraphRunner | None = None  # once captured
@@ -171,7 +176,17 @@ class ModelRunner:
 
     def _launch_sampling(self, inputs: StepInputs, hidden: torch.Tensor) -> StepHandle:
         host = StepHostOutputs()
-        if inputs.sample.num_reqs:
+        if inputs.sample.num_draft is not None:
+            sample, builder = inputs.sample, self.step_builder
+            logits = self.model.compute_logits(hidden[sample.logits_indices])  # [N, V]
+            tokens, logprobs = self.spec.verify(
+                logits, builder.sampling_metadata(inputs), sample.num_draft,
+                sample.draft_token_ids, builder.min_tokens_left(inputs))
+            host.sampled = to_host_async(tokens)
+            if logprobs is not None:
+                host.logprobs = tuple(to_host_async(t) for t in logprobs)
+            host.slots = builder.record_verified(inputs)
+        elif inputs.sample.num_reqs:
             logits = self.model.compute_logits(hidden[inputs.sample.logits_indices])
             out = self.sampler(logits, self.step_builder.sampling_metadata(inputs))
             host.sampled = to_host_async(out.sampled)

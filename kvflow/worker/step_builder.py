@@ -18,11 +18,14 @@ parallel group builds the same inputs; ``record_sampled`` takes the step's sampl
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from kvflow.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from kvflow.layers.attention import AttentionMetadata, AttentionMetadataBuilder
+from kvflow.layers.rejection_sampler import INVALID_TOKEN
 from kvflow.layers.sampler import SamplingMetadata
 from kvflow.utils import cdiv
 from kvflow.worker.block_table import DeviceBlockTable
@@ -33,11 +36,15 @@ from kvflow.worker.step_inputs import (PLACEHOLDER, PendingTokens, PromptLogprob
                                        StepHostOutputs, StepInputs)
 from kvflow.worker.transfer import to_device
 
+if TYPE_CHECKING:
+    from kvflow.spec_decode.verify import SpecDecoder
+
 
 class StepBuilder:
     def __init__(self, batch: InputBatch, block_size: int, device: torch.device,
                  attn_builder: AttentionMetadataBuilder, vocab_size: int,
-                 device_block_table: DeviceBlockTable | None = None) -> None:
+                 device_block_table: DeviceBlockTable | None = None,
+                 spec: "SpecDecoder | None" = None) -> None:
         self.batch = batch
         self.block_size = block_size
         self.device = device
@@ -48,6 +55,7 @@ class StepBuilder:
         batch.record_ops = device_block_table is not None
         self.extras: dict[str, RequestExtras] = {}
         self.pending = PendingTokens()
+        self.spec = spec  # speculative decoding: drafts in, verdicts out, next drafts
 
     # --- state ------------------------------------------------------------------
     def update(self, so: SchedulerOutput) -> None:
@@ -71,8 +79,12 @@ class StepBuilder:
                         seed % (1 << 64))
                 self.extras[new.req_id] = extras
         for cached in so.cached_reqs:
+            if cached.num_kept_blocks is not None:  # rejected drafts' blocks were freed
+                b.truncate_blocks(cached.req_id, cached.num_kept_blocks)
             b.append_blocks(cached.req_id, cached.new_block_ids)
             b.num_computed[b.index[cached.req_id]] = cached.num_computed_tokens
+        if so.scheduled_spec_decode_tokens:
+            self.spec.write_drafts(b, so)
 
     # --- inputs -----------------------------------------------------------------
     def build(self, so: SchedulerOutput) -> StepInputs:
@@ -98,11 +110,25 @@ class StepBuilder:
             + positions % bs  # [T]
         seq_lens = nc + n  # [R]
         max_seq = int(seq_lens.max())
-        # A request samples when this step reaches its last known token.
-        sample_reqs = np.nonzero(seq_lens == b.num_tokens[rows])[0]  # [S]
-        sample = SamplePlan(
-            req_indices=sample_reqs, offsets=np.arange(len(sample_reqs) + 1, dtype=np.int64),
-            logits_indices=to_device(qsl[1:][sample_reqs] - 1, dev, torch.int64))
+        if so.scheduled_spec_decode_tokens:
+            # Drafts are a request's last scheduled tokens, past its known ones; it
+            # samples at each of them and at its last known token.
+            nd = self.spec.num_drafts(so, req_ids)  # [R]
+            sample_reqs = np.nonzero(seq_lens - nd == b.num_tokens[rows])[0]  # [S]
+            offsets, logits_indices = self.spec.sample_rows(qsl, sample_reqs, nd)
+            sample = SamplePlan(
+                req_indices=sample_reqs, offsets=offsets,
+                logits_indices=to_device(logits_indices, dev, torch.int64),
+                num_draft=nd[sample_reqs].tolist(),
+                draft_token_ids=[t for i in sample_reqs.tolist()
+                                 for t in so.scheduled_spec_decode_tokens.get(req_ids[i], ())])
+        else:
+            # A request samples when this step reaches its last known token.
+            sample_reqs = np.nonzero(seq_lens == b.num_tokens[rows])[0]  # [S]
+            sample = SamplePlan(
+                req_indices=sample_reqs,
+                offsets=np.arange(len(sample_reqs) + 1, dtype=np.int64),
+                logits_indices=to_device(qsl[1:][sample_reqs] - 1, dev, torch.int64))
         plp = self._plan_prompt_logprobs(req_ids, rows, nc, n, qsl)
 
         width = cdiv(max_seq, bs)
@@ -160,9 +186,12 @@ class StepBuilder:
         return plan
 
     def sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
-        """Sampling tensors for the step's sample rows (one per sampled position)."""
+        """Sampling tensors for the step's sample rows (one per sampled position); with
+        drafts, one row per sampling request (the rejection sampler expands it over the
+        request's rows, counting earlier drafts for penalties and min_tokens)."""
         sample = inputs.sample
-        counts = sample.counts()
+        counts = sample.counts() if sample.num_draft is None else np.ones(sample.num_reqs,
+                                                                          dtype=np.int64)
         req_idx = np.repeat(sample.req_indices, counts)  # [N] request of each sample row
         rows = inputs.rows[req_idx]
         req_ids = [inputs.req_ids[i] for i in req_idx]
@@ -190,6 +219,27 @@ class StepBuilder:
                 b.append_token(row, PLACEHOLDER)
         return slots
 
+    def min_tokens_left(self, inputs: StepInputs) -> list[int]:
+        """[S] tokens each sampling request must still generate before it may stop."""
+        b = self.batch
+        rows = inputs.rows[inputs.sample.req_indices]
+        return [b.params[r].min_tokens - int(b.num_tokens[r] - b.num_prompt_tokens[r])
+                for r in rows]
+
+    def record_verified(self, inputs: StepInputs) -> list[SampleSlot]:
+        """A verification step was launched: its tokens join their sequences when the
+        host has them (how many a request keeps is only known then). Speculative
+        decoding runs without overlapped steps, so nothing is left in flight."""
+        b, sample = self.batch, inputs.sample
+        self.pending = PendingTokens()
+        slots = []
+        for j, (i, count) in enumerate(zip(sample.req_indices, sample.counts())):
+            i, row = int(i), int(inputs.rows[int(i)])
+            slots.append(SampleSlot(i, inputs.req_ids[i], int(b.num_tokens[row]),
+                                    int(sample.offsets[j]), int(count),
+                                    b.params[row].logprobs, verified=True))
+        return slots
+
     def finish(self, inputs: StepInputs | None, host: StepHostOutputs) -> ModelRunnerOutput:
         """A completed step's outputs as plain lists; placeholders get their values."""
         if inputs is None:
@@ -203,9 +253,15 @@ class StepBuilder:
             lp = [t.tolist() for t in host.logprobs] if host.logprobs is not None else None
             for s in host.slots:
                 tokens = sampled[s.first_row: s.first_row + s.count]
-                sampled_lists[s.req_index] = tokens
                 row = b.index.get(s.req_id)
-                if row is not None:  # still running: fill in its placeholders
+                if s.verified:  # the emitted prefix (accepted drafts + one token)
+                    tokens = tokens[: tokens.index(INVALID_TOKEN)] if INVALID_TOKEN in \
+                        tokens else tokens
+                    if row is not None:
+                        for token in tokens:
+                            b.append_token(row, token)
+                sampled_lists[s.req_index] = tokens
+                if row is not None and not s.verified:  # fill in its placeholders
                     for pos, token in enumerate(tokens, start=s.position):
                         if b.token_ids[row, pos] == PLACEHOLDER:
                             b.token_ids[row, pos] = token
@@ -213,10 +269,14 @@ class StepBuilder:
                 if lp is not None and k is not None:
                     logprob_lists[s.req_index] = [
                         (lp[0][r][: k + 1], lp[1][r][: k + 1], lp[2][r])
-                        for r in range(s.first_row, s.first_row + s.count)]
+                        for r in range(s.first_row, s.first_row + len(tokens))]
+        spec_tokens = None
+        if self.spec is not None:
+            spec_tokens = self.spec.propose(b, inputs.req_ids, sampled_lists)
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_lists,
                                  logprobs=logprob_lists,
-                                 prompt_logprobs=_prompt_logprobs_lists(host.prompt_logprobs))
+                                 prompt_logprobs=_prompt_logprobs_lists(host.prompt_logprobs),
+                                 spec_token_ids=spec_tokens)
 
 
 def _prompt_logprobs_lists(plp) -> dict[str, list[LogprobsEntry]]:

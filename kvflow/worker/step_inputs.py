@@ -30,6 +30,11 @@ class SamplePlan:
     req_indices: np.ndarray  # [S] indices into StepInputs.req_ids
     offsets: np.ndarray  # [S + 1] int64 cumulative sample rows
     logits_indices: torch.Tensor  # [N] flat token index whose hidden state gives logits
+    # Speculative decoding (None when no request of the step has drafts): drafts per
+    # sampling request [S] and their token ids, flat [N - S]; the rows are verified by
+    # rejection sampling, and a request keeps 1 to d + 1 of them.
+    num_draft: list[int] | None = None
+    draft_token_ids: list[int] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -110,6 +115,9 @@ class SampleSlot:
     first_row: int  # its first row of the step's sampled tokens
     count: int
     num_logprobs: int | None
+    # Verified drafts: the tokens are appended when the host has them (only a prefix of
+    # the count rows is emitted), not held as placeholders.
+    verified: bool = False
 
 
 @dataclass

@@ -76,3 +76,21 @@ def test_gpu_path_matches_torch_path(graphs):
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     if graphs:
         assert EagerGraph.replays > 10  # decode steps went through the graph runner
+
+
+def test_gpu_path_verifies_drafts_like_torch_path():
+    """Speculative decoding on the GPU path: a drafting request's query spans several
+    tokens, so the Triton paged-attention call treats it like a prefill chunk over its
+    cached context; greedy tokens must equal the pure-torch plain decode's."""
+    kw = dict(load_format="dummy", max_model_len=96, num_gpu_blocks_override=40,
+              block_size=8, max_num_batched_tokens=24, max_num_seqs=16, device="cpu")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() * 3 for n in (4, 7)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = LLM("tiny-llama", **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM("tiny-llama", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              **kw)
+    gpu_like(llm, graphs=True)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0

@@ -69,6 +69,18 @@ class PrometheusMetrics:
                              "Time between two outputs of a sequence.", _TOKEN_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds",
                              "Time from arrival to the end of a sequence.", _E2E_BUCKETS)
+        # Speculative decoding (names as vLLM's spec_decode counters).
+        self.spec_drafts = counter("spec_decode_num_drafts",
+                                   "Verification steps of a request with draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted.")
+        self._spec_per_pos = Counter("kvflow:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft.",
+                                     ["model_name", "position"], registry=r)
+        self._spec_last = (0, 0, 0)
+        self._spec_pos_last: list[int] = []
         for reason in ("stop", "length", "abort"):
             self._success.labels(finished_reason=reason, **self._labels)
         self._queries = 0
@@ -85,6 +97,8 @@ class PrometheusMetrics:
             if core.num_preemptions > self._preemptions:
                 self.preemptions.inc(core.num_preemptions - self._preemptions)
                 self._preemptions = core.num_preemptions
+            if core.spec_num_drafts:
+                self._record_spec(core)
         if it is None:
             return
         self.prompt_tokens.inc(it.num_prompt_tokens)
@@ -104,6 +118,20 @@ class PrometheusMetrics:
             self.e2e.observe(f.e2e_s)
             if f.tpot_s is not None:
                 self.tpot.observe(f.tpot_s)
+
+    def _record_spec(self, core: CoreStats) -> None:
+        now = (core.spec_num_drafts, core.spec_num_draft_tokens, core.spec_num_accepted_tokens)
+        for series, new, old in zip((self.spec_drafts, self.spec_draft_tokens,
+                                     self.spec_accepted), now, self._spec_last):
+            if new > old:
+                series.inc(new - old)
+        self._spec_last = now
+        for pos, count in enumerate(core.spec_accepted_per_pos):
+            old = self._spec_pos_last[pos] if pos < len(self._spec_pos_last) else 0
+            series = self._spec_per_pos.labels(position=str(pos), **self._labels)
+            if count > old:
+                series.inc(count - old)
+        self._spec_pos_last = list(core.spec_accepted_per_pos)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,212 @@
+"""Verification of draft tokens by rejection sampling (pure torch, no host sync).
+
+A request with ``d`` draft tokens x_0..x_{d-1} gets d + 1 rows of target logits: row j
+scores the position right after x_{j-1} (row 0: after the last known token). Each row
+goes through the request's own sampling processing (min_tokens ban, penalties with the
+earlier drafts counted as output, temperature, min-p, top-k, top-p; the same functions as
+``Sampler``), giving the target distribution p_j. Then, in order, draft x_j is kept
+
+- greedy rows: while it equals argmax p_j;
+- random rows: with probability min(1, p_j(x_j) / q_j(x_j)), q_j the draft's distribution
+  (Leviathan et al. 2023, Chen et al. 2023). Proposers without probabilities (n-gram
+  lookup) are deterministic: q_j is one-hot on x_j, so x_j is kept with probability
+  p_j(x_j).
+
+At the first rejection the request emits a token drawn from the residual
+norm(max(0, p_j - q_j)) (for one-hot q: p_j without x_j) and stops; when every draft is
+kept it emits a bonus token drawn from p_d. Either way each emitted token is an exact
+draw from the target distribution, and a step yields between 1 and d + 1 tokens.
+
+Random numbers: a seeded request draws its d uniforms and then its d + 1 rows of
+exponential noise from its own generator, in that order, so its tokens do not depend on
+what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvflow.layers.sampler import SamplingMetadata, apply_penalties, apply_top_k_top_p_min_p
+
+# Padding of output rows past each request's emitted tokens.
+INVALID_TOKEN = -1
+
+
+@dataclass
+class RejectionOutput:
+    # [B, max_d + 1] int64: accepted drafts, then the recovered or bonus token, then
+    # INVALID_TOKEN. Request i emits num_emitted[i] = num_accepted[i] + 1 tokens.
+    token_ids: torch.Tensor
+    num_accepted: torch.Tensor  # [B] int64, 0..d_i
+    # Per target row [T] int64: the token emitted at that row (INVALID_TOKEN where none);
+    # the caller gathers logprobs of emitted tokens with it.
+    row_token_ids: torch.Tensor
+
+
+def _offsets(num_draft: list[int]) -> tuple[list[int], list[int]]:
+    """Start of each request's target rows and of its draft tokens."""
+    row_start, draft_start, r, d = [], [], 0, 0
+    for n in num_draft:
+        row_start.append(r)
+        draft_start.append(d)
+        r += n + 1
+        d += n
+    return row_start, draft_start
+
+
+def expand_metadata(meta: SamplingMetadata, num_draft: list[int],
+                    draft_token_ids: torch.Tensor,
+                    min_tokens_left: list[int] | None = None) -> SamplingMetadata:
+    """Per-request metadata (B rows) -> per-target-row metadata (T = sum(d_i + 1) rows).
+
+    Row j of a request counts drafts x_0..x_{j-1} as generated output for penalties (they
+    precede it if accepted, and row j is only used when they are). ``min_tokens_left[i]``:
+    how many more tokens request i must generate before it may stop; its banned stop
+    tokens apply to its rows j < that (None: to every row of a banned request).
+    """
+    dev = meta.temperature.device
+    reps = torch.tensor([n + 1 for n in num_draft], device=dev)
+
+    def rep(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.repeat_interleave(reps, dim=0)
+
+    out = SamplingMetadata(
+        temperature=rep(meta.temperature), all_greedy=meta.all_greedy,
+        all_random=meta.all_random, top_k=rep(meta.top_k), top_p=rep(meta.top_p),
+        min_p=rep(meta.min_p), generators={},
+        presence_penalty=rep(meta.presence_penalty),
+        frequency_penalty=rep(meta.frequency_penalty),
+        repetition_penalty=rep(meta.repetition_penalty),
+        output_counts=rep(meta.output_counts), prompt_mask=rep(meta.prompt_mask),
+        max_num_logprobs=meta.max_num_logprobs)
+    row_start, draft_start = _offsets(num_draft)
+    if out.output_counts is not None and sum(num_draft):
+        rows, toks = [], []
+        for i, n in enumerate(num_draft):
+            for j in range(1, n + 1):  # row j sees drafts 0..j-1
+                for k in range(j):
+                    rows.append(row_start[i] + j)
+                    toks.append(draft_start[i] + k)
+        if rows:
+            r = torch.tensor(rows, device=dev)
+            t = draft_token_ids[torch.tensor(toks, device=dev)]
+            out.output_counts = out.output_counts.clone()
+            out.output_counts.index_put_((r, t), torch.ones_like(r, dtype=out.output_counts.dtype),
+                                         accumulate=True)
+    if meta.banned is not None:
+        b_rows, b_ids = meta.banned[0].tolist(), meta.banned[1].tolist()
+        rows, ids = [], []
+        for req, tok in zip(b_rows, b_ids):
+            limit = num_draft[req] + 1 if min_tokens_left is None else \
+                min(num_draft[req] + 1, min_tokens_left[req])
+            for j in range(limit):
+                rows.append(row_start[req] + j)
+                ids.append(tok)
+        if rows:
+            out.banned = (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev))
+    return out
+
+
+def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """[T, V] logits -> [T, V] probabilities after the request's sampling processing
+    (temperature-0 rows are scaled by 1; callers use the argmax for them)."""
+    if meta.banned is not None:
+        logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
+    if meta.repetition_penalty is not None or meta.frequency_penalty is not None:
+        logits = apply_penalties(logits, meta)
+    temp = torch.where(meta.temperature > 0, meta.temperature,
+                       torch.ones_like(meta.temperature))
+    return apply_top_k_top_p_min_p(logits / temp[:, None], meta).softmax(dim=-1)
+
+
+def processed_argmax(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Greedy choice per row after bans and penalties (what ``Sampler`` picks at T=0)."""
+    if meta.banned is not None:
+        logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
+    if meta.repetition_penalty is not None or meta.frequency_penalty is not None:
+        logits = apply_penalties(logits, meta)
+    return logits.argmax(dim=-1)
+
+
+class RejectionSampler(torch.nn.Module):
+    def forward(self, target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
+                num_draft: list[int], meta: SamplingMetadata,
+                draft_probs: torch.Tensor | None = None,
+                generators: dict[int, torch.Generator] | None = None,
+                min_tokens_left: list[int] | None = None) -> RejectionOutput:
+        """Verify the drafts of B requests.
+
+        target_logits [T, V] float32 (T = sum(d_i + 1), request-major), draft_token_ids
+        [D] int64 (D = sum(d_i)), num_draft [B] (host list), meta: per-request metadata
+        (B rows), draft_probs [D, V] or None for proposers without probabilities,
+        generators: request index -> its generator (default: meta.generators).
+        """
+        dev = target_logits.device
+        b = len(num_draft)
+        max_d = max(num_draft, default=0)
+        gens = meta.generators if generators is None else generators
+        row_start, draft_start = _offsets(num_draft)
+        rmeta = expand_metadata(meta, num_draft, draft_token_ids, min_tokens_left)
+        num_rows = target_logits.shape[0]
+        # Index maps: draft k -> its target row; request i -> its bonus row.
+        draft_row = torch.tensor([row_start[i] + j for i, n in enumerate(num_draft)
+                                  for j in range(n)], dtype=torch.int64, device=dev)  # [D]
+        bonus_row = torch.tensor([row_start[i] + n for i, n in enumerate(num_draft)],
+                                 dtype=torch.int64, device=dev)  # [B]
+        draft_req = torch.tensor([i for i, n in enumerate(num_draft) for _ in range(n)],
+                                 dtype=torch.int64, device=dev)  # [D]
+
+        greedy_tok = processed_argmax(target_logits, rmeta)  # [T]
+        accept = greedy_tok[draft_row] == draft_token_ids  # [D]
+        row_tok = greedy_tok  # [T]: token emitted if the request stops at this row
+        if not meta.all_greedy:
+            p = target_probs(target_logits, rmeta)  # [T, V]
+            u = torch.rand(len(draft_row), device=dev)  # [D]
+            noise = torch.empty_like(p).exponential_()  # [T, V]
+            for i, g in gens.items():
+                d, r = draft_start[i], row_start[i]
+                if num_draft[i]:
+                    u[d: d + num_draft[i]].uniform_(generator=g)
+                noise[r: r + num_draft[i] + 1].exponential_(generator=g)
+            p_x = p[draft_row, draft_token_ids]  # [D]
+            if draft_probs is None:  # one-hot draft distribution
+                q_x = torch.ones_like(p_x)
+                residual = p[draft_row].scatter(1, draft_token_ids[:, None], 0.0)
+            else:
+                q_x = draft_probs.gather(1, draft_token_ids[:, None]).squeeze(1)
+                residual = (p[draft_row] - draft_probs).clamp_(min=0.0)
+            # p == q leaves no residual; that row is then never rejected, but keep it finite.
+            empty = residual.sum(dim=-1, keepdim=True) <= 0
+            residual = torch.where(empty, p[draft_row], residual)
+            random_accept = u * q_x < p_x
+            recovered = residual.div(noise[draft_row]).argmax(dim=-1)  # [D]
+            bonus = p[bonus_row].div(noise[bonus_row]).argmax(dim=-1)  # [B]
+            random_tok = torch.empty(num_rows, dtype=torch.int64, device=dev)
+            random_tok[draft_row] = recovered
+            random_tok[bonus_row] = bonus
+            is_random = rmeta.temperature > 0  # [T]
+            row_tok = torch.where(is_random, random_tok, greedy_tok)
+            accept = torch.where(is_random[draft_row], random_accept, accept)
+
+        # Leading run of accepted drafts per request.
+        acc = torch.zeros(b, max_d + 1, dtype=torch.bool, device=dev)  # [B, max_d + 1]
+        tok = torch.full((b, max_d + 1), INVALID_TOKEN, dtype=torch.int64, device=dev)
+        col = torch.tensor([j for n in num_draft for j in range(n)], dtype=torch.int64,
+                           device=dev)  # [D]
+        acc[draft_req, col] = accept
+        tok[draft_req, col] = draft_token_ids
+        num_accepted = acc.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+        cols = torch.arange(max_d + 1, device=dev)[None, :]
+        stop_row = torch.tensor(row_start, dtype=torch.int64, device=dev) + num_accepted
+        last = row_tok[stop_row]  # [B]: recovered at the first rejection, else the bonus
+        tok = torch.where(cols < num_accepted[:, None], tok, INVALID_TOKEN)
+        tok = tok.scatter(1, num_accepted[:, None], last[:, None])
+        # Emitted token per target row, for logprobs.
+        row_emitted = torch.full((num_rows,), INVALID_TOKEN, dtype=torch.int64, device=dev)
+        rows_of = torch.tensor(row_start, dtype=torch.int64, device=dev)[:, None] + cols
+        valid = cols <= num_accepted[:, None]
+        row_emitted[rows_of[valid]] = tok[valid]
+        return RejectionOutput(token_ids=tok, num_accepted=num_accepted,
+                               row_token_ids=row_emitted)

@@ -1,0 +1,96 @@
+"""The worker's side of speculative decoding, used by the step builder and the runner:
+place the scheduled drafts in the step, verify them with the rejection sampler, and
+propose the next drafts.
+
+The scheduler counts a request's drafts among its scheduled tokens (they come last), so
+the step computes K/V and hidden states for them like for any other tokens; what is
+special is only where logits are taken (one sample row per draft plus one after them,
+``SamplePlan`` with ``d + 1`` rows for the request) and how tokens are chosen from them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvflow.config import SpeculativeConfig
+from kvflow.core.sched_output import SchedulerOutput
+from kvflow.layers.rejection_sampler import RejectionSampler
+from kvflow.layers.sampler import SamplingMetadata, gather_logprobs
+from kvflow.spec_decode.proposer import make_proposer
+from kvflow.worker.transfer import to_device
+
+
+class SpecDecoder:
+    """Owned by the model runner (and handed to its step builder) when speculative
+    decoding is on."""
+
+    def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.proposer = make_proposer(config)
+        self.rejection_sampler = RejectionSampler()
+
+    # --- before the step --------------------------------------------------------------
+    @staticmethod
+    def write_drafts(batch, so: SchedulerOutput) -> None:
+        """Drafts go right after each request's known tokens (not counted in num_tokens:
+        only the accepted ones become known)."""
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            row = batch.index[rid]
+            start = int(batch.num_tokens[row])
+            batch.token_ids[row, start: start + len(drafts)] = drafts
+
+    @staticmethod
+    def num_drafts(so: SchedulerOutput, req_ids: list[str]) -> np.ndarray:
+        """[R] drafts of each request of the step (0 for most)."""
+        spec = so.scheduled_spec_decode_tokens
+        return np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64,
+                           count=len(req_ids))
+
+    @staticmethod
+    def sample_rows(qsl: np.ndarray, sample_reqs: np.ndarray, nd: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """Sample rows of drafting requests: the last d + 1 tokens of each one's chunk.
+        Returns offsets [S + 1] and flat token indices [N]."""
+        counts = nd[sample_reqs] + 1  # [S]
+        offsets = np.zeros(len(sample_reqs) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        ends = qsl[1:][sample_reqs]  # [S] one past each request's last token
+        row_req = np.repeat(np.arange(len(sample_reqs)), counts)  # [N]
+        within = np.arange(int(offsets[-1])) - offsets[:-1][row_req]
+        return offsets, ends[row_req] - counts[row_req] + within
+
+    # --- sampling -------------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, meta: SamplingMetadata, num_draft: list[int],
+               draft_token_ids: list[int], min_tokens_left: list[int]):
+        """logits [N, V] (N = sum(d_i + 1)), ``meta`` with one row per request ->
+        (token emitted at each sample row [N], INVALID_TOKEN past a request's last;
+        logprobs of those tokens (ids, logprobs, ranks) or None)."""
+        drafts = to_device(draft_token_ids, self.device, torch.int64)
+        out = self.rejection_sampler(logits, drafts, num_draft, meta,
+                                     min_tokens_left=min_tokens_left)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            # Logprobs of each emitted token at its own row (raw logits, as Sampler does).
+            logprobs = gather_logprobs(logits.log_softmax(dim=-1),
+                                       out.row_token_ids.clamp(min=0), meta.max_num_logprobs)
+        return out.row_token_ids, logprobs
+
+    # --- after the step -------------------------------------------------------------
+    def propose(self, batch, req_ids: list[str], sampled: list[list[int]]) -> list[list[int]]:
+        """Next drafts for every request that got new tokens; none while the batch is
+        larger than ``disable_by_batch_size`` (there verification would only add work)."""
+        limit = self.config.disable_by_batch_size
+        out: list[list[int]] = [[] for _ in req_ids]
+        if limit is not None and batch.num_reqs > limit:
+            return out
+        todo = [(i, batch.index[rid]) for i, rid in enumerate(req_ids)
+                if sampled[i] and rid in batch.index]
+        if not todo:
+            return out
+        seqs = [batch.token_ids[row, : int(batch.num_tokens[row])] for _, row in todo]
+        k = self.config.num_speculative_tokens
+        for (i, _), drafts in zip(todo, self.proposer.propose(seqs, [k] * len(todo))):
+            out[i] = drafts
+        return out

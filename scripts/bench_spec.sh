@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Speculative decoding on CPU with the embedded model (docs/speculative.md). Each run
+# measures kvflow with and without speculation in the same invocation (--spec-baseline),
+# under the shared benchmark lock.
+set -euo pipefail
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-benchmarks/results}
+NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+NGRAM_ALWAYS='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "disable_by_batch_size": null}'
+COMMON=(--max-model-len 1024 --kv-cache-memory 512MiB)
+bench() { flock /tmp/kvflow-bench.lock "$PY" -m kvflow.cli bench throughput "${COMMON[@]}" "$@"; }
+# Batch 1 (one request at a time): free chat, then copy-with-edits.
+bench --dataset chat --num-prompts 3 --output-len 48 --max-num-seqs 1 \
+  --speculative-config "$NGRAM" --spec-baseline --save-result "$OUT/spec-ngram-chat-bs1-cpu.json"
+bench --dataset edit --num-prompts 3 --output-len 48 --max-num-seqs 1 \
+  --speculative-config "$NGRAM" --spec-baseline --save-result "$OUT/spec-ngram-edit-bs1-cpu.json"
+# Batch 64: speculation switches itself off above disable_by_batch_size (default 8) ...
+bench --dataset chat --num-prompts 64 --output-len 24 --max-num-seqs 64 \
+  --speculative-config "$NGRAM" --spec-baseline --save-result "$OUT/spec-ngram-chat-bs64-cpu.json"
+# ... and this is what verifying drafts at batch 64 would cost without that switch.
+bench --dataset chat --num-prompts 64 --output-len 24 --max-num-seqs 64 \
+  --speculative-config "$NGRAM_ALWAYS" --spec-baseline \
+  --save-result "$OUT/spec-ngram-always-chat-bs64-cpu.json"

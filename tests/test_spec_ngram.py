@@ -1,0 +1,118 @@
+"""Prompt-lookup proposer and --speculative-config validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvflow.config import SpeculativeConfig
+from kvflow.engine.args import EngineArgs, parse_speculative_config
+from kvflow.errors import InvalidParameterError
+from kvflow.spec_decode import make_proposer
+from kvflow.spec_decode.ngram import NgramProposer
+
+
+def test_longest_then_latest_match():
+    p = NgramProposer(3, 1, 3)
+    #                 0  1  2  3  4  5  6  7  8  9 10
+    toks = np.array([5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7])
+    # Suffix 3-gram (3, 6, 7) never occurred; 2-gram (6, 7) at 1 and 6: latest is 6 -> 2, 3, 6.
+    assert p.propose_one(toks, 3) == [2, 3, 6]
+    assert p.propose_one(toks, 1) == [2]
+    toks = np.array([1, 2, 3, 4, 9, 9, 2, 3, 4])  # 3-gram (2, 3, 4) at 1 -> 9, 9, 2
+    assert p.propose_one(toks, 3) == [9, 9, 2]
+    # The continuation may run into the suffix itself, and stops at the end.
+    assert p.propose_one(np.array([4, 4, 4]), 3) == [4]
+
+
+def test_no_match_and_limits():
+    p = NgramProposer(4, 2, 3)
+    assert p.propose_one(np.array([1, 2, 3, 4, 5]), 4) == []  # nothing recurs
+    assert p.propose_one(np.array([1, 2, 1, 2]), 0) == []
+    assert p.propose_one(np.array([7]), 4) == []
+    assert p.propose([np.array([1, 2, 3, 1, 2]), np.array([9])], [4, 4]) == [[3, 1, 2], []]
+    assert p.propose([np.array([1, 2, 3, 1, 2])], [1]) == [[3]]
+
+
+def test_make_proposer_from_config():
+    cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2, '
+                                   '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+    p = make_proposer(cfg)
+    assert (p.num_speculative_tokens, p.min_n, p.max_n) == (2, 2, 5)
+
+
+@pytest.mark.parametrize("value, match", [
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of ngram"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
+    ('{"method": "ngram", "num_speculative_tokens": 99}', r"in \[1, 16\]"),
+    ('{"method": "ngram"}', "needs 'num_speculative_tokens'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}',
+     "unknown option.*lookahead"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
+     '"prompt_lookup_max": 2}', "prompt_lookup_max must be"),
+    ("{method: ngram}", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+])
+def test_bad_speculative_config(value, match):
+    with pytest.raises(InvalidParameterError, match=match) as e:
+        parse_speculative_config(value)
+    assert e.value.param.startswith("speculative_config")
+
+
+def test_engine_args_turn_async_scheduling_off():
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    cfg = EngineArgs(load_format="dummy", device="cpu", speculative_config=spec,
+                     max_model_len=256).create_engine_config()
+    assert cfg.speculative == SpeculativeConfig("ngram", 3)
+    assert not cfg.scheduler.async_scheduling
+    with pytest.raises(InvalidParameterError, match="async_scheduling cannot"):
+        EngineArgs(load_format="dummy", device="cpu", speculative_config=spec,
+                   async_scheduling=True).create_engine_config()
+
+
+def test_cli_generate_with_ngram_and_bad_config():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVFLOW_NO_PROGRESS": "1"}
+    cmd = [sys.executable, "-m", "kvflow.cli", "generate"]
+    p = subprocess.run(cmd + ["tiny-llama", "--load-format", "dummy", "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 0}'],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "num_speculative_tokens must be" in p.stderr
+    p = subprocess.run(cmd + ["--max-model-len", "512", "--kv-cache-memory", "128MiB",
+                              "--max-tokens", "12", "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 3}', "--prompt",
+                              "Repeat exactly: one two three four five six seven eight"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "one two three" in p.stdout
+
+
+def test_spec_counters_in_log_line_and_metrics():
+    from kvflow.engine.messages import CoreStats
+    from kvflow.engine.stats import LoggingStatsListener
+    from kvflow.entrypoints.openai.metrics import PrometheusMetrics
+
+    def core(drafts, tokens, accepted, per_pos):
+        return CoreStats(num_running=1, num_waiting=0, num_blocks=10, num_used_blocks=2,
+                         kv_cache_usage=0.2, num_preemptions=0, num_steps=5,
+                         spec_num_drafts=drafts, spec_num_draft_tokens=tokens,
+                         spec_num_accepted_tokens=accepted, spec_accepted_per_pos=per_pos)
+
+    log = LoggingStatsListener(5.0)
+    log.log(0.0)
+    log.record(core(10, 40, 20, (9, 6, 3, 2)), None)
+    line = log.log(5.0)
+    assert "acceptance 50.0%" in line and "mean accepted length 3.00" in line
+    assert "accepted per position [0.90, 0.60, 0.30, 0.20]" in line
+    m = PrometheusMetrics("m")
+    m.record(core(10, 40, 20, (9, 6, 3, 2)), None)
+    m.record(core(12, 48, 21, (10, 6, 3, 2)), None)
+    text = m.render().decode()
+    assert 'kvflow:spec_decode_num_drafts_total{model_name="m"} 12.0' in text
+    assert 'kvflow:spec_decode_num_draft_tokens_total{model_name="m"} 48.0' in text
+    assert 'kvflow:spec_decode_num_accepted_tokens_total{model_name="m"} 21.0' in text
+    assert ('kvflow:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}'
+            ' 10.0') in text
