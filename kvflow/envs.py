@@ -33,6 +33,12 @@ def cpu_threads() -> int | None:
     return int(value) if value else None
 
 
+def cpu_compile() -> bool:
+    """KVFLOW_CPU_COMPILE=0 turns off the compiled CPU decode step (like --enforce-eager;
+    the test suite sets it so its many short-lived engines skip compilation)."""
+    return os.environ.get("KVFLOW_CPU_COMPILE", "1") != "0"
+
+
 def api_key() -> str | None:
     """KVFLOW_API_KEY: the server's API key when --api-key is not given."""
     return os.environ.get("KVFLOW_API_KEY") or None

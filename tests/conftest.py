@@ -7,6 +7,9 @@ import os
 import pytest
 
 os.environ.setdefault("KVFLOW_NO_PROGRESS", "1")
+# Most tests start short-lived engines: compiling each one's CPU decode step would cost
+# more than the test. tests/test_cpu_compile.py turns it back on.
+os.environ.setdefault("KVFLOW_CPU_COMPILE", "0")
 
 
 def pytest_collection_modifyitems(config, items):

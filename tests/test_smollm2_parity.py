@@ -77,3 +77,32 @@ def test_all_together_chunked_with_preemption(prompt_ids, hf_greedy):
         assert out.outputs[0].token_ids[: len(ref)] == ref
     text = llm.get_tokenizer().decode(outs[0].outputs[0].token_ids)
     assert "Paris" in text
+
+
+def _compiled_llm(monkeypatch, **kw) -> LLM:
+    """The real model with the compiled CPU decode step on (the suite turns it off)."""
+    monkeypatch.setenv("KVFLOW_CPU_COMPILE", "1")
+    llm = LLM("smollm2-135m", device="cpu", **kw)
+    assert llm.engine.core.executor.runner.graphs is not None
+    return llm
+
+
+def test_compiled_step_matches_hf_short(monkeypatch, prompt_ids, hf_greedy):
+    """CI's short version: three prompts batched, 16 tokens each."""
+    llm = _compiled_llm(monkeypatch, max_model_len=256, kv_cache_memory="64MiB")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate(prompt_ids[:3], params, use_tqdm=False)
+    for out, ref in zip(outs, hf_greedy):
+        assert out.outputs[0].token_ids[: len(ref[:16])] == ref[:16]
+
+
+@pytest.mark.slow
+def test_compiled_step_all_together_chunked_with_preemption(monkeypatch, prompt_ids,
+                                                            hf_greedy):
+    llm = _compiled_llm(monkeypatch, max_model_len=256, num_gpu_blocks_override=24,
+                        max_num_batched_tokens=48, max_num_seqs=8)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompt_ids, params, use_tqdm=False)
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    for out, ref in zip(outs, hf_greedy):
+        assert out.outputs[0].token_ids[: len(ref)] == ref

@@ -9,9 +9,11 @@ from kvflow.engine.args import EngineArgs
 
 def _common(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p, model_positional=False)
-    p.add_argument("--backend", choices=["kvflow", "hf", "both"], default="kvflow",
+    p.add_argument("--backend", choices=["kvflow", "hf", "both", "eager-vs-compiled"],
+                   default="kvflow",
                    help="kvflow, hf (transformers generate, padded static batches) or both "
-                   "in the same run")
+                   "in the same run; eager-vs-compiled: kvflow with --enforce-eager, then "
+                   "kvflow with CUDA graphs / the compiled CPU step, in the same run")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature for both backends (0 = greedy)")
     p.add_argument("--save-result", default=None, help="write the result JSON here")
@@ -65,6 +67,10 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--chat-prompt", default=None,
                      help="use this user message, with the model's chat template, as the "
                      "prompt instead of --input-len random tokens")
+    lat.add_argument("--profile-host", action="store_true",
+                     help="kvflow: after the timed runs, report where each step's host time "
+                     "goes (engine loop, scheduler, step building, model forward per layer, "
+                     "sampling, output processing) and the torch ops it issues")
     lat.add_argument("--hf-cache-implementation", default=None,
                      help="hf backend cache, e.g. static (default: dynamic)")
 

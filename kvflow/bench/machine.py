@@ -35,6 +35,8 @@ def machine_info() -> dict:
         "python": sys.version.split()[0],
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
+        # The machine may be shared: the load says how much else was running.
+        "loadavg": list(os.getloadavg()),
     }
     try:  # a serving benchmark's client may run without torch
         import torch

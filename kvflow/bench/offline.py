@@ -55,7 +55,19 @@ def _save(ns: argparse.Namespace, result: dict) -> None:
 
 def _backends(ns) -> list[str]:
     # The peer runs first: kvflow sizes its KV cache from the memory left free.
-    return ["hf", "kvflow"] if ns.backend == "both" else [ns.backend]
+    if ns.backend == "both":
+        return ["hf", "kvflow"]
+    if ns.backend == "eager-vs-compiled":
+        return ["kvflow-eager", "kvflow"]
+    return [ns.backend]
+
+
+def _eager_config(config):
+    """The same engine with CUDA graphs / the compiled CPU step turned off."""
+    import dataclasses
+
+    return dataclasses.replace(config, device=dataclasses.replace(config.device,
+                                                                  enforce_eager=True))
 
 
 def _release_memory() -> None:
@@ -98,6 +110,8 @@ def run_throughput(ns: argparse.Namespace) -> int:
         elif backend == "kvflow-no-spec":
             elapsed, extra = _kvflow_throughput(
                 args, dataclasses.replace(config, speculative=None), requests, ns)
+        elif backend == "kvflow-eager":
+            elapsed, extra = _kvflow_throughput(args, _eager_config(config), requests, ns)
         else:
             elapsed, extra = _hf_throughput(config, requests, ns)
         _release_memory()
@@ -128,6 +142,11 @@ def run_throughput(ns: argparse.Namespace) -> int:
         ratio = results["kvflow"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
         results["kvflow_over_hf"] = ratio
         print(f"kvflow / hf output tokens/s: {ratio:.2f}x")
+    if "kvflow" in results and "kvflow-eager" in results:
+        ratio = (results["kvflow"]["output_tokens_per_s"]
+                 / results["kvflow-eager"]["output_tokens_per_s"])
+        results["compiled_over_eager"] = ratio
+        print(f"compiled / eager output tokens/s: {ratio:.2f}x")
     _save(ns, results)
     return 0
 
@@ -287,12 +306,19 @@ def run_latency(ns: argparse.Namespace) -> int:
             print(f"[{backend}] GPU idle between steps: "
                   f"{fig['gpu_idle']['idle_ms_per_step'] * 1000:.0f} us/step "
                   f"({100 * fig['gpu_idle']['idle_fraction']:.1f}% of the time)")
+        if backend.startswith("kvflow") and ns.profile_host:
+            fig["host_profile"] = _host_profile(run, prompts, ns, backend)
         results[backend] = fig
         del run
         _release_memory()
         print(f"[{backend}] latency {lat:.3f} s (median of {ns.num_iters}), prefill "
               f"{fig['prefill_s_median'] * 1000:.1f} ms, {decode_ms:.2f} ms/token, "
               f"{fig['decode_tokens_per_s_per_seq']:.1f} tokens/s per sequence")
+    if "kvflow" in results and "kvflow-eager" in results:
+        results["compiled_over_eager_decode"] = (
+            results["kvflow"]["decode_tokens_per_s_per_seq"]
+            / results["kvflow-eager"]["decode_tokens_per_s_per_seq"])
+        print(f"compiled / eager decode tokens/s: {results['compiled_over_eager_decode']:.2f}x")
     if "kvflow" in results and "hf" in results:
         results["kvflow_over_hf_decode"] = (results["kvflow"]["decode_tokens_per_s_per_seq"]
                                             / results["hf"]["decode_tokens_per_s_per_seq"])
@@ -300,18 +326,42 @@ def run_latency(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _host_profile(run, prompts, ns, tag: str) -> dict:
+    """Where the host time of one more timed run goes, phase by phase and op by op."""
+    from kvflow.bench.overhead import PhaseMeter, print_report, profile_ops
+
+    engine = run.engine
+    meter = PhaseMeter().attach(engine)
+    try:
+        run(prompts, ns.output_len)
+    finally:
+        meter.detach()
+    report = meter.report(run.last_steps, engine.config.model.arch.num_hidden_layers)
+    short = max(2, min(ns.output_len, 32))  # the profiler slows every op; keep it short
+
+    def profiled() -> int:
+        run(prompts, short)
+        return run.last_steps
+    report["ops"] = profile_ops(profiled)
+    print_report(tag, report)
+    return report
+
+
 def _latency_runner(backend: str, config, ns):
     device = _device(config)
-    if backend == "kvflow":
+    if backend in ("kvflow", "kvflow-eager"):
         from kvflow.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(config)
+        engine = LLMEngine(config if backend == "kvflow" else _eager_config(config))
         counter = iter(range(1 << 30))
 
         def run(prompts, out_len):
             reqs = [BenchRequest(p, out_len) for p in prompts]
-            return _run_kvflow(engine, reqs, ns, tag=f"lat{next(counter)}")["elapsed_s"]
+            stats = _run_kvflow(engine, reqs, ns, tag=f"lat{next(counter)}")
+            run.last_steps = stats["steps"]
+            return stats["elapsed_s"]
         run.engine = engine
+        run.last_steps = 0
         return run
     from kvflow.bench.hf_backend import hf_generate_batch, load_hf_model
     from kvflow.config import torch_dtype

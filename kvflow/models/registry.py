@@ -87,6 +87,14 @@ PRESETS: dict[str, dict] = {
         rope_scaling=dict(_LLAMA31_ROPE, original_max_position_embeddings=256),
         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
         eos_token_id=2),
+    # The embedded model's depth, vocabulary and head layout with almost no arithmetic
+    # (hidden 64): a step costs what the host spends issuing it (the overhead meter).
+    "smollm2-135m-h64": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=100000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2),
     "tiny-qwen2": dict(
         architectures=["Qwen2ForCausalLM"], vocab_size=512, hidden_size=64,
         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -116,3 +116,7 @@ class CudaGraphRunner:
             self.block_tables[n:bs, 0].fill_(0)
         self.graphs[bs].replay()
         return self.hidden[bs][:n]
+
+    def run_eager(self, inputs: StepInputs) -> torch.Tensor:
+        """A step no graph covers (prefill chunks, prompt logprobs)."""
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta)

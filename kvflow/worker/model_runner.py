@@ -23,6 +23,7 @@ from kvflow.worker.step_inputs import StepHostOutputs, StepInputs
 from kvflow.worker.transfer import to_device, to_host_async
 
 if TYPE_CHECKING:
+    from kvflow.worker.cpu_compile import CpuCompiledStep
     from kvflow.worker.cuda_graphs import CudaGraphRunner
 
 logger = init_logger(__name__)
@@ -86,7 +87,7 @@ class ModelRunner:
             config.model.arch.vocab_size, device_block_table, spec=self.spec)
         self.kv_caches: torch.Tensor | None = None  # [L, 2, NB, BS, KVH, D]
         self.host_cache: torch.Tensor | None = None  # [NH, L, 2, BS, KVH, D] swap space
-        self.graphs: CudaGraphRunner | None = None  # once captured
+        self.graphs: CudaGraphRunner | CpuCompiledStep | None = None  # once captured
         self.idle_meter = None  # a GpuIdleMeter while a benchmark measures GPU idle time
 
     # --- KV cache ---------------------------------------------------------------
@@ -117,7 +118,13 @@ class ModelRunner:
                         "pinned" if self.device.type == "cuda" else "plain")
 
     def warmup(self) -> None:
-        """Compile kernels and capture CUDA graphs before serving (GPU only)."""
+        """Compile kernels and capture CUDA graphs before serving; on CPU, compile the
+        decode step (worker/cpu_compile.py)."""
+        if self.device.type == "cpu":
+            from kvflow.worker.cpu_compile import compile_decode_step
+
+            self.graphs = compile_decode_step(self)
+            return
         if self.device.type != "cuda":
             return
         cfg = self.config
@@ -158,6 +165,8 @@ class ModelRunner:
         inputs = self.step_builder.build(so)
         if self.graphs is not None and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
+        elif self.graphs is not None:
+            hidden = self.graphs.run_eager(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return self._launch_sampling(inputs, hidden)

@@ -30,7 +30,7 @@ from kvflow.layers.sampler import SamplingMetadata
 from kvflow.utils import cdiv
 from kvflow.worker.block_table import DeviceBlockTable
 from kvflow.worker.input_batch import InputBatch, RequestExtras
-from kvflow.worker.sampling_meta import build_sampling_metadata
+from kvflow.worker.sampling_meta import SamplingMetadataCache, build_sampling_metadata
 from kvflow.worker.step_inputs import (PLACEHOLDER, PendingTokens, PromptLogprobsPlan,
                                        PromptLogprobsSpan, SamplePlan, SampleSlot,
                                        StepHostOutputs, StepInputs)
@@ -56,11 +56,14 @@ class StepBuilder:
         self.extras: dict[str, RequestExtras] = {}
         self.pending = PendingTokens()
         self.spec = spec  # speculative decoding: drafts in, verdicts out, next drafts
+        self.sampling_cache = SamplingMetadataCache()
 
     # --- state ------------------------------------------------------------------
     def update(self, so: SchedulerOutput) -> None:
         """Apply a SchedulerOutput's request changes to the persistent batch."""
         b = self.batch
+        if so.finished_req_ids or so.preempted_req_ids or so.new_reqs:
+            self.sampling_cache.invalidate()
         for rid in so.finished_req_ids:
             b.remove(rid)
             self.extras.pop(rid, None)
@@ -197,7 +200,7 @@ class StepBuilder:
         req_ids = [inputs.req_ids[i] for i in req_idx]
         generators = [self.extras[rid].generator for rid in req_ids]
         return build_sampling_metadata(self.batch, rows, req_ids, generators, self.pending,
-                                       self.vocab_size, self.device)
+                                       self.vocab_size, self.device, self.sampling_cache)
 
     # --- outputs ----------------------------------------------------------------
     def record_sampled(self, inputs: StepInputs, sampled: torch.Tensor) -> list[SampleSlot]:

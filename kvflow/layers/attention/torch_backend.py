@@ -45,6 +45,18 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     flat[1].index_copy_(0, slots, v)
 
 
+@torch.library.custom_op("kvflow::write_kv", mutates_args=("kv_cache",))
+def write_kv_op(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    """``write_kv_ref`` for slots that are all valid, as one op that declares its write:
+    a compiled graph then updates the cache in place (traced as plain index_copy_ on a
+    graph input, the write became a copy of the whole layer cache per step)."""
+    _, nb, bs, kvh, d = kv_cache.shape
+    flat = kv_cache.view(2, nb * bs, kvh, d)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int):
     """K and V of one request's first ``length`` positions: 2 x [length, KVH, D]."""
     _, _, bs, kvh, d = kv_cache.shape
@@ -114,6 +126,39 @@ class TorchAttentionPlan:
     decodes: list[tuple[slice, tuple, torch.Tensor | None]]
     # Prefill chunks: (start, end, how to read the cached context or None, mask, causal).
     prefills: list[tuple[int, int, tuple | None, torch.Tensor | None, bool]]
+
+
+@dataclass
+class PaddedDecodePlan:
+    """An all-decode step read through whole block-table rows, made of tensors only.
+
+    Every shape follows the batch size B and the table width W and no Python number
+    depends on them, so a compiled layer (worker/cpu_compile.py) traces this path once
+    for any batch size and context length. Same math as the grouped decode path.
+    """
+
+    cos_sin: tuple[torch.Tensor, torch.Tensor]  # [B, D/2] float32 each
+    slots: torch.Tensor  # [B] int64, all valid
+    gather: torch.Tensor  # [B * W] int64 block ids, row by row
+    mask: torch.Tensor  # [B, 1, 1, W * BS] additive: -inf past each context
+
+    @classmethod
+    def build(cls, spec: AttentionSpec, meta: AttentionMetadata,
+              positions: torch.Tensor, min_width: int = 1) -> "PaddedDecodePlan":
+        """From an all-decode ``meta``; the table is padded to ``min_width`` blocks
+        (entries past a context may hold any valid block id: the mask hides them)."""
+        tables = meta.block_tables  # [B, W]
+        if tables.shape[1] < min_width:
+            tables = torch.cat((tables, tables.new_zeros(
+                tables.shape[0], min_width - tables.shape[1])), dim=1)
+        length = tables.shape[1] * spec.block_size
+        pad = torch.arange(length, device=positions.device)[None, :] \
+            >= meta.seq_lens[:, None]  # [B, L]
+        mask = torch.zeros(pad.shape[0], 1, 1, length, dtype=spec.dtype,
+                           device=positions.device).masked_fill_(pad[:, None, None, :],
+                                                                 float("-inf"))
+        return cls(cos_sin=spec.rotary.cos_sin(positions), slots=meta.slot_mapping,
+                   gather=tables.reshape(-1).long(), mask=mask)
 
 
 class TorchMetadataBuilder:
@@ -193,6 +238,8 @@ class TorchAttentionBackend:
                 v: torch.Tensor, kv_cache: torch.Tensor, rotary: RotaryEmbedding,
                 scale: float, meta: AttentionMetadata) -> torch.Tensor:
         plan = meta.backend
+        if isinstance(plan, PaddedDecodePlan):
+            return self._padded_decode(q, k, v, kv_cache, plan, scale)
         if not isinstance(plan, TorchAttentionPlan):
             raise RuntimeError("attention metadata was not built by the torch backend's "
                                "metadata builder")
@@ -223,6 +270,25 @@ class TorchAttentionBackend:
                 enable_gqa=True)
             out[s:e] = o[0].transpose(0, 1)
         return out
+
+    @staticmethod
+    def _padded_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       kv_cache: torch.Tensor, plan: PaddedDecodePlan,
+                       scale: float) -> torch.Tensor:
+        """Rotary, cache write and attention of one new token per row, the whole batch in
+        one SDPA call over full table rows. q [B, H, D] -> [B, H, D]."""
+        cos, sin = plan.cos_sin
+        q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
+        write_kv_op(k, v, kv_cache, plan.slots)
+        _, nb, _, kvh, d = kv_cache.shape
+        b, h = q.shape[0], q.shape[1]
+        length = plan.mask.shape[-1]
+        kc = kv_cache[0].view(nb, -1).index_select(0, plan.gather).view(b, length, kvh, d)
+        vc = kv_cache[1].view(nb, -1).index_select(0, plan.gather).view(b, length, kvh, d)
+        o = F.scaled_dot_product_attention(
+            q.reshape(b, kvh, h // kvh, d), kc.transpose(1, 2), vc.transpose(1, 2),
+            attn_mask=plan.mask, scale=scale)  # [B, KVH, H / KVH, D]
+        return o.reshape(b, h, d)
 
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, how, mask,
