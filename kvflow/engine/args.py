@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvflow.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
-                           SchedulerConfig)
+                           ParallelConfig, SchedulerConfig)
 from kvflow.errors import InvalidParameterError
 from kvflow.models.registry import DEFAULT_MODEL, resolve_model
 
@@ -73,6 +73,18 @@ class EngineArgs:
     enforce_eager: bool = _arg(False, "never use CUDA graphs")
     async_scheduling: bool | None = _arg(None, "prepare and launch step N+1 while step N runs "
                                          "(default: on for GPU, off for CPU)")
+    tensor_parallel_size: int = _arg(1, "split every layer over this many ranks (Megatron "
+                                     "tensor parallelism; one process per rank)",
+                                     aliases=["-tp"])
+    pipeline_parallel_size: int = _arg(1, "split the layers into this many stages",
+                                       aliases=["-pp"])
+    nnodes: int = _arg(1, "machines the ranks span (each runs tp x pp / nnodes ranks)")
+    node_rank: int = _arg(0, "this machine's index; node 0 runs the scheduler and serves")
+    master_addr: str = _arg("127.0.0.1", "address of node 0 (rendezvous of the ranks)")
+    master_port: int | None = _arg(None, "rendezvous port on node 0 (default: a free one; "
+                                   "required with --nnodes > 1)")
+    distributed_timeout: float = _arg(60.0, "seconds a collective may wait for a rank "
+                                      "before the engine stops with an error")
 
     # --- CLI --------------------------------------------------------------------
     @classmethod
@@ -93,7 +105,7 @@ class EngineArgs:
                 kwargs["type"] = _cli_type(f.type)
                 if "choices" in meta:
                     kwargs["choices"] = meta["choices"]
-            parser.add_argument(flag, **kwargs)
+            parser.add_argument(flag, *meta.get("aliases", []), **kwargs)
         return parser
 
     @classmethod
@@ -140,9 +152,15 @@ class EngineArgs:
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
             max_queued_requests=self.max_queued_requests,
             async_scheduling=on_gpu if self.async_scheduling is None else self.async_scheduling)
+        parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size, nnodes=self.nnodes,
+            node_rank=self.node_rank, master_addr=self.master_addr,
+            master_port=self.master_port, timeout_s=self.distributed_timeout)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(device=device,
-                                                enforce_eager=self.enforce_eager))
+                                                enforce_eager=self.enforce_eager),
+                            parallel=parallel)
 
     def _resolve_device(self) -> str:
         if self.device != "auto":

@@ -13,7 +13,7 @@ from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest
 from kvflow.core.scheduler import Scheduler, SwapPolicy
 from kvflow.engine.messages import CoreStats
-from kvflow.errors import QueueFullError
+from kvflow.errors import InvalidParameterError, QueueFullError
 from kvflow.logger import init_logger
 from kvflow.worker.executor import Executor
 
@@ -51,6 +51,14 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request; raises a kvflow error if it can never run."""
+        sp = req.sampling_params
+        if self.config.parallel.pipeline_parallel_size > 1 and (
+                sp.logprobs is not None or sp.prompt_logprobs is not None):
+            # The last stage samples; its logprobs do not travel back to rank 0 yet.
+            raise InvalidParameterError("logprobs and prompt_logprobs are not supported "
+                                        "with pipeline parallelism yet",
+                                        param="logprobs" if sp.logprobs is not None
+                                        else "prompt_logprobs")
         parent = self.scheduler.requests.get(req.fork_of) if req.fork_of else None
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
