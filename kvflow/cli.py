@@ -63,7 +63,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from kvflow.entrypoints.openai.server import run_server
     from kvflow.entrypoints.openai.server_args import ServerArgs
 
-    return run_server(EngineArgs.from_cli_args(ns), ServerArgs.from_cli_args(ns))
+    engine_args = EngineArgs.from_cli_args(ns)
+    if engine_args.node_rank > 0:  # a node other than node 0 runs ranks, not the server
+        from kvflow.distributed.launch import run_node
+
+        return run_node(engine_args.create_engine_config())
+    return run_server(engine_args, ServerArgs.from_cli_args(ns))
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:

@@ -311,6 +311,84 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes (one process per rank, torch.distributed).
+
+    Ranks are numbered node by node; inside a stage the tensor-parallel ranks are
+    consecutive (TP inside a node, PP across nodes). Rank 0 runs beside the scheduler.
+    """
+
+    tensor_parallel_size: int = 1
+    """Ranks that split every layer Megatron-style (heads, MLP columns, vocabulary)."""
+    pipeline_parallel_size: int = 1
+    """Stages that each hold a contiguous range of layers."""
+    nnodes: int = 1
+    """Machines the ranks are spread over (each runs world_size / nnodes ranks)."""
+    node_rank: int = 0
+    """This machine's index; node 0 runs the scheduler and serves HTTP."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, where the rendezvous store listens."""
+    master_port: int | None = None
+    """Port of the rendezvous store; None picks a free one (single node only)."""
+    timeout_s: float = 60.0
+    """A collective that waits longer than this fails (a dead or stuck rank)."""
+    stage: int = 0
+    """The pipeline stage of the process this config is for (the executor sets it per
+    rank; it sizes that rank's KV cache to its layers)."""
+
+    def __post_init__(self) -> None:
+        require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
+        require(self.nnodes >= 1, "nnodes", "must be >= 1")
+        require(0 <= self.node_rank < self.nnodes, "node_rank",
+                 f"must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        require(self.world_size % self.nnodes == 0, "nnodes",
+                 f"must divide the number of ranks (tensor x pipeline = {self.world_size})")
+        require(self.nnodes == 1 or self.master_port is not None, "master_port",
+                 "must be given when the ranks span several nodes")
+        if self.master_port is not None:
+            require(0 < self.master_port < 65536, "master_port", "must be a TCP port")
+        require(self.timeout_s > 0, "timeout_s", "must be > 0 seconds")
+        require(0 <= self.stage < self.pipeline_parallel_size, "stage",
+                 f"must be in [0, pipeline_parallel_size={self.pipeline_parallel_size})")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def stage_layers(self, num_layers: int, stage: int | None = None) -> tuple[int, int]:
+        """Layers [start, end) of a pipeline stage (this config's by default): contiguous,
+        the first ``num_layers % pp`` stages one layer longer."""
+        pp = self.pipeline_parallel_size
+        stage = self.stage if stage is None else stage
+        base, extra = divmod(num_layers, pp)
+        start = stage * base + min(stage, extra)
+        return start, start + base + (1 if stage < extra else 0)
+
+    def kv_heads_per_rank(self, num_kv_heads: int) -> int:
+        """KV heads one TP rank holds: its share, or one replicated head when there are
+        more ranks than KV heads."""
+        return max(1, num_kv_heads // self.tensor_parallel_size)
+
+    def check_model(self, arch: ModelArchConfig) -> None:
+        """Refuse a split the model's shapes do not allow, saying what would work."""
+        tp = self.tensor_parallel_size
+        heads, kvh = arch.num_attention_heads, arch.num_key_value_heads
+        sizes = [n for n in range(1, heads + 1) if heads % n == 0
+                 and (kvh % n == 0 or n % kvh == 0) and arch.intermediate_size % n == 0]
+        require(tp in sizes, "tensor_parallel_size",
+                f"{tp} does not split this model ({heads} attention heads, {kvh} KV heads, "
+                f"intermediate size {arch.intermediate_size}); possible sizes: {sizes}")
+        require(self.pipeline_parallel_size <= arch.num_hidden_layers,
+                "pipeline_parallel_size",
+                f"must be at most the number of layers ({arch.num_hidden_layers})")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, in one object."""
 
@@ -320,9 +398,16 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig | None = None
     """Speculative decoding; None: off."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        self.parallel.check_model(self.model.arch)
         # The worker appends a verification step's tokens when the step is collected, so
         # no step may be built while one is in flight.
         require(self.speculative is None or not self.scheduler.async_scheduling,
                 "async_scheduling", "cannot be combined with speculative decoding")
+        # Verification samples on every rank today; with several ranks it would have to
+        # sample once and broadcast its verdicts, which is not built yet.
+        require(self.speculative is None or self.parallel.world_size == 1,
+                "speculative_config", "cannot be combined with tensor or pipeline "
+                "parallelism yet (use one rank)")

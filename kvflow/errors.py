@@ -82,3 +82,11 @@ class QueueFullError(KvflowError):
 
 class OutOfMemoryError(KvflowError):
     """The device has too little memory for the requested configuration."""
+
+
+class DistributedError(KvflowError):
+    """A rank of a multi-process engine died, timed out or could not start; the engine
+    cannot continue without it."""
+
+    http_status = 503
+    error_type = "service_unavailable"

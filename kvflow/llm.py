@@ -35,6 +35,17 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Release the model and stop any rank processes (tensor/pipeline parallel);
+        they also stop when this process exits."""
+        self.engine.core.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def get_default_sampling_params(self) -> SamplingParams:
         return self.engine.processor.default_sampling_params()
 

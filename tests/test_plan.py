@@ -85,8 +85,11 @@ def test_tp_all_reduce_bytes():
     a = arch("llama-3.1-8b")
     for row in p.decode:
         message = row.batch * a.hidden_size * 2
-        assert row.cost.allreduce_bytes == pytest.approx(2 * a.num_hidden_layers * message
-                                                         * 2 * 3 / 4)
+        # two per layer and one for the vocabulary-parallel embedding
+        assert row.cost.allreduce_count == 2 * a.num_hidden_layers + 1
+        assert row.cost.allreduce_message_bytes == message
+        assert row.cost.allreduce_bytes == pytest.approx((2 * a.num_hidden_layers + 1)
+                                                         * message * 2 * 3 / 4)
         assert row.cost.breakdown["allreduce"] > 2 * a.num_hidden_layers * 10e-6
     assert "allreduce" not in plan(batch_sizes=(1,)).decode[0].cost.breakdown
 

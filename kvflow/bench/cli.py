@@ -80,6 +80,18 @@ def add_bench_parser(sub) -> None:
         return run_latency(ns)
     lat.set_defaults(func=run_lat)
 
+    ar = kinds.add_parser("allreduce", help="the engine's tensor-parallel all-reduce at "
+                          "TP message sizes (gloo on CPU, NCCL on GPU) against the planner")
+    from kvflow.bench.allreduce import add_allreduce_args
+
+    add_allreduce_args(ar)
+
+    def run_ar(ns):
+        from kvflow.bench.allreduce import run_allreduce
+
+        return run_allreduce(ns)
+    ar.set_defaults(func=run_ar)
+
     srv = kinds.add_parser("serve", help="serving benchmark against a running OpenAI-"
                            "compatible server: TTFT, TPOT, ITL, end-to-end latency")
     from kvflow.bench.serve import add_serve_args

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvflow.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
-                           SchedulerConfig, SpeculativeConfig)
+                           ParallelConfig, SchedulerConfig, SpeculativeConfig)
 from kvflow.errors import InvalidParameterError
 from kvflow.models.registry import DEFAULT_MODEL, resolve_model
 
@@ -78,6 +78,18 @@ class EngineArgs:
         None, "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (see "
         "docs/speculative.md)")
+    tensor_parallel_size: int = _arg(1, "split every layer over this many ranks (Megatron "
+                                     "tensor parallelism; one process per rank)",
+                                     aliases=["-tp"])
+    pipeline_parallel_size: int = _arg(1, "split the layers into this many stages",
+                                       aliases=["-pp"])
+    nnodes: int = _arg(1, "machines the ranks span (each runs tp x pp / nnodes ranks)")
+    node_rank: int = _arg(0, "this machine's index; node 0 runs the scheduler and serves")
+    master_addr: str = _arg("127.0.0.1", "address of node 0 (rendezvous of the ranks)")
+    master_port: int | None = _arg(None, "rendezvous port on node 0 (default: a free one; "
+                                   "required with --nnodes > 1)")
+    distributed_timeout: float = _arg(60.0, "seconds a collective may wait for a rank "
+                                      "before the engine stops with an error")
 
     # --- CLI --------------------------------------------------------------------
     @classmethod
@@ -98,7 +110,7 @@ class EngineArgs:
                 kwargs["type"] = _cli_type(f.type)
                 if "choices" in meta:
                     kwargs["choices"] = meta["choices"]
-            parser.add_argument(flag, **kwargs)
+            parser.add_argument(flag, *meta.get("aliases", []), **kwargs)
         return parser
 
     @classmethod
@@ -155,10 +167,15 @@ class EngineArgs:
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
             max_queued_requests=self.max_queued_requests,
             async_scheduling=async_scheduling)
+        parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size, nnodes=self.nnodes,
+            node_rank=self.node_rank, master_addr=self.master_addr,
+            master_port=self.master_port, timeout_s=self.distributed_timeout)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(device=device,
                                                 enforce_eager=self.enforce_eager),
-                            speculative=speculative)
+                            speculative=speculative, parallel=parallel)
 
     def _resolve_device(self) -> str:
         if self.device != "auto":

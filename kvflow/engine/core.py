@@ -102,6 +102,14 @@ class EngineCore:
             if not 0 <= t < vocab:
                 raise InvalidParameterError(f"prompt token ids must be in [0, {vocab}), "
                                             f"got {t}", param="prompt")
+        sp = params
+        if self.config.parallel.pipeline_parallel_size > 1 and (
+                sp.logprobs is not None or sp.prompt_logprobs is not None):
+            # The last stage samples; its logprobs do not travel back to rank 0 yet.
+            raise InvalidParameterError("logprobs and prompt_logprobs are not supported "
+                                        "with pipeline parallelism yet",
+                                        param="logprobs" if sp.logprobs is not None
+                                        else "prompt_logprobs")
         parent = self.scheduler.requests.get(req.fork_of) if req.fork_of else None
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, params,

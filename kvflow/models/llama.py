@@ -16,11 +16,14 @@ from kvflow.config import ModelArchConfig
 from kvflow.errors import ModelLoadError
 from kvflow.layers.activation import SiluAndMul
 from kvflow.layers.attention import Attention, AttentionBackend, AttentionMetadata
-from kvflow.layers.embedding import LMHead, VocabEmbedding
-from kvflow.layers.linear import (LinearMethod, MergedLinear, QKVLinear, ReplicatedLinear,
-                                  default_weight_loader)
+from kvflow.distributed.parallel_state import GroupCoordinator
+from kvflow.layers.linear import LinearMethod, default_weight_loader
+from kvflow.layers.pipeline import make_layers
+from kvflow.layers.parallel_linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                           RowParallelLinear)
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 # (merged parameter, checkpoint name, shard) for the merged GEMMs.
 STACKED_PARAMS = [
@@ -34,15 +37,18 @@ STACKED_PARAMS = [
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
-                 rotary: RotaryEmbedding, quant: LinearMethod | None) -> None:
+                 rotary: RotaryEmbedding, quant: LinearMethod | None,
+                 tp: GroupCoordinator | None) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim,
+                                          cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          cfg.attention_bias, dtype, quant, tp)
+        # Heads of this rank (all of them on one rank).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.head_dim, self.num_heads,
-                                  self.num_kv_heads, cfg.attention_bias, dtype, quant)
-        self.o_proj = ReplicatedLinear(self.num_heads * cfg.head_dim, cfg.hidden_size, False,
-                                       dtype, quant)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim,
+                                        cfg.hidden_size, False, dtype, quant, tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
@@ -62,12 +68,12 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype,
-                 quant: LinearMethod | None) -> None:
+                 quant: LinearMethod | None, tp: GroupCoordinator | None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False,
-                                         dtype, quant)
-        self.down_proj = ReplicatedLinear(cfg.intermediate_size, cfg.hidden_size, False,
-                                          dtype, quant)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, quant, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False,
+                                           dtype, quant, tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,10 +82,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
-                 rotary: RotaryEmbedding, quant: LinearMethod | None) -> None:
+                 rotary: RotaryEmbedding, quant: LinearMethod | None,
+                 tp: GroupCoordinator | None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, dtype, backend, rotary, quant)
-        self.mlp = LlamaMLP(cfg, dtype, quant)
+        self.self_attn = LlamaAttention(cfg, dtype, backend, rotary, quant, tp)
+        self.mlp = LlamaMLP(cfg, dtype, quant, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -97,22 +104,24 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
-                 max_position: int, quant: LinearMethod | None) -> None:
+                 max_position: int, quant: LinearMethod | None,
+                 tp: GroupCoordinator | None, pp: GroupCoordinator | None) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         # One rotary table shared by every layer.
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta,
                                  cfg.rope_scaling_dict)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, backend, rotary, quant)
-            for _ in range(cfg.num_hidden_layers))
+        # This pipeline stage's layers [start_layer, end_layer) (all of them on one stage).
+        self.layers, self.start_layer, self.end_layer = make_layers(
+            cfg.num_hidden_layers, pp,
+            lambda i: LlamaDecoderLayer(cfg, dtype, backend, rotary, quant, tp))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden, residual = layer(positions, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -120,12 +129,17 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
-                 max_position: int, quant: LinearMethod | None = None) -> None:
+                 max_position: int, quant: LinearMethod | None = None,
+                 tp: GroupCoordinator | None = None,
+                 pp: GroupCoordinator | None = None) -> None:
+        """``tp``: the tensor-parallel group the layers split over; ``pp``: the pipeline
+        stages (None: one rank)."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype, backend, max_position, quant)
+        self.model = LlamaModel(cfg, dtype, backend, max_position, quant, tp, pp)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied,
+                                      tp=tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

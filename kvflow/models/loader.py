@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from kvflow.config import ModelConfig, torch_dtype
+from kvflow.distributed.parallel_state import GroupCoordinator
 from kvflow.errors import ModelLoadError
 from kvflow.layers.attention import AttentionBackend
 from kvflow.logger import init_logger
@@ -67,16 +68,23 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             p.normal_(0.0, 0.02, generator=gen)
 
 
-def load_model(config: ModelConfig, device: torch.device,
-               backend: AttentionBackend) -> torch.nn.Module:
-    """Construct the model directly on ``device`` and load its weights."""
+def load_model(config: ModelConfig, device: torch.device, backend: AttentionBackend,
+               tp: GroupCoordinator | None = None,
+               pp: GroupCoordinator | None = None) -> torch.nn.Module:
+    """Construct the model directly on ``device`` and load its weights (this rank's
+    shard of them when ``tp`` spans several ranks, its stage's layers with ``pp``)."""
     dtype = torch_dtype(config.dtype)
+    max_position = max(config.max_model_len, config.arch.max_position_embeddings)
     with torch.device(device):
-        model = model_class(config.arch.architecture)(
-            config.arch, dtype, backend,
-            max_position=max(config.max_model_len, config.arch.max_position_embeddings))
-    if config.load_format == "dummy":
+        model = model_class(config.arch.architecture)(config.arch, dtype, backend,
+                                                      max_position, tp=tp, pp=pp)
+    one_rank = (tp is None or tp.world_size == 1) and (pp is None or pp.world_size == 1)
+    if config.load_format == "dummy" and one_rank:
         init_dummy_weights(model, config.seed)
+    elif config.load_format == "dummy":
+        from kvflow.models.sharded_dummy import load_sharded_dummy_weights
+
+        load_sharded_dummy_weights(model, config, device)
     elif config.load_format == "gguf":
         from kvflow.models.gguf_file import iter_gguf_weights
 

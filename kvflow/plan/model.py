@@ -173,6 +173,11 @@ class StepCost:
     """The bound's terms at measured efficiencies, plus fixed costs."""
     allreduce_bytes: float = 0.0
     """Bytes one GPU sends in the step's all-reduces (ring: 2(N-1)/N of each message)."""
+    allreduce_count: int = 0
+    """All-reduces in the step: two per layer (after o_proj and after down_proj), plus
+    the vocabulary-parallel embedding's; the logits gather is not counted."""
+    allreduce_message_bytes: float = 0.0
+    """Size of each of those messages: tokens x hidden x dtype bytes."""
     breakdown: dict[str, float] = field(default_factory=dict)
     """Predicted seconds by part: gemm, attention, small_kernels, per_step, allreduce,
     host_floor (extra time when eager kernel launches outrun the GPU)."""
@@ -220,11 +225,13 @@ def step_cost(m: ShardedModel, gpu: GpuSpec, eff: Efficiency, *, decode_seqs: in
                               / (bw * eff.elementwise_bandwidth)),
         "per_step": eff.step_fixed_s + rows * m.vocab * (2 * m.dtype_bytes + 8) / bw,
     }
-    ar_bytes = 0.0
+    ar_bytes = message = 0.0
+    count = 0
     if m.tp > 1:
         message = tokens * a.hidden_size * m.dtype_bytes
-        ar_bytes = 2 * L * message * 2 * (m.tp - 1) / m.tp
-        parts["allreduce"] = 2 * L * gpu.link_latency_s + ar_bytes / gpu.link_bytes_per_s
+        count = 2 * L + 1
+        ar_bytes = count * message * 2 * (m.tp - 1) / m.tp
+        parts["allreduce"] = count * gpu.link_latency_s + ar_bytes / gpu.link_bytes_per_s
     gpu_time = sum(parts.values())
     eager = bool(prefill) or not cuda_graph
     launch = L * eff.eager_launch_s_per_layer if eager else 0.0
@@ -232,6 +239,7 @@ def step_cost(m: ShardedModel, gpu: GpuSpec, eff: Efficiency, *, decode_seqs: in
     return StepCost(bytes=total_bytes, flops=total_flops, bound_s=max(t_mem, t_flops),
                     binding="memory" if t_mem >= t_flops else "compute",
                     predicted_s=gpu_time + parts["host_floor"], allreduce_bytes=ar_bytes,
+                    allreduce_count=count, allreduce_message_bytes=message,
                     breakdown=parts)
 
 

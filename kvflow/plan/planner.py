@@ -223,8 +223,9 @@ def _notes(inputs: PlanInputs, m: ShardedModel, mem: MemoryPlan) -> list[str]:
         notes.append(f"KV cache in {m.kv_dtype} is a what-if: kvflow's engine stores KV in "
                      "the model dtype today")
     if m.tp > 1:
-        notes.append("kvflow runs on one GPU today; tensor-parallel figures model the "
-                     "Megatron layout (all-reduce times use datasheet link bandwidth)")
+        notes.append("tensor-parallel figures model kvflow's Megatron layout; all-reduce "
+                     "times use the datasheet link bandwidth and an assumed latency "
+                     "(measure them with kvflow bench allreduce --device cuda)")
         if m.kv_replicas > 1:
             notes.append(f"{inputs.arch.num_key_value_heads} KV heads on {m.tp} GPUs: each "
                          f"KV head is replicated on {m.kv_replicas} GPUs")

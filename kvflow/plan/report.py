@@ -87,20 +87,36 @@ def format_table(plan: Plan) -> str:
             if o.steps else f"Offline run of {o.num_prompts} requests: no request fits")
     if m.tp > 1:
         ar = sum(s.allreduce_bytes for s in p.steps)
-        lines.append(f"Tensor parallel {m.tp}: 2 all-reduces per layer of tokens x "
-                     f"{a.hidden_size} x {m.dtype_bytes} B; each GPU sends 2(N-1)/N of "
-                     f"that: {plan.decode[0].cost.allreduce_bytes / 1e6:.3f} MB per decode "
-                     f"step at batch {plan.decode[0].batch}, {ar / 1e6:.1f} MB for the "
-                     "prefill")
+        lines.append(f"Tensor parallel {m.tp}: 2 all-reduces per layer (+1 for the "
+                     f"embedding) of tokens x {a.hidden_size} x {m.dtype_bytes} B; each GPU "
+                     f"sends 2(N-1)/N of each: {plan.decode[0].cost.allreduce_bytes / 1e6:.3f}"
+                     f" MB per decode step at batch {plan.decode[0].batch}, {ar / 1e6:.1f} MB "
+                     "for the prefill")
+        for r in plan.decode:
+            c = r.cost
+            lines.append(f"  batch {r.batch:>4}: {c.allreduce_count} all-reduces x "
+                         f"{_fmt_bytes(c.allreduce_message_bytes)} per step, "
+                         f"{c.breakdown.get('allreduce', 0.0) * 1e3:.3f} ms at the link's "
+                         "latency and bandwidth (check with kvflow bench allreduce)")
     if plan.notes:
         lines += [""] + [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n:g} B"
 
 
 def _cost_dict(c: StepCost) -> dict:
     return {"bound_ms": c.bound_s * 1e3, "binding": c.binding, "predicted_ms":
             c.predicted_s * 1e3, "bytes": c.bytes, "flops": c.flops,
             "allreduce_bytes_per_gpu": c.allreduce_bytes,
+            "allreduce_count": c.allreduce_count,
+            "allreduce_message_bytes": c.allreduce_message_bytes,
+            "allreduce_ms": c.breakdown.get("allreduce", 0.0) * 1e3,
             "predicted_breakdown_ms": {k: v * 1e3 for k, v in c.breakdown.items()}}
 
 

@@ -19,9 +19,23 @@ logger = init_logger(__name__)
 CPU_DEFAULT_KV_BYTES = 4 * GiB
 
 
+def local_kv_heads(config: EngineConfig) -> int:
+    """KV heads of one tensor-parallel rank's cache."""
+    return config.parallel.kv_heads_per_rank(config.model.arch.num_key_value_heads)
+
+
+def local_num_layers(config: EngineConfig) -> int:
+    """Layers of one pipeline stage's cache (the stage the config is for)."""
+    start, end = config.parallel.stage_layers(config.model.arch.num_hidden_layers)
+    return end - start
+
+
 def block_bytes(config: EngineConfig) -> int:
-    """Bytes of one KV block across all layers (K and V)."""
-    return config.cache.block_size * config.model.arch.kv_bytes_per_token(config.model.dtype)
+    """Bytes of one KV block across this rank's layers (K and V) and KV heads."""
+    arch = config.model.arch
+    return (config.cache.block_size * arch.kv_bytes_per_token(config.model.dtype)
+            * local_kv_heads(config) * local_num_layers(config)
+            // (arch.num_key_value_heads * arch.num_hidden_layers))
 
 
 def num_blocks_for_budget(config: EngineConfig, budget_bytes: int) -> int:
@@ -40,8 +54,8 @@ def allocate_host_cache(config: EngineConfig, num_blocks: int,
     """Swap space: [num_blocks, L, 2, block_size, KVH, D], one contiguous block per row
     so each block moves in a single copy (pinned when the device is a GPU)."""
     arch = config.model.arch
-    shape = (num_blocks, arch.num_hidden_layers, 2, config.cache.block_size,
-             arch.num_key_value_heads, arch.head_dim)
+    shape = (num_blocks, local_num_layers(config), 2, config.cache.block_size,
+             local_kv_heads(config), arch.head_dim)
     try:
         return torch.empty(shape, dtype=torch_dtype(config.model.dtype),
                            pin_memory=device.type == "cuda")
@@ -97,7 +111,7 @@ def check_capacity(config: EngineConfig, num_blocks: int) -> None:
     bs = config.cache.block_size
     need = cdiv(config.model.max_model_len, bs)
     if num_blocks < need:
-        per_token = config.model.arch.kv_bytes_per_token(config.model.dtype)
+        per_token = block_bytes(config) // bs
         raise OutOfMemoryError(
             f"the KV cache holds {num_blocks * bs} tokens ({num_blocks} blocks) but one "
             f"sequence of max_model_len={config.model.max_model_len} tokens needs {need} "
@@ -110,8 +124,8 @@ def allocate_kv_cache(config: EngineConfig, num_blocks: int,
     """The whole cache as one tensor [L, 2, num_blocks, block_size, KVH, D]; layer i's
     cache is ``caches[i]`` (one tensor lets a single kernel copy blocks in all layers)."""
     arch = config.model.arch
-    shape = (arch.num_hidden_layers, 2, num_blocks, config.cache.block_size,
-             arch.num_key_value_heads, arch.head_dim)
+    shape = (local_num_layers(config), 2, num_blocks, config.cache.block_size,
+             local_kv_heads(config), arch.head_dim)
     # Zeroed: attention reads whole blocks and masks the unwritten slots, and a masked
     # NaN still poisons the output (0 * NaN). On the CPU the cache is an anonymous
     # mapping, which the OS hands out zero-filled and commits page by page as it is

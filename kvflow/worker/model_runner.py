@@ -9,9 +9,10 @@ import torch
 
 from kvflow.config import GiB, EngineConfig, torch_dtype
 from kvflow.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvflow.distributed.parallel_state import ParallelState
 from kvflow.layers.attention import AttentionSpec, get_attention_backend, model_rotary
 from kvflow.layers.custom_op import use_kernels
-from kvflow.layers.sampler import Sampler, gather_logprobs
+from kvflow.layers.sampler import Sampler, SamplerOutput, gather_logprobs
 from kvflow.logger import init_logger
 from kvflow.models.loader import load_model
 from kvflow.utils import cdiv
@@ -50,14 +51,23 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parallel: ParallelState | None = None) -> None:
+        """``parallel``: this rank's process groups (None: a one-rank engine)."""
         self.config = config
         self.device = torch.device(config.device.device)
+        self.parallel = parallel or ParallelState.single(self.device)
         self.block_size = config.cache.block_size
         self.use_kernels = self.device.type == "cuda" and _kernels_available()
         backend = get_attention_backend("triton" if self.use_kernels else "torch")
         start = time.perf_counter()
-        self.model = load_model(config.model, self.device, backend)
+        self.model = load_model(config.model, self.device, backend, self.parallel.tp,
+                                self.parallel.pp)
+        # The forward pass: the whole model, or this rank's pipeline stage of it.
+        self.forward_model = self.model
+        if self.parallel.pp.world_size > 1:
+            from kvflow.worker.pipeline_stage import PipelineStage
+
+            self.forward_model = PipelineStage(self.model, self.parallel.pp)
         use_kernels(self.model, self.use_kernels)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("loaded %s (%s, %s) on %s in %.1f s: %.2f GiB of weights, attention: %s",
@@ -73,7 +83,7 @@ class ModelRunner:
                                                   self.device)
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.attn_spec = AttentionSpec(
-            block_size=self.block_size, num_kv_heads=config.model.arch.num_key_value_heads,
+            block_size=self.block_size, num_kv_heads=kv_cache.local_kv_heads(config),
             dtype=torch_dtype(config.model.dtype), device=self.device,
             rotary=model_rotary(self.model), num_sms=self.num_sms)
         self.spec = None  # SpecDecoder when speculative decoding is on
@@ -121,12 +131,17 @@ class ModelRunner:
         """Compile kernels and capture CUDA graphs before serving; on CPU, compile the
         decode step (worker/cpu_compile.py)."""
         if self.device.type == "cpu":
+            if self.parallel.world.world_size > 1:
+                # The compiled step would have to trace the collectives; ranks run eager.
+                logger.info("compiled CPU decode step off with %d ranks",
+                            self.parallel.world.world_size)
+                return
             from kvflow.worker.cpu_compile import compile_decode_step
 
             self.graphs = compile_decode_step(self)
             return
-        if self.device.type != "cuda":
-            return
+        if self.device.type != "cuda" or self.parallel.pp.world_size > 1:
+            return  # graphs do not hold the stage-to-stage sends (pipeline parallel)
         cfg = self.config
         if cfg.device.enforce_eager or not self.use_kernels:
             logger.info("CUDA graphs off (%s)", "--enforce-eager" if cfg.device.enforce_eager
@@ -168,7 +183,7 @@ class ModelRunner:
         elif self.graphs is not None:
             hidden = self.graphs.run_eager(inputs)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = self.forward_model(inputs.input_ids, inputs.positions, inputs.meta)
         return self._launch_sampling(inputs, hidden)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -196,14 +211,15 @@ class ModelRunner:
                 host.logprobs = tuple(to_host_async(t) for t in logprobs)
             host.slots = builder.record_verified(inputs)
         elif inputs.sample.num_reqs:
-            logits = self.model.compute_logits(hidden[inputs.sample.logits_indices])
-            out = self.sampler(logits, self.step_builder.sampling_metadata(inputs))
+            logits = None if hidden is None else self.model.compute_logits(
+                hidden[inputs.sample.logits_indices])  # only the last pipeline stage has them
+            out = self._sample(logits, inputs)
             host.sampled = to_host_async(out.sampled)
             if out.logprobs is not None:
                 host.logprobs = tuple(to_host_async(t) for t in (
                     out.logprob_token_ids, out.logprobs, out.sampled_ranks))
             host.slots = self.step_builder.record_sampled(inputs, out.sampled)
-        if inputs.prompt_logprobs.indices:
+        if inputs.prompt_logprobs.indices and hidden is not None:
             host.prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         event = None
         if self.device.type == "cuda":
@@ -212,6 +228,19 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
         return StepHandle(self.step_builder, inputs, host, event)
+
+    def _sample(self, logits: torch.Tensor | None, inputs: StepInputs) -> SamplerOutput:
+        """One rank samples (the first TP rank of the last pipeline stage: rank 0 without
+        pipeline parallelism) and broadcasts the tokens, so every rank's persistent batch
+        holds the same ones (the others get them without logprobs)."""
+        p = self.parallel
+        sampler = p.world.world_size - p.tp.world_size  # first rank of the last stage
+        if p.rank == sampler:
+            out = self.sampler(logits, self.step_builder.sampling_metadata(inputs))
+            p.world.broadcast(out.sampled, src=sampler)
+            return out
+        sampled = torch.empty(inputs.sample.num_reqs, dtype=torch.int64, device=self.device)
+        return SamplerOutput(sampled=p.world.broadcast(sampled, src=sampler))
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor):
         dev, plan = self.device, inputs.prompt_logprobs

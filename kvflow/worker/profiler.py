@@ -90,7 +90,7 @@ def profile_kv_budget(cfg: EngineConfig, model: nn.Module, device: torch.device,
     peak = torch.cuda.max_memory_allocated(device)
     activations = peak - weights - scratch_bytes
     del scratch
-    kv_cache.bind_kv_cache(model, [None] * cfg.model.arch.num_hidden_layers)
+    kv_cache.bind_kv_cache(model, [None] * kv_cache.local_num_layers(cfg))
     torch.cuda.empty_cache()
     # CUDA context, cuBLAS workspaces, other processes: used memory torch did not reserve.
     non_torch = max(0, (total - free_before) - torch.cuda.memory_reserved(device))
