@@ -81,6 +81,8 @@ def test_enforce_eager_and_env_turn_it_off(compile_on, caplog, monkeypatch):
     assert "compiled CPU decode step off (--enforce-eager)" in caplog.text
     monkeypatch.setenv("KVFLOW_CPU_COMPILE", "0")
     assert _runner(_tiny()).graphs is None
+    monkeypatch.delenv("KVFLOW_CPU_COMPILE")  # opt-in: off unless asked for
+    assert _runner(_tiny()).graphs is None
 
 
 def test_no_cxx_compiler_falls_back_to_eager(compile_on, caplog, monkeypatch):

@@ -151,7 +151,7 @@ def compile_decode_step(runner) -> CpuCompiledStep | None:
     if cfg.device.enforce_eager:
         why_not = "--enforce-eager"
     elif not envs.cpu_compile():
-        why_not = "KVFLOW_CPU_COMPILE=0"
+        why_not = "opt-in: set KVFLOW_CPU_COMPILE=1"
     elif find_cxx() is None:
         why_not = "no C++ compiler found (install g++ or set CXX)"
     if why_not is not None:
