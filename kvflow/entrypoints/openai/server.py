@@ -115,6 +115,7 @@ class ServerState:
                     "concurrency at max_model_len %d: %.2fx", ready.num_blocks,
                     ready.block_size, tokens, ready.kv_cache_bytes / GiB,
                     ready.max_model_len, tokens / ready.max_model_len)
+        logger.info("%s (a request's own values win)", m.generation_defaults_line())
         logger.info("routes: %s", ", ".join(self.routes))
         logger.info("kvflow %s serving %s at http://%s:%d%s - ready in %.1f s", __version__,
                     m.name, args.host, args.port,
@@ -205,7 +206,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     def model_card() -> ModelCard:
         m = engine.config.model
         return ModelCard(id=state.model_name, created=state.created, root=m.path or m.model,
-                         max_model_len=m.max_model_len)
+                         max_model_len=m.max_model_len,
+                         generation_defaults=dict(m.generation_defaults),
+                         generation_source=m.generation_source,
+                         max_tokens_default=m.max_tokens_default)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models_route():
