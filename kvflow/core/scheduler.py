@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kvflow.config import SchedulerConfig, check_preemption_mode
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.latency import LatencyTarget
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.spec_stats import SpecDecodingStats
 from kvflow.core.sched_output import (
@@ -128,8 +129,10 @@ class Scheduler:
     """Decides, step by step, which requests run and with which KV blocks."""
 
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int,
-                 enable_prefix_caching: bool = False, swap: SwapPolicy | None = None) -> None:
+                 enable_prefix_caching: bool = False, swap: SwapPolicy | None = None,
+                 latency: LatencyTarget | None = None) -> None:
         self.config = config
+        self.latency = latency  # --target-tpot-ms: caps each step's budget and seats
         self.block_size = block_size
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.swap = swap
@@ -194,7 +197,10 @@ class Scheduler:
 
     # --- one step -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        step = _Step(self.config.max_num_batched_tokens)
+        budget, seats = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        if self.latency is not None:
+            budget, seats = self.latency.caps(len(self.running), budget, seats)
+        step = _Step(budget)
 
         # 1. Running requests first.
         i = 0
@@ -230,11 +236,17 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_placeholders:
                 break  # preempted while its last token was in flight: wait for it
-            if len(self.running) >= self.config.max_num_seqs and not self._make_room(req, step):
+            if len(self.running) >= seats and not self._make_room(req, step):
                 break
             if not self._admit(req, step):
                 break
-        return self._build_output(step)
+        out = self._build_output(step)
+        if self.latency is not None:
+            self.latency.on_schedule(out.total_num_scheduled_tokens,
+                                     len(out.num_scheduled_tokens),
+                                     frozenset(out.num_scheduled_tokens),
+                                     self.requests.__contains__)
+        return out
 
     def _drafts_to_verify(self, req: Request, budget: int) -> list[int]:
         """The proposed drafts this step can verify: only right after a sampled token

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 from kvflow import envs
 from kvflow.config import EngineConfig
+from kvflow.core.latency import LatencyTarget, StepTimeModel
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SwapPolicy
 from kvflow.engine.messages import CoreStats, spec_fields
 from kvflow.engine.processor import bound_for_engine
+from kvflow.engine.step_prior import step_time_prior
 from kvflow.errors import InvalidParameterError, QueueFullError
 from kvflow.logger import init_logger
 from kvflow.worker.executor import Executor
@@ -66,6 +68,24 @@ def describe_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{where}"
 
 
+def latency_target(config: EngineConfig) -> LatencyTarget | None:
+    """``--target-tpot-ms``: the step-time model starts at its prior and learns from the
+    engine's own step times."""
+    target = config.scheduler.target_tpot_ms
+    if target is None:
+        return None
+    gpu_name = None
+    if config.device.is_cuda:
+        import torch
+
+        gpu_name = torch.cuda.get_device_name(torch.device(config.device))
+    prior = step_time_prior(config, gpu_name)
+    logger.info("latency target: %.1f ms per output token; step-time prior from %s: "
+                "%.2f ms + %.3f ms/token + %.3f ms/sequence", target, prior.source,
+                prior.fixed_s * 1e3, prior.per_token_s * 1e3, prior.per_seq_s * 1e3)
+    return LatencyTarget(target / 1e3, StepTimeModel(prior), time.monotonic)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
@@ -78,7 +98,8 @@ class EngineCore:
             logger.warning("fault injection on: steps with token %d fail", envs.fault_token())
             self.executor = FaultInjectingExecutor(self.executor, envs.fault_token())
         self.scheduler = Scheduler(config.scheduler, config.cache.block_size, self.num_blocks,
-                                   config.cache.enable_prefix_caching, swap_policy(config))
+                                   config.cache.enable_prefix_caching, swap_policy(config),
+                                   latency_target(config))
         self.num_steps = 0
         self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet collected
         # Fault isolation (see step()): requests of a failed step wait here to be run
