@@ -210,6 +210,10 @@ class CacheConfig:
     and back) or auto (per request, whichever is estimated cheaper)."""
     swap_space: int = 4 * GiB
     """Host (pinned) memory for swapped-out KV blocks, in bytes (swap and auto modes)."""
+    kv_layout: str = "paged"
+    """paged (blocks allocated as a sequence grows) or contiguous (each request reserves
+    max_model_len of KV at admission, as an engine without paging must: the ablation
+    baseline; no prefix sharing)."""
 
     def __post_init__(self) -> None:
         require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
@@ -222,6 +226,11 @@ class CacheConfig:
             require(self.num_blocks_override >= 1, "num_blocks_override", "must be >= 1")
         check_preemption_mode(self.preemption_mode)
         require(self.swap_space >= 0, "swap_space", "must be >= 0 bytes")
+        require(self.kv_layout in ("paged", "contiguous"), "kv_layout",
+                 f"must be paged or contiguous, got {self.kv_layout!r}")
+        require(self.kv_layout == "paged" or not self.enable_prefix_caching, "kv_layout",
+                 "contiguous KV regions cannot share prefixes: add "
+                 "--no-enable-prefix-caching")
 
 
 @dataclass(frozen=True)
@@ -240,6 +249,9 @@ class SchedulerConfig:
     """Refuse new requests once this many wait (server back-pressure); None: no limit."""
     async_scheduling: bool = False
     """Schedule and launch step N+1 while step N runs on the GPU (overlapped steps)."""
+    batching: str = "continuous"
+    """continuous (requests join and leave the running batch every step) or static (a
+    batch forms only when the previous one has finished: the ablation baseline)."""
     target_tpot_ms: float | None = None
     """Latency target: cap each step's token budget and running batch so the predicted
     step time (learned online from measured steps) stays under this many milliseconds
@@ -247,6 +259,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        require(self.batching in ("continuous", "static"), "batching",
+                 f"must be continuous or static, got {self.batching!r}")
         if self.target_tpot_ms is not None:
             require(self.target_tpot_ms > 0, "target_tpot_ms", "must be > 0 milliseconds")
         require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")

@@ -153,3 +153,23 @@ def test_target_option_validation():
 
     lt = latency_target(cfg)
     assert lt.target_s == pytest.approx(0.080) and lt.model.prior.source.startswith("host")
+
+
+def test_bench_goodput_counts_requests_meeting_every_objective():
+    from kvflow.bench.serve import RequestResult, format_result, parse_goodput, summarize
+
+    fast = RequestResult(prompt_len=10, success=True, output_tokens=5, ttft_s=0.1,
+                         latency_s=0.5)  # TPOT 100 ms
+    slow = RequestResult(prompt_len=10, success=True, output_tokens=5, ttft_s=0.1,
+                         latency_s=0.9)  # TPOT 200 ms
+    late = RequestResult(prompt_len=10, success=True, output_tokens=5, ttft_s=3.0,
+                         latency_s=3.4)
+    failed = RequestResult(prompt_len=10, error="HTTP 503")
+    slos = parse_goodput(["ttft:2000", "tpot:150"])
+    assert slos == {"ttft": 2.0, "tpot": 0.15}
+    s = summarize([fast, slow, late, failed], duration=2.0, slos=slos)
+    assert s["goodput"]["requests_meeting"] == 1 and s["goodput"]["request_goodput"] == 0.5
+    assert "Request goodput (req/s):" in format_result(s, 1.0, None)
+    for bad in (["ttft"], ["tpot:-1"], ["speed:3"]):
+        with pytest.raises(SystemExit, match="--goodput"):
+            parse_goodput(bad)

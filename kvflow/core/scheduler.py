@@ -130,8 +130,11 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int,
                  enable_prefix_caching: bool = False, swap: SwapPolicy | None = None,
-                 latency: LatencyTarget | None = None) -> None:
+                 latency: LatencyTarget | None = None, contiguous_kv: bool = False) -> None:
         self.config = config
+        # --kv-layout contiguous (ablation): reserve max_model_len of KV per request at
+        # admission, as an engine without paging must.
+        self.contiguous_kv = contiguous_kv
         self.latency = latency  # --target-tpot-ms: caps each step's budget and seats
         self.block_size = block_size
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
@@ -232,7 +235,9 @@ class Scheduler:
 
         # 2. Waiting requests, in order of service, while budget, seats and blocks last.
         # Not after a preemption: what was just freed goes to the running requests.
-        while not step.preempted and self.waiting and step.budget > 0:
+        # Static batching (ablation): a batch forms only once the last one has finished.
+        admit = not (self.config.batching == "static" and self.running)
+        while admit and not step.preempted and self.waiting and step.budget > 0:
             req = self.waiting[0]
             if req.num_placeholders:
                 break  # preempted while its last token was in flight: wait for it
@@ -276,9 +281,12 @@ class Scheduler:
             if not self.config.enable_chunked_prefill:
                 return False
             n = step.budget
-        ids = self.kv.allocate_slots(req, restored + n)
+        want = restored + n
+        if self.contiguous_kv:
+            want = max(want, self.config.max_model_len - req.num_computed_tokens)
+        ids = self.kv.allocate_slots(req, want)
         while ids is None and self._make_room(req, step):
-            ids = self.kv.allocate_slots(req, restored + n)
+            ids = self.kv.allocate_slots(req, want)
         if ids is None:
             if not req.swapped_blocks:
                 self.kv.free(req)  # give back forked or cached blocks; retry next step

@@ -72,12 +72,18 @@ class EngineArgs:
     preemption_mode: str = _arg("recompute", "when blocks run out: recompute the preempted "
                                 "request later, swap its KV to host memory, or auto (per "
                                 "request, the cheaper)", choices=["recompute", "swap", "auto"])
+    kv_layout: str = _arg("paged", "paged KV blocks, or contiguous: each request reserves "
+                          "max_model_len of KV at admission (an ablation baseline; needs "
+                          "--no-enable-prefix-caching)", choices=["paged", "contiguous"])
     swap_space: str = _arg("4GiB", "host memory for swapped-out KV (swap/auto modes)")
     max_num_batched_tokens: int | None = _arg(None, "token budget per step (default 8192 "
                                               "on GPU, 2048 on CPU)")
     max_num_seqs: int | None = _arg(None, "most requests running at once (default 256 on "
                                     "GPU, 128 on CPU)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
+    batching: str = _arg("continuous", "continuous batching, or static: a batch forms only "
+                         "when the previous one has finished (an ablation baseline)",
+                         choices=["continuous", "static"])
     max_queued_requests: int | None = _arg(None, "refuse requests beyond this many waiting")
     target_tpot_ms: float | None = _arg(None, "latency target in ms per output token: "
                                         "each step's token budget and running batch are "
@@ -159,7 +165,7 @@ class EngineArgs:
             num_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             preemption_mode=self.preemption_mode,
-            swap_space=parse_bytes(self.swap_space, "swap_space"))
+            swap_space=parse_bytes(self.swap_space, "swap_space"), kv_layout=self.kv_layout)
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = 8192 if on_gpu else 2048
@@ -181,7 +187,7 @@ class EngineArgs:
             else self.max_num_seqs,
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
             max_queued_requests=self.max_queued_requests,
-            target_tpot_ms=self.target_tpot_ms,
+            target_tpot_ms=self.target_tpot_ms, batching=self.batching,
             async_scheduling=async_scheduling)
         parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,

@@ -99,7 +99,8 @@ class EngineCore:
             self.executor = FaultInjectingExecutor(self.executor, envs.fault_token())
         self.scheduler = Scheduler(config.scheduler, config.cache.block_size, self.num_blocks,
                                    config.cache.enable_prefix_caching, swap_policy(config),
-                                   latency_target(config))
+                                   latency_target(config),
+                                   contiguous_kv=config.cache.kv_layout == "contiguous")
         self.num_steps = 0
         self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet collected
         # Fault isolation (see step()): requests of a failed step wait here to be run
