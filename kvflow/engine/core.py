@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from kvflow import envs
 from kvflow.config import EngineConfig
+from kvflow.core.block_map import block_map
 from kvflow.core.latency import LatencyTarget, StepTimeModel
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
@@ -26,6 +27,9 @@ from kvflow.logger import init_logger
 from kvflow.worker.executor import Executor
 
 logger = init_logger(__name__)
+
+# How often the KV block map (for the dashboard) is redrawn.
+BLOCK_MAP_INTERVAL_S = 0.5
 
 
 def swap_policy(config: EngineConfig) -> SwapPolicy | None:
@@ -111,6 +115,7 @@ class EngineCore:
         self._consecutive_failures = 0
         self._failures: list[RequestFailure] = []
         self.num_step_failures = 0
+        self._block_map: tuple[float, str, dict] | None = None  # (time, map, counts)
         logger.info("engine core ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -342,12 +347,22 @@ class EngineCore:
     def stats(self) -> CoreStats:
         """A snapshot of the scheduler for logs and /metrics (sent as is over IPC)."""
         s = self.scheduler
+        bmap, counts = self._kv_block_map()
         return CoreStats(num_running=s.num_running, num_waiting=s.num_waiting,
                          num_blocks=self.num_blocks,
                          num_used_blocks=self.num_blocks - s.kv.num_free_blocks,
                          kv_cache_usage=s.kv.usage, num_preemptions=s.num_preemptions,
-                         num_steps=self.num_steps,
+                         num_steps=self.num_steps, num_cached_blocks=counts["cached"],
+                         num_shared_blocks=counts["shared"], block_map=bmap,
                          **(spec_fields(s.spec_stats) if self.config.speculative else {}))
+
+    def _kv_block_map(self) -> tuple[str, dict]:
+        # A walk over every block: at most once per BLOCK_MAP_INTERVAL_S, not every step.
+        now = time.monotonic()
+        if self._block_map is None or now - self._block_map[0] >= BLOCK_MAP_INTERVAL_S:
+            bmap, counts = block_map(self.scheduler.kv.pool.blocks)
+            self._block_map = (now, bmap, counts)
+        return self._block_map[1], self._block_map[2]
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -24,6 +24,7 @@ from kvflow import __version__
 from kvflow.config import GiB
 from kvflow.engine.async_client import AsyncEngine, CoreProcess, EngineState
 from kvflow.engine.stats import LoggingStatsListener
+from kvflow.entrypoints.openai.dashboard import install_dashboard
 from kvflow.entrypoints.openai.errors import (error_response, install_error_handlers,
                                               kvflow_error_response)
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusMetrics
@@ -157,6 +158,7 @@ def build_app(engine: AsyncEngine, args: ServerArgs, request_exit: Callable[[int
     app.add_middleware(GuardMiddleware, api_key=args.api_key,
                        max_body_bytes=args.max_body_bytes)
     _add_routes(app, state)
+    install_dashboard(app, engine, state.model_name)
     state.routes = [f"{method} {route.path}" for route in app.routes
                     for method in sorted(getattr(route, "methods", ()) or ()) if method != "HEAD"]
     return app
