@@ -42,7 +42,7 @@ def on_topic(text: str, *words: str) -> bool:
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_readme_curl_example(server):
     cmd = block_with("bash", "curl ").replace(README_URL, server.url)
-    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
     body = json.loads(out.stdout)
     choice = body["choices"][0]
