@@ -53,6 +53,9 @@ def ablations(on_gpu: bool, async_default: bool) -> list[Ablation]:
                  "overlapped scheduling" if async_default else
                  "(added) overlapped scheduling, off by default on CPU",
                  {"async_scheduling": not async_default}),
+        Ablation("spec-ngram", "(added) speculative decoding by prompt lookup, off by "
+                 "default", {"speculative_config": {"method": "ngram",
+                                                    "num_speculative_tokens": 4}}),
         Ablation("no-cuda-graphs", "CUDA graphs", {"enforce_eager": True}, gpu_only=True),
         Ablation("no-triton", "Triton kernels (pure-torch references instead)",
                  env={"KVFLOW_DISABLE_TRITON": "1"}, gpu_only=True),
