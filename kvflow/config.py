@@ -158,7 +158,14 @@ class ModelConfig:
     seed: int = 0
     """Seed for dummy weights and for requests without their own seed."""
     generation_defaults: tuple[tuple[str, object], ...] = ()
-    """Sampling defaults from generation_config.json, as sorted (key, value) pairs."""
+    """Recommended sampling settings applied to the fields a request leaves unset, as
+    sorted (SamplingParams field, value) pairs (see ``generation_source``)."""
+    generation_source: str = "none"
+    """Where generation_defaults came from: a generation_config.json path, GGUF metadata,
+    kvflow's registry entry of an embedded model, or none."""
+    max_tokens_default: int | None = None
+    """Output tokens for a request that leaves max_tokens unset; None: up to
+    max_model_len (as in the OpenAI API)."""
 
     def __post_init__(self) -> None:
         require(self.load_format in ("hf", "gguf", "dummy"), "load_format",
@@ -166,10 +173,21 @@ class ModelConfig:
         require(self.dtype in MODEL_DTYPES, "dtype",
                  f"must be one of {sorted(MODEL_DTYPES)}, got {self.dtype!r}")
         require(self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        if self.max_tokens_default is not None:
+            require(self.max_tokens_default >= 1, "max_tokens_default", "must be >= 1")
 
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+    def generation_defaults_line(self) -> str:
+        """One log line saying which sampling defaults are in force and why."""
+        values = ", ".join(f"{k}={v}" for k, v in self.generation_defaults)
+        cap = (f"max_tokens={self.max_tokens_default}" if self.max_tokens_default
+               else "max_tokens up to max_model_len")
+        if not values:
+            return f"sampling defaults: none (temperature 1.0, no filters); {cap}"
+        return f"sampling defaults: {values} (from {self.generation_source}); {cap}"
 
 
 @dataclass(frozen=True)
@@ -192,6 +210,10 @@ class CacheConfig:
     and back) or auto (per request, whichever is estimated cheaper)."""
     swap_space: int = 4 * GiB
     """Host (pinned) memory for swapped-out KV blocks, in bytes (swap and auto modes)."""
+    kv_layout: str = "paged"
+    """paged (blocks allocated as a sequence grows) or contiguous (each request reserves
+    max_model_len of KV at admission, as an engine without paging must: the ablation
+    baseline; no prefix sharing)."""
 
     def __post_init__(self) -> None:
         require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
@@ -204,6 +226,11 @@ class CacheConfig:
             require(self.num_blocks_override >= 1, "num_blocks_override", "must be >= 1")
         check_preemption_mode(self.preemption_mode)
         require(self.swap_space >= 0, "swap_space", "must be >= 0 bytes")
+        require(self.kv_layout in ("paged", "contiguous"), "kv_layout",
+                 f"must be paged or contiguous, got {self.kv_layout!r}")
+        require(self.kv_layout == "paged" or not self.enable_prefix_caching, "kv_layout",
+                 "contiguous KV regions cannot share prefixes: add "
+                 "--no-enable-prefix-caching")
 
 
 @dataclass(frozen=True)
@@ -222,9 +249,20 @@ class SchedulerConfig:
     """Refuse new requests once this many wait (server back-pressure); None: no limit."""
     async_scheduling: bool = False
     """Schedule and launch step N+1 while step N runs on the GPU (overlapped steps)."""
+    batching: str = "continuous"
+    """continuous (requests join and leave the running batch every step) or static (a
+    batch forms only when the previous one has finished: the ablation baseline)."""
+    target_tpot_ms: float | None = None
+    """Latency target: cap each step's token budget and running batch so the predicted
+    step time (learned online from measured steps) stays under this many milliseconds
+    per output token; requests beyond that wait. None: no target."""
 
     def __post_init__(self) -> None:
         require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        require(self.batching in ("continuous", "static"), "batching",
+                 f"must be continuous or static, got {self.batching!r}")
+        if self.target_tpot_ms is not None:
+            require(self.target_tpot_ms > 0, "target_tpot_ms", "must be > 0 milliseconds")
         require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         if not self.enable_chunked_prefill:
             require(self.max_num_batched_tokens >= self.max_model_len,

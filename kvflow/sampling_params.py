@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvflow.errors import InvalidParameterError
@@ -12,6 +13,13 @@ from kvflow.errors import InvalidParameterError
 GREEDY_TEMPERATURE = 1e-5
 # The most top-N logprobs a request may ask for, per generated or prompt token.
 MAX_LOGPROBS = 20
+
+
+# Sampling fields a model may recommend values for (generation_config.json, GGUF
+# metadata, kvflow's registry), and the values that change nothing when none is given.
+DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+            "repetition_penalty": 1.0}
 
 
 class OutputKind(enum.Enum):
@@ -33,19 +41,20 @@ class SamplingParams:
 
     n: int = 1
     """Number of samples to return for the prompt; they share the prompt's KV blocks."""
-    temperature: float = 1.0
-    """Softmax temperature; 0 means greedy."""
-    top_p: float = 1.0
+    temperature: float | None = None
+    """Softmax temperature; 0 means greedy. None (as for top_p, top_k, min_p and
+    repetition_penalty): the model's recommended value (see ``with_defaults``), else 1.0."""
+    top_p: float | None = None
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
-    top_k: int = 0
+    top_k: int | None = None
     """Keep the k most likely tokens; 0 or -1 keeps all."""
-    min_p: float = 0.0
+    min_p: float | None = None
     """Drop tokens whose probability is below min_p times the top token's."""
     presence_penalty: float = 0.0
     """Subtracted once from the logit of every token already generated."""
     frequency_penalty: float = 0.0
     """Subtracted from a token's logit once per time it was generated."""
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     """Divides positive (multiplies negative) logits of tokens in prompt or output."""
     seed: int | None = None
     """Per-request seed: the same output whatever else shares the batch."""
@@ -76,8 +85,16 @@ class SamplingParams:
     # Derived in __post_init__:
     stop_strings: list[str] = field(init=False, default_factory=list)
     all_stop_token_ids: set[int] = field(init=False, default_factory=set)
+    defaulted: frozenset[str] = field(init=False, default=frozenset())
+    """The fields of DEFAULTABLE left unset (None); they hold neutral values until
+    ``with_defaults`` fills in the model's recommendation."""
 
     def __post_init__(self) -> None:
+        unset = [name for name in DEFAULTABLE if getattr(self, name) is None]
+        # A copy that travels between processes arrives resolved; keep what it had.
+        self.defaulted = frozenset(unset) | (self.defaulted or frozenset())
+        for name in unset:
+            setattr(self, name, _NEUTRAL[name])
         if self.stop is None:
             self.stop_strings = []
         elif isinstance(self.stop, str):
@@ -144,11 +161,22 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     def clone(self, **changes: object) -> "SamplingParams":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again); unset fields stay unset."""
         base = {k: getattr(self, k) for k in self.__dataclass_fields__
                 if self.__dataclass_fields__[k].init}
+        base.update({k: None for k in self.defaulted})
         base.update(changes)
         return SamplingParams(**base)
 
+    def with_defaults(self, defaults: Mapping[str, object]) -> "SamplingParams":
+        """These params with ``defaults`` (the model's recommended sampling settings)
+        filling the fields the caller left unset; explicit values always win."""
+        fill = {k: v for k, v in defaults.items() if k in self.defaulted}
+        if not fill:
+            return self
+        out = self.clone(**fill)
+        out.defaulted = self.defaulted - fill.keys()
+        return out
 
-__all__ = ["SamplingParams", "OutputKind", "GREEDY_TEMPERATURE", "MAX_LOGPROBS"]
+
+__all__ = ["SamplingParams", "OutputKind", "DEFAULTABLE", "GREEDY_TEMPERATURE", "MAX_LOGPROBS"]

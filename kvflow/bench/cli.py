@@ -103,3 +103,16 @@ def add_bench_parser(sub) -> None:
 
         return run_serve_benchmark(ns)
     srv.set_defaults(func=run_srv)
+
+    abl = kinds.add_parser("ablation", help="one workload with each optimization switched "
+                           "off in turn: markdown report, PNG plots, JSON")
+    EngineArgs.add_cli_args(abl, model_positional=False)
+    from kvflow.bench.ablation import add_ablation_args
+
+    add_ablation_args(abl)
+
+    def run_abl(ns):
+        from kvflow.bench.ablation import run_ablation
+
+        return run_ablation(ns)
+    abl.set_defaults(func=run_abl)

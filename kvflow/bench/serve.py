@@ -68,6 +68,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-warmups", type=int, default=1,
                    help="requests sent (and not measured) before the run")
     p.add_argument("--request-timeout", type=float, default=6 * 3600)
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="service-level objectives for goodput (requests per second that "
+                   "meet all of them), e.g. --goodput ttft:2000 tpot:80; keys: ttft, "
+                   "tpot, e2el")
     p.add_argument("--save-result", default=None, help="write the result JSON here")
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
                    help="recorded in the result JSON (repeatable), e.g. "
@@ -160,7 +164,36 @@ def _stats_ms(values: list[float]) -> dict:
             "p99": float(np.percentile(a, 99))}
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict:
+_SLO_KEYS = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """``["ttft:2000", "tpot:80"]`` -> {"ttft": 2.0, "tpot": 0.08} (seconds)."""
+    slos: dict[str, float] = {}
+    for item in items or []:
+        key, _, value = item.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = -1.0
+        if key not in _SLO_KEYS or ms <= 0:
+            raise SystemExit(f"--goodput takes KEY:MS with KEY in {', '.join(_SLO_KEYS)} "
+                             f"and MS > 0, got {item!r}")
+        slos[key] = ms / 1e3
+    return slos
+
+
+def _tpot(r: RequestResult) -> float:
+    return (r.latency_s - r.ttft_s) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+
+
+def meets(r: RequestResult, slos: dict[str, float]) -> bool:
+    values = {"ttft": r.ttft_s, "tpot": _tpot(r), "e2el": r.latency_s}
+    return r.success and all(values[k] <= v for k, v in slos.items())
+
+
+def summarize(results: list[RequestResult], duration: float,
+              slos: dict[str, float] | None = None) -> dict:
     ok = [r for r in results if r.success]
     n_in = sum(r.prompt_len for r in ok)
     n_out = sum(r.output_tokens for r in ok)
@@ -177,6 +210,10 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         "itl_ms": _stats_ms([x for r in ok for x in r.itl_s]),
         "e2el_ms": _stats_ms([r.latency_s for r in ok]),
         "errors": sorted({r.error for r in results if not r.success})[:5],
+        **({"goodput": {"slo_ms": {k: v * 1e3 for k, v in slos.items()},
+                        "requests_meeting": sum(meets(r, slos) for r in results),
+                        "request_goodput": sum(meets(r, slos) for r in results) / duration}}
+           if slos else {}),
     }
 
 
@@ -200,6 +237,10 @@ def format_result(s: dict, rate: float, max_concurrency: int | None) -> str:
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
         for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
             lines.append(f"{f'{label} {short} (ms):':<{w}}{s[key][stat]:<10.2f}")
+    if "goodput" in s:
+        slo = ", ".join(f"{k} <= {v:g} ms" for k, v in s["goodput"]["slo_ms"].items())
+        lines.append(f"{'Request goodput (req/s):':<{w}}{s['goodput']['request_goodput']:<.2f}"
+                     f" ({s['goodput']['requests_meeting']} requests with {slo})")
     if "server_prefix_cache_hit_rate" in s:
         lines.append(f"{'Prefix cache hit rate (server):':<{w}}"
                      f"{100 * s['server_prefix_cache_hit_rate']:<.1f}%")
@@ -282,7 +323,7 @@ async def run_benchmark(ns: argparse.Namespace) -> dict:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         after = await _scrape_prefix_cache(session, base, headers)
-    summary = summarize(results, duration)
+    summary = summarize(results, duration, parse_goodput(ns.goodput))
     if before is not None and after is not None and after[0] > before[0]:
         # A warm cache (the same prompts sent before) makes prefill nearly free: the
         # figures would not describe this workload, so the hit rate goes with them.
@@ -305,6 +346,7 @@ def run_serve_benchmark(ns: argparse.Namespace) -> int:
         raise SystemExit("--request-rate and --burstiness must be > 0")
     if any("=" not in kv for kv in ns.metadata):
         raise SystemExit("--metadata takes KEY=VALUE")
+    parse_goodput(ns.goodput)  # a bad objective fails before any request is sent
     raise_fd_limit()
     summary = asyncio.run(run_benchmark(ns))
     print(format_result(summary, ns.request_rate, ns.max_concurrency))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kvflow.config import SchedulerConfig, check_preemption_mode
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.latency import LatencyTarget
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.spec_stats import SpecDecodingStats
 from kvflow.core.sched_output import (
@@ -128,8 +129,13 @@ class Scheduler:
     """Decides, step by step, which requests run and with which KV blocks."""
 
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int,
-                 enable_prefix_caching: bool = False, swap: SwapPolicy | None = None) -> None:
+                 enable_prefix_caching: bool = False, swap: SwapPolicy | None = None,
+                 latency: LatencyTarget | None = None, contiguous_kv: bool = False) -> None:
         self.config = config
+        # --kv-layout contiguous (ablation): reserve max_model_len of KV per request at
+        # admission, as an engine without paging must.
+        self.contiguous_kv = contiguous_kv
+        self.latency = latency  # --target-tpot-ms: caps each step's budget and seats
         self.block_size = block_size
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.swap = swap
@@ -194,7 +200,10 @@ class Scheduler:
 
     # --- one step -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        step = _Step(self.config.max_num_batched_tokens)
+        budget, seats = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        if self.latency is not None:
+            budget, seats = self.latency.caps(len(self.running), budget, seats)
+        step = _Step(budget)
 
         # 1. Running requests first.
         i = 0
@@ -226,15 +235,23 @@ class Scheduler:
 
         # 2. Waiting requests, in order of service, while budget, seats and blocks last.
         # Not after a preemption: what was just freed goes to the running requests.
-        while not step.preempted and self.waiting and step.budget > 0:
+        # Static batching (ablation): a batch forms only once the last one has finished.
+        admit = not (self.config.batching == "static" and self.running)
+        while admit and not step.preempted and self.waiting and step.budget > 0:
             req = self.waiting[0]
             if req.num_placeholders:
                 break  # preempted while its last token was in flight: wait for it
-            if len(self.running) >= self.config.max_num_seqs and not self._make_room(req, step):
+            if len(self.running) >= seats and not self._make_room(req, step):
                 break
             if not self._admit(req, step):
                 break
-        return self._build_output(step)
+        out = self._build_output(step)
+        if self.latency is not None:
+            self.latency.on_schedule(out.total_num_scheduled_tokens,
+                                     len(out.num_scheduled_tokens),
+                                     frozenset(out.num_scheduled_tokens),
+                                     self.requests.__contains__)
+        return out
 
     def _drafts_to_verify(self, req: Request, budget: int) -> list[int]:
         """The proposed drafts this step can verify: only right after a sampled token
@@ -264,9 +281,12 @@ class Scheduler:
             if not self.config.enable_chunked_prefill:
                 return False
             n = step.budget
-        ids = self.kv.allocate_slots(req, restored + n)
+        want = restored + n
+        if self.contiguous_kv:
+            want = max(want, self.config.max_model_len - req.num_computed_tokens)
+        ids = self.kv.allocate_slots(req, want)
         while ids is None and self._make_room(req, step):
-            ids = self.kv.allocate_slots(req, restored + n)
+            ids = self.kv.allocate_slots(req, want)
         if ids is None:
             if not req.swapped_blocks:
                 self.kv.free(req)  # give back forked or cached blocks; retry next step

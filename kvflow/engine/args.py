@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from kvflow.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
                            ParallelConfig, SchedulerConfig, SpeculativeConfig)
 from kvflow.errors import InvalidParameterError
-from kvflow.models.registry import DEFAULT_MODEL, resolve_model
+from kvflow.models.registry import DEFAULT_MODEL, load_generation_config, resolve_model
+from kvflow.sampling_params import SamplingParams
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "mb": 10**6, "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30,
@@ -53,6 +54,13 @@ class EngineArgs:
                                      "the model's context length)")
     seed: int = _arg(0, "seed for dummy weights and for requests without their own seed")
     served_model_name: str | None = _arg(None, "model name reported by the API")
+    generation_config: str = _arg("auto", "sampling defaults for fields a request leaves "
+                                  "out: auto (the model's generation_config.json, GGUF "
+                                  "metadata, or kvflow's registry entry for an embedded "
+                                  "model), none (temperature 1, no filters), or the path "
+                                  "of a generation_config.json (or its folder)")
+    max_tokens_default: int | None = _arg(None, "output tokens for requests that leave "
+                                          "max_tokens out (default: up to max_model_len)")
     skip_tokenizer_init: bool = _arg(False, "run without a tokenizer (token ids in and out)")
     block_size: int = _arg(16, "tokens per KV cache block")
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, "
@@ -64,13 +72,24 @@ class EngineArgs:
     preemption_mode: str = _arg("recompute", "when blocks run out: recompute the preempted "
                                 "request later, swap its KV to host memory, or auto (per "
                                 "request, the cheaper)", choices=["recompute", "swap", "auto"])
+    kv_layout: str = _arg("paged", "paged KV blocks, or contiguous: each request reserves "
+                          "max_model_len of KV at admission (an ablation baseline; needs "
+                          "--no-enable-prefix-caching)", choices=["paged", "contiguous"])
     swap_space: str = _arg("4GiB", "host memory for swapped-out KV (swap/auto modes)")
     max_num_batched_tokens: int | None = _arg(None, "token budget per step (default 8192 "
                                               "on GPU, 2048 on CPU)")
     max_num_seqs: int | None = _arg(None, "most requests running at once (default 256 on "
                                     "GPU, 128 on CPU)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
+    batching: str = _arg("continuous", "continuous batching, or static: a batch forms only "
+                         "when the previous one has finished (an ablation baseline)",
+                         choices=["continuous", "static"])
     max_queued_requests: int | None = _arg(None, "refuse requests beyond this many waiting")
+    target_tpot_ms: float | None = _arg(None, "latency target in ms per output token: "
+                                        "each step's token budget and running batch are "
+                                        "capped so its predicted time stays under it; "
+                                        "requests beyond that wait (see "
+                                        "--max-queued-requests)")
     enforce_eager: bool = _arg(False, "never use CUDA graphs")
     async_scheduling: bool | None = _arg(None, "prepare and launch step N+1 while step N runs "
                                          "(default: on for GPU, off for CPU)")
@@ -133,18 +152,20 @@ class EngineArgs:
         if max_len < 1:
             raise InvalidParameterError("max_model_len must be >= 1", param="max_model_len")
         tokenizer = None if self.skip_tokenizer_init else (self.tokenizer or resolved.tokenizer)
+        gen_defaults, gen_source = self._generation_defaults(resolved)
         model = ModelConfig(
             model=self.model, path=resolved.path, load_format=resolved.load_format,
             arch=resolved.arch, dtype=dtype, max_model_len=max_len, tokenizer=tokenizer,
             served_model_name=self.served_model_name or self.model, seed=self.seed,
-            generation_defaults=tuple(sorted(resolved.generation_defaults.items())))
+            generation_defaults=tuple(sorted(gen_defaults.items())),
+            generation_source=gen_source, max_tokens_default=self.max_tokens_default)
         cache = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory=parse_bytes(self.kv_cache_memory, "kv_cache_memory"),
             num_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             preemption_mode=self.preemption_mode,
-            swap_space=parse_bytes(self.swap_space, "swap_space"))
+            swap_space=parse_bytes(self.swap_space, "swap_space"), kv_layout=self.kv_layout)
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = 8192 if on_gpu else 2048
@@ -166,6 +187,7 @@ class EngineArgs:
             else self.max_num_seqs,
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
             max_queued_requests=self.max_queued_requests,
+            target_tpot_ms=self.target_tpot_ms, batching=self.batching,
             async_scheduling=async_scheduling)
         parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
@@ -176,6 +198,24 @@ class EngineArgs:
                             device=DeviceConfig(device=device,
                                                 enforce_eager=self.enforce_eager),
                             speculative=speculative, parallel=parallel)
+
+    def _generation_defaults(self, resolved) -> tuple[dict, str]:
+        choice = self.generation_config
+        if not isinstance(choice, str) or not choice:
+            raise InvalidParameterError("generation_config must be auto, none or a path",
+                                        param="generation_config")
+        if choice == "none":
+            return {}, "none"
+        if choice == "auto":
+            defaults, source = resolved.generation_defaults, resolved.generation_source
+        else:
+            defaults, source = load_generation_config(choice)
+        try:  # a bad value is the model's or the operator's: say so at start, not per request
+            SamplingParams(**defaults)
+        except InvalidParameterError as e:
+            raise InvalidParameterError(f"generation defaults from {source}: {e}",
+                                        param="generation_config") from None
+        return defaults, source
 
     def _resolve_device(self) -> str:
         if self.device != "auto":

@@ -14,16 +14,22 @@ from dataclasses import dataclass
 
 from kvflow import envs
 from kvflow.config import EngineConfig
+from kvflow.core.block_map import block_map
+from kvflow.core.latency import LatencyTarget, StepTimeModel
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SwapPolicy
 from kvflow.engine.messages import CoreStats, spec_fields
 from kvflow.engine.processor import bound_for_engine
+from kvflow.engine.step_prior import step_time_prior
 from kvflow.errors import InvalidParameterError, QueueFullError
 from kvflow.logger import init_logger
 from kvflow.worker.executor import Executor
 
 logger = init_logger(__name__)
+
+# How often the KV block map (for the dashboard) is redrawn.
+BLOCK_MAP_INTERVAL_S = 0.5
 
 
 def swap_policy(config: EngineConfig) -> SwapPolicy | None:
@@ -66,6 +72,24 @@ def describe_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{where}"
 
 
+def latency_target(config: EngineConfig) -> LatencyTarget | None:
+    """``--target-tpot-ms``: the step-time model starts at its prior and learns from the
+    engine's own step times."""
+    target = config.scheduler.target_tpot_ms
+    if target is None:
+        return None
+    gpu_name = None
+    if config.device.is_cuda:
+        import torch
+
+        gpu_name = torch.cuda.get_device_name(torch.device(config.device))
+    prior = step_time_prior(config, gpu_name)
+    logger.info("latency target: %.1f ms per output token; step-time prior from %s: "
+                "%.2f ms + %.3f ms/token + %.3f ms/sequence", target, prior.source,
+                prior.fixed_s * 1e3, prior.per_token_s * 1e3, prior.per_seq_s * 1e3)
+    return LatencyTarget(target / 1e3, StepTimeModel(prior), time.monotonic)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
@@ -78,7 +102,9 @@ class EngineCore:
             logger.warning("fault injection on: steps with token %d fail", envs.fault_token())
             self.executor = FaultInjectingExecutor(self.executor, envs.fault_token())
         self.scheduler = Scheduler(config.scheduler, config.cache.block_size, self.num_blocks,
-                                   config.cache.enable_prefix_caching, swap_policy(config))
+                                   config.cache.enable_prefix_caching, swap_policy(config),
+                                   latency_target(config),
+                                   contiguous_kv=config.cache.kv_layout == "contiguous")
         self.num_steps = 0
         self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet collected
         # Fault isolation (see step()): requests of a failed step wait here to be run
@@ -89,6 +115,7 @@ class EngineCore:
         self._consecutive_failures = 0
         self._failures: list[RequestFailure] = []
         self.num_step_failures = 0
+        self._block_map: tuple[float, str, dict] | None = None  # (time, map, counts)
         logger.info("engine core ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -320,12 +347,22 @@ class EngineCore:
     def stats(self) -> CoreStats:
         """A snapshot of the scheduler for logs and /metrics (sent as is over IPC)."""
         s = self.scheduler
+        bmap, counts = self._kv_block_map()
         return CoreStats(num_running=s.num_running, num_waiting=s.num_waiting,
                          num_blocks=self.num_blocks,
                          num_used_blocks=self.num_blocks - s.kv.num_free_blocks,
                          kv_cache_usage=s.kv.usage, num_preemptions=s.num_preemptions,
-                         num_steps=self.num_steps,
+                         num_steps=self.num_steps, num_cached_blocks=counts["cached"],
+                         num_shared_blocks=counts["shared"], block_map=bmap,
                          **(spec_fields(s.spec_stats) if self.config.speculative else {}))
+
+    def _kv_block_map(self) -> tuple[str, dict]:
+        # A walk over every block: at most once per BLOCK_MAP_INTERVAL_S, not every step.
+        now = time.monotonic()
+        if self._block_map is None or now - self._block_map[0] >= BLOCK_MAP_INTERVAL_S:
+            bmap, counts = block_map(self.scheduler.kv.pool.blocks)
+            self._block_map = (now, bmap, counts)
+        return self._block_map[1], self._block_map[2]
 
     def shutdown(self) -> None:
         self.executor.shutdown()

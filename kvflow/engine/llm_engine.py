@@ -32,6 +32,7 @@ class LLMEngine:
         self.core = EngineCore(config)
         self.processor = InputProcessor(config, self.tokenizer, self.core.num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
+        logger.info("%s", config.model.generation_defaults_line())
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

