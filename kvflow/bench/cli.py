@@ -92,6 +92,18 @@ def add_bench_parser(sub) -> None:
         return run_allreduce(ns)
     ar.set_defaults(func=run_ar)
 
+    qual = kinds.add_parser("quality", help="perplexity, KL divergence and top-1 agreement "
+                            "of quantized weights against the dense model on a fixed text")
+    from kvflow.bench.quality import add_quality_args
+
+    add_quality_args(qual)
+
+    def run_qual(ns):
+        from kvflow.bench.quality import run_quality
+
+        return run_quality(ns)
+    qual.set_defaults(func=run_qual)
+
     srv = kinds.add_parser("serve", help="serving benchmark against a running OpenAI-"
                            "compatible server: TTFT, TPOT, ITL, end-to-end latency")
     from kvflow.bench.serve import add_serve_args
