@@ -37,7 +37,7 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-result", default=None, help="write the result JSON here")
 
 
-def _method_args(base: EngineArgs, method: str) -> EngineArgs:
+def method_args(base: EngineArgs, method: str) -> EngineArgs:
     """'int4-g64-sym' -> EngineArgs with quantization=int4, group 64, symmetric."""
     name, *opts = method.split("-")
     changes: dict = {"quantization": name}
@@ -126,7 +126,7 @@ def run_quality(ns: argparse.Namespace) -> int:
     table = {"none": _figures(torch.cat(ref_lp), None, targets, ref)}
     del ref
     for m in methods:
-        scorer = _Scorer(_method_args(base, m), ns.context)
+        scorer = _Scorer(method_args(base, m), ns.context)
         lp = torch.cat([scorer.logprobs(w)[half:-1] for w in wins])
         table[m] = _figures(lp, torch.cat(ref_lp), targets, scorer)
         del scorer

@@ -21,7 +21,8 @@ from torch import nn
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import LinearBase, LinearMethod
 from kvflow.layers.quantization import ggml_blocks as gb
-from kvflow.layers.quantization.packed import Int4Groups, PackedInt4, flatten_tokens, int4_mm
+from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, flatten_tokens,
+                                               int4_mm, refine_top_logits)
 from kvflow.layers.quantization.rtn import set_param
 
 
@@ -137,6 +138,9 @@ class GGUFLinearMethod(LinearMethod):
         y = int4_mm(x2, layer.qweight, layer.scales_and_zeros, self.group, self.doubled)
         if layer.bias is not None:
             y = y + layer.bias
+        if self._tied:  # a tied head: the embedding's table gives exact rows
+            emb = self._tied[0]
+            y = refine_top_logits(x2, y, lambda ids: emb.quant_method.rows(emb, ids))
         return y.view(*lead, -1)
 
 
@@ -172,11 +176,14 @@ class GGUFEmbeddingMethod:
         zero = layer.qzero if rows is None else layer.qzero[rows]
         return Int4Groups(v, scale, zero, self.group, self.doubled)
 
-    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), hidden]: the table's rows, dequantized."""
         if self.doubled is None:
-            return F.embedding(ids, layer.weight)
-        flat = ids.reshape(-1)
-        rows = self._groups(layer, flat).dequantize().to(self.dtype)  # [T, hidden]
+            return layer.weight[ids].float()
+        return self._groups(layer, ids).dequantize()
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.rows(layer, ids.reshape(-1)).to(self.dtype)  # [T, hidden]
         return rows.view(*ids.shape, -1)
 
     def source(self, layer: nn.Module) -> tuple[Int4Groups | torch.Tensor, list[str]]:

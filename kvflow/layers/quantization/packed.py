@@ -134,6 +134,21 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     return y.to(x.dtype)
 
 
+def refine_top_logits(x: torch.Tensor, y: torch.Tensor, rows, k: int = 32) -> torch.Tensor:
+    """Recompute the ``k`` largest logits of each row of ``y`` [M, V] in float32.
+
+    The bfloat16 output of the packed ops has 8 significant bits: logits near 16 come out
+    in steps of 1/16, enough to tie or swap the top two tokens of a confident model. The
+    tokens that sampling can pick are among the largest few, so those are recomputed
+    exactly from their weight rows (``rows(ids) -> float32 [len(ids), K]``): a few dozen
+    rows per token instead of the whole table."""
+    k = min(k, y.shape[-1])
+    top = y.topk(k, dim=-1).indices  # [M, k]
+    w = rows(top.reshape(-1)).view(*top.shape, -1)  # [M, k, K]
+    exact = torch.einsum("mk,mjk->mj", x.float(), w)
+    return y.scatter(-1, top, exact.to(y.dtype))
+
+
 def flatten_tokens(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The aten ops take 2-D inputs; [..., K] -> [M, K] and the leading shape."""
     lead = x.shape[:-1]

@@ -14,7 +14,7 @@ from torch import nn
 from kvflow.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
 from kvflow.layers.quantization.packed import (CPU_ACT_DTYPE, PackedInt4, flatten_tokens,
                                                int4_mm, int8_mm, quantize_int4,
-                                               quantize_int8)
+                                               quantize_int8, refine_top_logits)
 
 
 def set_param(layer: nn.Module, name: str, t: torch.Tensor) -> None:
@@ -48,6 +48,9 @@ class Int8LinearMethod(_QuantizeAfterLoad):
         y = int8_mm(x2, layer.qweight, layer.scales)
         if layer.bias is not None:
             y = y + layer.bias
+        if layer.prefix == "lm_head":  # exact top logits (see refine_top_logits)
+            y = refine_top_logits(x2, y, lambda ids: layer.qweight[ids].float()
+                                  * layer.scales[ids].float()[:, None])
         return y.view(*lead, -1)
 
 
