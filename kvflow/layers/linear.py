@@ -100,6 +100,8 @@ class LinearBase(nn.Module):
         start = sum(self.output_sizes[:idx])
         size = self.output_sizes[idx]
         dim = getattr(param, "output_dim", 0)
+        if getattr(param, "packed_dim", None) == dim:  # e.g. zero points packed along N
+            start, size = start // param.pack_factor, size // param.pack_factor
         default_weight_loader(param.data.narrow(dim, start, size), loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

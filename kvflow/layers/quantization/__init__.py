@@ -25,6 +25,11 @@ def linear_method(config: QuantizationConfig | None, prefix: str, tied_to=None):
 
         # A tied head reads its embedding's blocks, unless the embedding itself is dense.
         return GGUFLinearMethod(tied_to)
+    if kind in ("gptq", "awq"):
+        from kvflow.layers.quantization.prequant import PrequantizedLinearMethod
+
+        return PrequantizedLinearMethod(kind, config.bits, config.group_size,
+                                        config.zero_offset)
     from kvflow.layers.quantization.rtn import Int4LinearMethod, Int8LinearMethod
 
     if kind == "int8":

@@ -22,10 +22,16 @@ class QuantizationConfig:
     """How a model's weights are stored and multiplied."""
 
     method: str
-    """int8 (per output channel, symmetric), int4 (group-wise round-to-nearest) or gguf
-    (the GGUF file's own blocks, repacked once at load)."""
+    """int8 (per output channel, symmetric), int4 (group-wise round-to-nearest), gguf
+    (the GGUF file's own blocks, repacked once at load), or a pre-quantized checkpoint's
+    gptq / awq."""
     group_size: int = 32
-    """int4: input elements sharing one scale (and zero point): 32, 64 or 128."""
+    """Input elements sharing one scale (and zero point). int4: 32, 64 or 128; gptq/awq:
+    the checkpoint's (a multiple of 32, or -1 for one group per row)."""
+    bits: int = 4
+    """gptq / awq: bits per weight of the checkpoint."""
+    zero_offset: int = 0
+    """gptq: added to stored zero points (1 for the common v1 format, which stores z - 1)."""
     symmetric: bool = False
     """int4: zero point fixed at the middle of the range (scale only) instead of per group."""
     lm_head: str = "int8"
@@ -35,10 +41,11 @@ class QuantizationConfig:
     """Module prefixes kept in the model dtype (e.g. ``model.layers.0.mlp``)."""
 
     def __post_init__(self) -> None:
-        require(self.method in ("int8", "int4", "gguf"), "quantization",
-                f"must be int8, int4 or gguf, got {self.method!r}")
-        require(self.group_size in (32, 64, 128), "quantization_group_size",
-                f"must be 32, 64 or 128, got {self.group_size}")
+        require(self.method in ("int8", "int4", "gguf", "gptq", "awq"), "quantization",
+                f"must be int8, int4, gguf, gptq or awq, got {self.method!r}")
+        if self.method == "int4":
+            require(self.group_size in (32, 64, 128), "quantization_group_size",
+                    f"must be 32, 64 or 128, got {self.group_size}")
         require(self.lm_head in ("int8", "none"), "lm_head", "must be int8 or none")
 
     def is_skipped(self, prefix: str) -> bool:
@@ -51,6 +58,9 @@ class QuantizationConfig:
             return "none"
         if self.method == "gguf":
             return "gguf"
+        if self.method in ("gptq", "awq"):  # checkpoints quantize the decoder layers only
+            return "none" if prefix == "lm_head" or prefix.endswith("embed_tokens") else (
+                self.method)
         if prefix == "lm_head":
             return self.lm_head
         if prefix.endswith("embed_tokens"):
@@ -63,6 +73,8 @@ class QuantizationConfig:
             return f"int4 (group {self.group_size}, {kind}, lm_head {self.lm_head})"
         if self.method == "int8":
             return f"int8 (per channel, lm_head {self.lm_head})"
+        if self.method in ("gptq", "awq"):
+            return f"{self.method} ({self.bits}-bit, group {self.group_size})"
         return "gguf (blocks kept quantized)"
 
 
@@ -73,14 +85,9 @@ def resolve_quantization(requested: str, load_format: str, hf_quant_config: dict
     None means dense weights in the model dtype."""
     require(requested in USER_METHODS, "quantization",
             f"must be one of {', '.join(USER_METHODS)}, got {requested!r}")
-    if hf_quant_config:
-        method = hf_quant_config.get("quant_method", "?")
-        raise ModelLoadError(
-            f"the checkpoint is pre-quantized with {method!r} (config.json "
-            f"quantization_config); kvflow does not load pre-quantized Hugging Face "
-            f"checkpoints yet (supported: GGUF files, and int8/int4 quantized at load from "
-            f"a float checkpoint with --quantization int8|int4)")
     on_cpu = device == "cpu"
+    if hf_quant_config:
+        return _prequantized(hf_quant_config, requested, on_cpu, device)
     if requested == "none":
         return None
     if requested == "auto":
@@ -98,3 +105,36 @@ def resolve_quantization(requested: str, load_format: str, hf_quant_config: dict
     if load_format == "dummy" and requested == "gguf":
         raise ModelLoadError("--quantization gguf needs real GGUF weights, not dummy ones")
     return QuantizationConfig(requested, group_size=group_size, symmetric=symmetric)
+
+
+PREQUANTIZED = ("gptq", "awq")
+
+
+def _prequantized(qc: dict, requested: str, on_cpu: bool, device: str) -> QuantizationConfig:
+    """A config.json ``quantization_config`` -> QuantizationConfig, or a clear refusal."""
+    method = str(qc.get("quant_method", "?")).lower()
+    if method not in PREQUANTIZED:
+        raise ModelLoadError(
+            f"the checkpoint is pre-quantized with {method!r} (config.json "
+            f"quantization_config), which kvflow does not load (supported: gptq 4/8-bit, "
+            f"awq 4-bit GEMM; or a float checkpoint with --quantization int8|int4)")
+    if requested not in ("auto", method):
+        raise ModelLoadError(f"the checkpoint is already {method}-quantized; "
+                             f"--quantization {requested} cannot apply to it (use auto)")
+    if not on_cpu:
+        raise ModelLoadError(f"{method} checkpoints run on CPU only for now (no GPU kernels "
+                             f"yet), not on {device}")
+    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+        raise ModelLoadError(f"awq version {qc.get('version')!r} is not supported "
+                             f"(supported: gemm)")
+    offset = 0
+    if method == "gptq":
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ModelLoadError(f"gptq checkpoint_format {fmt!r} is not supported "
+                                 f"(supported: gptq, gptq_v2)")
+        offset = 1 if fmt == "gptq" else 0
+    return QuantizationConfig(method, group_size=group, bits=bits, zero_offset=offset,
+                              lm_head="none")
