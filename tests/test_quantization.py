@@ -122,8 +122,13 @@ def test_config_resolution_and_prefixes():
     assert resolve_quantization("auto", "gguf", None, "cuda", False) is None
     assert resolve_quantization("auto", "hf", None, "cpu", False) is None
     assert resolve_quantization("none", "gguf", None, "cpu", False) is None
-    with pytest.raises(ModelLoadError, match="pre-quantized with 'gptq'"):
-        resolve_quantization("auto", "hf", {"quant_method": "gptq"}, "cpu", False)
+    gptq = resolve_quantization("auto", "hf", {"quant_method": "gptq", "bits": 8}, "cpu", False)
+    assert (gptq.method, gptq.bits, gptq.zero_offset) == ("gptq", 8, 1)
+    assert gptq.method_for("lm_head") == "none"
+    with pytest.raises(ModelLoadError, match="pre-quantized with 'fp8'"):
+        resolve_quantization("auto", "hf", {"quant_method": "fp8"}, "cpu", False)
+    with pytest.raises(ModelLoadError, match="CPU only"):
+        resolve_quantization("auto", "hf", {"quant_method": "awq"}, "cuda", False)
     with pytest.raises(ModelLoadError, match="needs a GGUF file"):
         resolve_quantization("gguf", "hf", None, "cpu", False)
     with pytest.raises(InvalidParameterError, match="group_size"):

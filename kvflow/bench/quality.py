@@ -56,19 +56,23 @@ class _Scorer:
     """One model, prefilling a window at a time through its own small KV cache."""
 
     def __init__(self, args: EngineArgs, context: int) -> None:
-        from kvflow.layers.attention import Attention, get_attention_backend
+        from kvflow.layers.attention import Attention, get_attention_backend, model_rotary
+        from kvflow.layers.attention.metadata import AttentionSpec
         from kvflow.models.loader import load_model, weight_bytes
 
         self.config = args.create_engine_config()
         self.device = torch.device(self.config.device.device)
         start = time.perf_counter()
-        self.model = load_model(self.config.model, self.device,
-                                get_attention_backend("torch"))
+        backend = get_attention_backend("torch")
+        self.model = load_model(self.config.model, self.device, backend)
         self.load_s = time.perf_counter() - start
         self.weight_bytes = weight_bytes(self.model)
         arch, bs = self.config.model.arch, self.config.cache.block_size
         self.nblocks = -(-context // bs)
         dtype = next(p for p in self.model.parameters() if p.is_floating_point()).dtype
+        self.builder = backend.metadata_builder(AttentionSpec(
+            block_size=bs, num_kv_heads=arch.num_key_value_heads, dtype=dtype,
+            device=self.device, rotary=model_rotary(self.model)))
         for m in self.model.modules():
             if isinstance(m, Attention):  # [2, blocks, block_size, KVH, D]
                 m.kv_cache = torch.zeros(2, self.nblocks, bs, arch.num_key_value_heads,
@@ -87,7 +91,9 @@ class _Scorer:
             seq_lens=torch.tensor([t], dtype=torch.int32, device=d),
             block_tables=torch.arange(self.nblocks, dtype=torch.int32, device=d)[None],
             query_start_loc_cpu=[0, t], seq_lens_cpu=[t])
-        hidden = self.model(torch.tensor(ids, device=d), torch.arange(t, device=d), meta)
+        positions = torch.arange(t, device=d)
+        meta = self.builder.build(meta, positions)
+        hidden = self.model(torch.tensor(ids, device=d), positions, meta)
         return torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1).cpu()
 
 
