@@ -118,19 +118,39 @@ class PackedInt4:
         return {"qweight": self.packed, "scales_and_zeros": self.scale_zero}
 
 
+# Up to this many rows the packed ops run on one thread. They split every call across the
+# intra-op threads, and on a shared (oversubscribed) machine each split waits for a
+# descheduled thread: measured on the 2-core dev machine at load 20, a 30-layer SmolLM2
+# decode step's GEMMs took 14 ms on one thread and 260 ms on two (float32 F.linear: 99 ms
+# and 131 ms). A decode-sized GEMM is memory-bound, so one core loses little on a quiet
+# machine either (benchmarks/cpu_quant_linears.py).
+SINGLE_THREAD_ROWS = 16
+
+
+def _run(op, x: torch.Tensor, *args) -> torch.Tensor:
+    if x.shape[0] > SINGLE_THREAD_ROWS or x.device.type != "cpu":
+        return op(x, *args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # about 0.1 us; the thread pool is kept
+    try:
+        return op(x, *args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group: int,
             doubled: bool) -> torch.Tensor:
     """x [M, K] (any float dtype) @ W^T -> [M, N] in x's dtype."""
     xb = x.to(CPU_ACT_DTYPE)
     if doubled:
         xb = torch.cat([xb, xb], dim=-1)  # [M, 2K]: one GEMM does both nibble halves
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, group, scale_zero)
+    y = _run(torch.ops.aten._weight_int4pack_mm_for_cpu, xb, packed, group, scale_zero)
     return y.to(x.dtype)
 
 
 def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (scale[:, None] * q)^T -> [M, N] in x's dtype; q int8 [N, K]."""
-    y = torch.ops.aten._weight_int8pack_mm(x.to(CPU_ACT_DTYPE), q, scale)
+    y = _run(torch.ops.aten._weight_int8pack_mm, x.to(CPU_ACT_DTYPE), q, scale)
     return y.to(x.dtype)
 
 
