@@ -108,7 +108,7 @@ def to_int4_groups(raw: np.ndarray, k: int, ggml_type: int) -> tuple[Int4Groups,
         return _groups(v, scale, zero), True
     if ggml_type in DENSE_TYPES:
         raise ModelLoadError("dense GGML tensors are not block-quantized")
-    return _requantize8(dequantize(raw, k, ggml_type)), False
+    return requantize8(dequantize(raw, k, ggml_type)), False
 
 
 def dequantize(raw: np.ndarray, k: int, ggml_type: int) -> torch.Tensor:
@@ -125,7 +125,7 @@ def dequantize(raw: np.ndarray, k: int, ggml_type: int) -> torch.Tensor:
     return torch.from_numpy(np.array(out, dtype=np.float32).reshape(raw.shape[0], k))
 
 
-def _requantize8(w: torch.Tensor) -> Int4Groups:
+def requantize8(w: torch.Tensor) -> Int4Groups:
     """Float [N, K] -> int8 per 32 elements (Q8_0's scheme), as Int4Groups."""
     n, k = w.shape
     wg = w.reshape(n, k // 32, 32)

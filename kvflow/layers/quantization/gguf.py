@@ -80,7 +80,7 @@ def _convert(parts: list[tuple[int, np.ndarray]], cols: int
     groups = []
     for t, raw in parts:
         if t in gb.DENSE_TYPES:
-            g = gb._requantize8(_dense_raw(raw, cols, t))
+            g = gb.requantize8(_dense_raw(raw, cols, t))
         else:
             g, exact = gb.to_int4_groups(raw, cols, t)
             if not exact:

@@ -8,10 +8,9 @@ quantizes it once and replaces it with the packed form the CPU kernels read.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
+from kvflow.layers.linear import LinearBase, UnquantizedLinearMethod
 from kvflow.layers.quantization.packed import (CPU_ACT_DTYPE, PackedInt4, flatten_tokens,
                                                int4_mm, int8_mm, quantize_int4,
                                                quantize_int8, refine_top_logits)
@@ -76,10 +75,3 @@ class Int4LinearMethod(_QuantizeAfterLoad):
         if layer.bias is not None:
             y = y + layer.bias
         return y.view(*lead, -1)
-
-
-class DenseLinearMethod(LinearMethod):
-    """A dense weight set after loading (GGUF tensors stored as F32/F16)."""
-
-    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
