@@ -267,7 +267,7 @@ def _pack_words(v: np.ndarray, bits: int, axis: int, order=None) -> np.ndarray:
 
 
 def _write_prequantized(path, fmt: str, bits: int, group: int, desc_act: bool,
-                        v1: bool = True) -> None:
+                        v1: bool = True, sym: bool = False) -> None:
     """A tiny-llama checkpoint whose linears are GPTQ/AWQ packed, plus the same model
     dequantized in ``path``/dense (the reference)."""
     import json
@@ -300,11 +300,20 @@ def _write_prequantized(path, fmt: str, bits: int, group: int, desc_act: bool,
             q = rng.integers(0, 1 << bits, (k, n))
             # v1 stores z - 1 in 4 bits, so it cannot hold z = 0.
             z = rng.integers(1 if fmt == "gptq" and v1 else 0, 1 << bits, (ng, n))
+            if sym:  # compressed-tensors stores signed values + 2^(bits-1): zero at mid
+                z[:] = 1 << (bits - 1)
             s = rng.uniform(0.002, 0.01, (ng, n)).astype(np.float16)
             g_idx = (np.argsort(perms[k]) // group if desc_act else np.arange(k) // group)
             w = (q - z[g_idx]) * s[g_idx].astype(np.float64)  # [K, N]
             dense[p + name + ".weight"] = w.T
             key = p + name + "."
+            if fmt == "compressed-tensors":
+                packed[key + "weight_packed"] = _pack_words(q.T, bits, 1)
+                packed[key + "weight_scale"] = np.ascontiguousarray(s.T)
+                packed[key + "weight_shape"] = np.array([n, k], np.int64)
+                if not sym:
+                    packed[key + "weight_zero_point"] = _pack_words(z.T, bits, 0)
+                continue
             if fmt == "gptq":
                 packed[key + "qweight"] = _pack_words(q, bits, 0)
                 packed[key + "qzeros"] = _pack_words(z - 1 if v1 else z, bits, 1)
@@ -316,7 +325,12 @@ def _write_prequantized(path, fmt: str, bits: int, group: int, desc_act: bool,
             packed[key + "scales"] = s
     dense = {k: np.ascontiguousarray(v, np.float32) for k, v in dense.items()}
     qc = {"quant_method": fmt, "bits": bits, "group_size": group}
-    if fmt == "gptq":
+    if fmt == "compressed-tensors":
+        qc = {"quant_method": fmt, "format": "pack-quantized", "ignore": ["lm_head"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                  "num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group",
+                  "group_size": group}}}}
+    elif fmt == "gptq":
         qc.update(desc_act=desc_act, checkpoint_format="gptq" if v1 else "gptq_v2")
     else:
         qc.update(version="gemm", zero_point=True)
@@ -330,12 +344,16 @@ def _write_prequantized(path, fmt: str, bits: int, group: int, desc_act: bool,
             json.dump({**cfg, **extra}, f)
 
 
-@pytest.mark.parametrize("fmt,bits,group,desc_act,v1", [
-    ("gptq", 4, 32, False, True), ("gptq", 4, 32, True, True), ("gptq", 8, 64, True, False),
-    ("gptq", 4, 64, False, False), ("awq", 4, 32, False, True), ("awq", 4, 64, False, True)])
+@pytest.mark.parametrize("fmt,bits,group,desc_act,v1,sym", [
+    ("gptq", 4, 32, False, True, False), ("gptq", 4, 32, True, True, False),
+    ("gptq", 8, 64, True, False, False), ("gptq", 4, 64, False, False, False),
+    ("awq", 4, 32, False, True, False), ("awq", 4, 64, False, True, False),
+    ("compressed-tensors", 4, 32, False, True, True),
+    ("compressed-tensors", 4, 64, False, True, False),
+    ("compressed-tensors", 8, 32, False, True, True)])
 def test_prequantized_checkpoint_matches_dequantized(tmp_path, fmt, bits, group, desc_act,
-                                                     v1):
-    _write_prequantized(tmp_path, fmt, bits, group, desc_act, v1)
+                                                     v1, sym):
+    _write_prequantized(tmp_path, fmt, bits, group, desc_act, v1, sym)
     ids = list(np.random.default_rng(5).integers(0, 512, 40))
     quant = _scorer(str(tmp_path), "auto")
     assert quant.model.quant_config.method == fmt

@@ -25,11 +25,11 @@ def linear_method(config: QuantizationConfig | None, prefix: str, tied_to=None):
 
         # A tied head reads its embedding's blocks, unless the embedding itself is dense.
         return GGUFLinearMethod(tied_to)
-    if kind in ("gptq", "awq"):
+    if kind in ("gptq", "awq", "compressed-tensors"):
         from kvflow.layers.quantization.prequant import PrequantizedLinearMethod
 
         return PrequantizedLinearMethod(kind, config.bits, config.group_size,
-                                        config.zero_offset)
+                                        config.zero_offset, config.symmetric)
     from kvflow.layers.quantization.rtn import Int4LinearMethod, Int8LinearMethod
 
     if kind == "int8":

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 from kvflow.errors import ModelLoadError, require
 
+# Pre-quantized checkpoint formats (config.json quant_method).
+PREQUANTIZED = ("gptq", "awq", "compressed-tensors")
+
 # Methods a user may name with --quantization ("auto" picks from the checkpoint).
 USER_METHODS = ("auto", "none", "int8", "int4", "gguf")
 
@@ -41,8 +44,8 @@ class QuantizationConfig:
     """Module prefixes kept in the model dtype (e.g. ``model.layers.0.mlp``)."""
 
     def __post_init__(self) -> None:
-        require(self.method in ("int8", "int4", "gguf", "gptq", "awq"), "quantization",
-                f"must be int8, int4, gguf, gptq or awq, got {self.method!r}")
+        require(self.method in ("int8", "int4", "gguf") + PREQUANTIZED, "quantization",
+                f"must be int8, int4, gguf or one of {PREQUANTIZED}, got {self.method!r}")
         if self.method == "int4":
             require(self.group_size in (32, 64, 128), "quantization_group_size",
                     f"must be 32, 64 or 128, got {self.group_size}")
@@ -58,7 +61,7 @@ class QuantizationConfig:
             return "none"
         if self.method == "gguf":
             return "gguf"
-        if self.method in ("gptq", "awq"):  # checkpoints quantize the decoder layers only
+        if self.method in PREQUANTIZED:  # checkpoints quantize the decoder layers only
             return "none" if prefix == "lm_head" or prefix.endswith("embed_tokens") else (
                 self.method)
         if prefix == "lm_head":
@@ -73,7 +76,7 @@ class QuantizationConfig:
             return f"int4 (group {self.group_size}, {kind}, lm_head {self.lm_head})"
         if self.method == "int8":
             return f"int8 (per channel, lm_head {self.lm_head})"
-        if self.method in ("gptq", "awq"):
+        if self.method in PREQUANTIZED:
             return f"{self.method} ({self.bits}-bit, group {self.group_size})"
         return "gguf (blocks kept quantized)"
 
@@ -107,8 +110,6 @@ def resolve_quantization(requested: str, load_format: str, hf_quant_config: dict
     return QuantizationConfig(requested, group_size=group_size, symmetric=symmetric)
 
 
-PREQUANTIZED = ("gptq", "awq")
-
 
 def _prequantized(qc: dict, requested: str, on_cpu: bool, device: str) -> QuantizationConfig:
     """A config.json ``quantization_config`` -> QuantizationConfig, or a clear refusal."""
@@ -117,13 +118,16 @@ def _prequantized(qc: dict, requested: str, on_cpu: bool, device: str) -> Quanti
         raise ModelLoadError(
             f"the checkpoint is pre-quantized with {method!r} (config.json "
             f"quantization_config), which kvflow does not load (supported: gptq 4/8-bit, "
-            f"awq 4-bit GEMM; or a float checkpoint with --quantization int8|int4)")
+            f"awq 4-bit GEMM, compressed-tensors pack-quantized W4A16/W8A16; or a float "
+            f"checkpoint with --quantization int8|int4)")
     if requested not in ("auto", method):
         raise ModelLoadError(f"the checkpoint is already {method}-quantized; "
                              f"--quantization {requested} cannot apply to it (use auto)")
     if not on_cpu:
         raise ModelLoadError(f"{method} checkpoints run on CPU only for now (no GPU kernels "
                              f"yet), not on {device}")
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
     bits = int(qc.get("bits", qc.get("w_bit", 4)))
     group = int(qc.get("group_size", qc.get("q_group_size", 128)))
     if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
@@ -138,3 +142,24 @@ def _prequantized(qc: dict, requested: str, on_cpu: bool, device: str) -> Quanti
         offset = 1 if fmt == "gptq" else 0
     return QuantizationConfig(method, group_size=group, bits=bits, zero_offset=offset,
                               lm_head="none")
+
+
+def _compressed_tensors(qc: dict) -> QuantizationConfig:
+    """compressed-tensors ``pack-quantized`` with one group of int weight-only settings."""
+    fmt = qc.get("format")
+    groups = list((qc.get("config_groups") or {}).values())
+    if fmt != "pack-quantized" or len(groups) != 1:
+        raise ModelLoadError(f"compressed-tensors format {fmt!r} with {len(groups)} config "
+                             f"groups is not supported (supported: pack-quantized, one group)")
+    w, acts = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    strategy = w.get("strategy", "group")
+    if acts or w.get("type", "int") != "int" or strategy not in ("group", "channel") or (
+            w.get("actorder")):
+        raise ModelLoadError(f"compressed-tensors scheme {w} (activations {acts}) is not "
+                             f"supported (supported: int weight-only, group or channel "
+                             f"strategy, no actorder: W4A16, W8A16)")
+    skip = tuple(m for m in qc.get("ignore") or () if not m.startswith("re:"))
+    return QuantizationConfig("compressed-tensors", bits=int(w.get("num_bits", 4)),
+                              group_size=int(w.get("group_size") or -1) if strategy == "group"
+                              else -1, symmetric=bool(w.get("symmetric", True)),
+                              lm_head="none", skip_modules=skip)

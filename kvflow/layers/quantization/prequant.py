@@ -1,5 +1,6 @@
 """Pre-quantized Hugging Face checkpoints: GPTQ (4/8 bit, with or without ``desc_act``
-``g_idx``) and AWQ (4-bit GEMM packing), unpacked once at load into ``Int4Groups``.
+``g_idx``), AWQ (4-bit GEMM packing) and compressed-tensors ``pack-quantized`` (W4A16,
+W8A16), unpacked once at load into ``Int4Groups``.
 
 Both store int32 words of ``32 // bits`` values, scales [K/g, N] and packed zero points
 [K/g, N/pack], with ``w = (q - z) * s``. GPTQ packs qweight along the input (rows of
@@ -67,13 +68,15 @@ def _param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dty
 class PrequantizedLinearMethod(LinearMethod):
     """GPTQ or AWQ weights, repacked after loading for the CPU int4 GEMM."""
 
-    def __init__(self, fmt: str, bits: int, group_size: int, zero_offset: int = 0) -> None:
+    def __init__(self, fmt: str, bits: int, group_size: int, zero_offset: int = 0,
+                 symmetric: bool = False) -> None:
         if bits not in (4, 8) or (fmt == "awq" and bits != 4):
-            supported = "4 and 8" if fmt == "gptq" else "4"
+            supported = "4" if fmt == "awq" else "4 and 8"
             raise ModelLoadError(f"{fmt} with {bits}-bit weights is not supported "
                                  f"(supported: {supported} bits)")
         self.fmt, self.bits, self.group_size = fmt, bits, group_size
         self.zero_offset = zero_offset  # GPTQ v1 stores z - 1
+        self.symmetric = symmetric
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         k, n, pf = layer.input_size, layer.output_size, 32 // self.bits
@@ -82,6 +85,19 @@ class PrequantizedLinearMethod(LinearMethod):
             raise ModelLoadError(f"{self.fmt}: a {n}x{k} layer does not split into groups "
                                  f"of {g} inputs and {pf}-value words")
         self.g = g
+        if self.fmt == "compressed-tensors":
+            # Rows are output channels: weight_packed [N, K/pack] packed along K, the
+            # scale [N, K/g], zero points (asymmetric only) [N/pack, K/g] packed along N.
+            _param(layer, "weight_packed", (n, k // pf), torch.int32, output_dim=0,
+                   input_dim=1, packed_dim=1, pack_factor=pf)
+            _param(layer, "weight_scale", (n, k // g), torch.float32, output_dim=0,
+                   input_dim=1)
+            _param(layer, "weight_shape", (2,), torch.int64,
+                   loader=lambda p, w, shard=None: _check_shape(layer, w, shard))
+            if not self.symmetric:
+                _param(layer, "weight_zero_point", (n // pf, k // g), torch.int32,
+                       output_dim=0, input_dim=1, packed_dim=0, pack_factor=pf)
+            return
         if self.fmt == "gptq":
             _param(layer, "qweight", (k // pf, n), torch.int32, input_dim=0, output_dim=1,
                    packed_dim=0, pack_factor=pf)
@@ -95,7 +111,29 @@ class PrequantizedLinearMethod(LinearMethod):
                packed_dim=1, pack_factor=pf)
         _param(layer, "scales", (k // g, n), torch.float32, input_dim=0, output_dim=1)
 
+    def _ct_weights(self, layer: LinearBase) -> Int4Groups:
+        """compressed-tensors: signed values stored with a +2^(bits-1) offset."""
+        q = unpack_int32(layer.weight_packed.data, self.bits, 1)  # [N, K], offset form
+        s = layer.weight_scale.data
+        if self.symmetric:
+            z = torch.full(s.shape, 1 << (self.bits - 1), dtype=torch.int64)
+        else:
+            z = unpack_int32(layer.weight_zero_point.data, self.bits, 0)  # [N, K/g]
+        if not torch.isfinite(s).all():
+            raise ModelLoadError("compressed-tensors: non-finite weight scales")
+        for name in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        return affine_groups(q, s, z, self.bits, self.g)
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if self.fmt == "compressed-tensors":
+            packed = PackedInt4(self._ct_weights(layer))
+            self.doubled = packed.doubled
+            for name, t in packed.tensors().items():
+                set_param(layer, name, t)
+            layer.register_buffer("perm", None)
+            return
         bits, order = self.bits, (AWQ_ORDER if self.fmt == "awq" else None)
         if self.fmt == "gptq":
             q = unpack_int32(layer.qweight.data, bits, 0)  # [K, N]
@@ -147,3 +185,12 @@ def _load_g_idx(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor) -> 
                              "kvflow needs one order per merged layer")
     param.data.copy_(loaded)
     layer._g_idx_loaded = True
+
+
+def _check_shape(layer: LinearBase, shape: torch.Tensor, shard) -> None:
+    """compressed-tensors' ``weight_shape`` [N, K] must be the shard's own."""
+    n = layer.output_sizes[layer.shard_ids.index(shard)] if shard is not None else (
+        layer.output_size)
+    if [int(v) for v in shape.reshape(-1)] != [n, layer.input_size]:
+        raise ModelLoadError(f"compressed-tensors: weight_shape {shape.tolist()} does not "
+                             f"match the layer's {[n, layer.input_size]}")
