@@ -388,3 +388,9 @@ def test_prequantized_bad_input(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="g_idx"):
         _scorer(str(tmp_path), "auto")
+
+
+def test_int4_group_that_does_not_divide_the_layer_is_refused():
+    with pytest.raises(ModelLoadError, match="group size 128 does not divide the 64 inputs"):
+        LLM("tiny-llama", load_format="dummy", device="cpu", quantization="int4",
+            quantization_group_size=128)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import LinearBase, UnquantizedLinearMethod
 from kvflow.layers.quantization.packed import (CPU_ACT_DTYPE, PackedInt4, flatten_tokens,
                                                int4_mm, int8_mm, quantize_int4,
@@ -62,6 +63,13 @@ class Int4LinearMethod(_QuantizeAfterLoad):
     def __init__(self, group_size: int, symmetric: bool) -> None:
         self.group_size = group_size
         self.symmetric = symmetric
+
+    def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
+        if layer.input_size % self.group_size:
+            raise ModelLoadError(f"int4 group size {self.group_size} does not divide the "
+                                 f"{layer.input_size} inputs of {layer.prefix or 'a layer'}; "
+                                 f"use --quantization-group-size 32 or 64")
+        super().create_weights(layer, dtype)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         w = self._take_dense(layer)
