@@ -166,8 +166,23 @@ class ModelConfig:
     max_tokens_default: int | None = None
     """Output tokens for a request that leaves max_tokens unset; None: up to
     max_model_len (as in the OpenAI API)."""
+    quantization: str = "auto"
+    """Weight storage: auto (a GGUF file on CPU keeps its blocks; anything else is dense),
+    none (dense in ``dtype``), int8, int4 (quantized at load) or gguf. Resolved into a
+    QuantizationConfig once, at load (``kvflow.layers.quantization``)."""
+    quantization_group_size: int = 32
+    """int4: input elements per scale / zero point (32, 64 or 128)."""
+    quantization_symmetric: bool = False
+    """int4: scale only (zero point fixed) instead of a zero point per group."""
+    dtype_forced: bool = False
+    """The user named ``dtype`` (so auto quantization keeps GGUF weights dense in it)."""
 
     def __post_init__(self) -> None:
+        require(self.quantization in ("auto", "none", "int8", "int4", "gguf"),
+                "quantization", f"must be auto, none, int8, int4 or gguf, got "
+                f"{self.quantization!r}")
+        require(self.quantization_group_size in (32, 64, 128), "quantization_group_size",
+                f"must be 32, 64 or 128, got {self.quantization_group_size}")
         require(self.load_format in ("hf", "gguf", "dummy"), "load_format",
                  f"must be hf, gguf or dummy, got {self.load_format!r}")
         require(self.dtype in MODEL_DTYPES, "dtype",

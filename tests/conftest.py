@@ -28,7 +28,9 @@ def smollm2():
     """The embedded default model (SmolLM2-135M-Instruct, float32 on CPU), shared."""
     from kvflow import LLM
 
-    return LLM("smollm2-135m", device="cpu", max_model_len=2048, kv_cache_memory="512MiB")
+    # Dense float32 (the GGUF dequantized), so greedy output can equal transformers'.
+    return LLM("smollm2-135m", device="cpu", max_model_len=2048, kv_cache_memory="512MiB",
+               quantization="none")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Acceptance: greedy output equals Hugging Face transformers token for token on the real
-SmolLM2-135M-Instruct (float32, CPU), 8 chat prompts x 64 tokens — each prompt alone, and
+SmolLM2-135M-Instruct (float32 dequantized: --quantization none; CPU), 8 chat prompts x 64 tokens — each prompt alone, and
 all together with chunked prefill and a KV cache small enough to force preemption."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_each_prompt_alone(smollm2, prompt_ids, hf_greedy):
 def test_all_together_chunked_with_preemption(prompt_ids, hf_greedy):
     # 24 blocks of 16 tokens hold 384 tokens; the 8 requests need ~870 at their longest.
     llm = LLM("smollm2-135m", device="cpu", max_model_len=256, num_gpu_blocks_override=24,
-              max_num_batched_tokens=48, max_num_seqs=8)
+              max_num_batched_tokens=48, max_num_seqs=8, quantization="none")
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(prompt_ids, params, use_tqdm=False)
     assert llm.engine.core.scheduler.num_preemptions > 0

@@ -9,11 +9,15 @@ from kvflow.engine.args import EngineArgs
 
 def _common(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p, model_positional=False)
-    p.add_argument("--backend", choices=["kvflow", "hf", "both", "eager-vs-compiled"],
-                   default="kvflow",
-                   help="kvflow, hf (transformers generate, padded static batches) or both "
-                   "in the same run; eager-vs-compiled: kvflow with --enforce-eager, then "
-                   "kvflow with CUDA graphs / the compiled CPU step, in the same run")
+    p.add_argument("--backend", default="kvflow",
+                   help="kvflow, hf (transformers generate, padded static batches), "
+                   "llamacpp (llama-cpp-python on the same GGUF file), both (hf and kvflow), "
+                   "or a comma-separated list, all in the same run; eager-vs-compiled: "
+                   "kvflow with --enforce-eager, then kvflow with CUDA graphs / the "
+                   "compiled CPU step, in the same run")
+    p.add_argument("--quantizations", default=None,
+                   help="run kvflow once per listed --quantization value in the same run, "
+                   "e.g. none,gguf,int8,int4 (int4 options as in bench quality: int4-g64)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature for both backends (0 = greedy)")
     p.add_argument("--save-result", default=None, help="write the result JSON here")
@@ -91,6 +95,18 @@ def add_bench_parser(sub) -> None:
 
         return run_allreduce(ns)
     ar.set_defaults(func=run_ar)
+
+    qual = kinds.add_parser("quality", help="perplexity, KL divergence and top-1 agreement "
+                            "of quantized weights against the dense model on a fixed text")
+    from kvflow.bench.quality import add_quality_args
+
+    add_quality_args(qual)
+
+    def run_qual(ns):
+        from kvflow.bench.quality import run_quality
+
+        return run_quality(ns)
+    qual.set_defaults(func=run_qual)
 
     srv = kinds.add_parser("serve", help="serving benchmark against a running OpenAI-"
                            "compatible server: TTFT, TPOT, ITL, end-to-end latency")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import time
 
 import numpy as np
@@ -53,21 +54,52 @@ def _save(ns: argparse.Namespace, result: dict) -> None:
     save_result(ns.save_result, result)
 
 
+_PEERS = ("hf", "llamacpp")
+
+
 def _backends(ns) -> list[str]:
-    # The peer runs first: kvflow sizes its KV cache from the memory left free.
-    if ns.backend == "both":
-        return ["hf", "kvflow"]
+    """Labels to run: peers first (kvflow sizes its KV cache from the memory left free),
+    then kvflow, or ``kvflow-<quantization>`` per ``--quantizations`` entry;
+    eager-vs-compiled: kvflow with --enforce-eager, then kvflow."""
     if ns.backend == "eager-vs-compiled":
         return ["kvflow-eager", "kvflow"]
-    return [ns.backend]
+    names = ["hf", "kvflow"] if ns.backend == "both" else [
+        b.strip() for b in ns.backend.split(",") if b.strip()]
+    bad = [b for b in names if b not in ("kvflow", *_PEERS)]
+    if bad or not names:
+        raise InvalidParameterError(f"--backend: unknown backend {bad or ns.backend!r} "
+                                    "(kvflow, hf, llamacpp, both, eager-vs-compiled, or a "
+                                    "comma list)", param="backend")
+    out = [b for b in _PEERS if b in names]
+    if "kvflow" in names:
+        quants = getattr(ns, "quantizations", None)
+        out += ([f"kvflow-{q.strip()}" for q in quants.split(",") if q.strip()] if quants
+                else ["kvflow"])
+    return out
 
 
 def _eager_config(config):
     """The same engine with CUDA graphs / the compiled CPU step turned off."""
-    import dataclasses
-
     return dataclasses.replace(config, device=dataclasses.replace(config.device,
                                                                   enforce_eager=True))
+
+
+def _kvflow_config(args: EngineArgs, label: str, config=None):
+    """The engine config of a ``kvflow`` or ``kvflow-<quantization>`` label."""
+    if label == "kvflow":
+        return config if config is not None else args.create_engine_config()
+    if label == "kvflow-eager":
+        return _eager_config(config if config is not None else args.create_engine_config())
+    from kvflow.bench.quality import method_args
+
+    return method_args(args, label.removeprefix("kvflow-")).create_engine_config()
+
+
+def _weights(engine) -> dict:
+    runner = engine.core.executor.runner
+    quant = getattr(runner.model, "quant_config", None)
+    return {"weight_gib": runner.weight_bytes / (1 << 30),
+            "quantization": quant.describe() if quant is not None else "none"}
 
 
 def _release_memory() -> None:
@@ -96,7 +128,8 @@ def run_throughput(ns: argparse.Namespace) -> int:
                 "output_len_range": [min(r.output_len for r in requests),
                                      max(r.output_len for r in requests)],
                 "seed": ns.seed, "temperature": ns.temperature}
-    results: dict = {"workload": workload, "engine_config": _config_summary(config)}
+    results: dict = {"workload": workload, "engine_config": _config_summary(config),
+                     "loadavg_start": list(os.getloadavg())}
     backends = _backends(ns)
     if getattr(ns, "spec_baseline", False):
         if config.speculative is None:
@@ -105,13 +138,21 @@ def run_throughput(ns: argparse.Namespace) -> int:
                                         param="spec_baseline")
         backends = ["kvflow-no-spec"] + backends
     for backend in backends:
-        if backend == "kvflow":
-            elapsed, extra = _kvflow_throughput(args, config, requests, ns)
-        elif backend == "kvflow-no-spec":
+        if backend == "kvflow-no-spec":
             elapsed, extra = _kvflow_throughput(
                 args, dataclasses.replace(config, speculative=None), requests, ns)
-        elif backend == "kvflow-eager":
-            elapsed, extra = _kvflow_throughput(args, _eager_config(config), requests, ns)
+        elif backend.startswith("kvflow"):
+            elapsed, extra = _kvflow_throughput(args, _kvflow_config(args, backend, config),
+                                                requests, ns)
+        elif backend == "llamacpp":
+            from kvflow.bench.llamacpp_backend import LlamaCppUnavailable, llamacpp_throughput
+
+            try:
+                elapsed, extra = llamacpp_throughput(config, requests, ns)
+            except LlamaCppUnavailable as e:
+                print(f"[llamacpp] skipped: {e}")
+                results[backend] = {"skipped": str(e)}
+                continue
         else:
             elapsed, extra = _hf_throughput(config, requests, ns)
         _release_memory()
@@ -122,8 +163,8 @@ def run_throughput(ns: argparse.Namespace) -> int:
         print(f"[{backend}] Throughput: {fig['requests_per_s']:.2f} requests/s, "
               f"{fig['total_tokens_per_s']:.2f} total tokens/s, "
               f"{fig['output_tokens_per_s']:.2f} output tokens/s")
-        if backend == "kvflow":
-            print(f"[kvflow] prefix cache hit rate {100 * fig['prefix_cache_hit_rate']:.1f}%, "
+        if backend.startswith("kvflow"):
+            print(f"[{backend}] prefix cache hit rate {100 * fig['prefix_cache_hit_rate']:.1f}%, "
                   f"KV slots allocated but empty {100 * fig['kv_slot_waste']:.2f}%, "
                   f"preemptions {fig['preemptions']} ({fig['swap_outs']} swapped), "
                   f"copy-on-write block copies {fig['copy_on_write_blocks']}")
@@ -147,8 +188,26 @@ def run_throughput(ns: argparse.Namespace) -> int:
                  / results["kvflow-eager"]["output_tokens_per_s"])
         results["compiled_over_eager"] = ratio
         print(f"compiled / eager output tokens/s: {ratio:.2f}x")
+    _ratios(results, "output_tokens_per_s")
+    results["loadavg_end"] = list(os.getloadavg())
     _save(ns, results)
     return 0
+
+
+def _ratios(results: dict, key: str) -> None:
+    """Every kvflow-<quantization> run over each peer and over kvflow-none."""
+    runs = {k: v for k, v in results.items() if isinstance(v, dict) and key in v}
+    out = {}
+    for k, v in runs.items():
+        if not k.startswith("kvflow-"):
+            continue
+        for other in ("hf", "llamacpp", "kvflow-none"):
+            if other in runs and other != k:
+                out[f"{k}/{other}"] = v[key] / runs[other][key]
+    if out:
+        results["ratios"] = out
+        for k, r in out.items():
+            print(f"{k} ({key}): {r:.2f}x")
 
 
 def _config_summary(config) -> dict:
@@ -174,6 +233,7 @@ def _kvflow_throughput(args, config, requests, ns) -> tuple[float, dict]:
     _run_kvflow(engine, warmup, ns, tag="warmup")
     meter = _attach_idle_meter(engine, ns)
     stats = _run_kvflow(engine, requests, ns, tag="bench")
+    stats.update(_weights(engine))
     if meter is not None:
         stats["gpu_idle"] = meter.report()
         print(f"[kvflow] GPU idle between steps: "
@@ -284,9 +344,19 @@ def run_latency(ns: argparse.Namespace) -> int:
     results: dict = {"workload": {"batch_size": ns.batch_size,
                                   "input_len": len(prompts[0]), "output_len": ns.output_len,
                                   "num_iters": ns.num_iters, "chat_prompt": ns.chat_prompt},
-                     "engine_config": _config_summary(config)}
+                     "engine_config": _config_summary(config),
+                     "loadavg_start": list(os.getloadavg())}
     for backend in _backends(ns):
-        run = _latency_runner(backend, config, ns)
+        try:
+            run = _latency_runner(backend, args, config, ns)
+        except Exception as e:
+            from kvflow.bench.llamacpp_backend import LlamaCppUnavailable
+
+            if not isinstance(e, LlamaCppUnavailable):
+                raise
+            print(f"[{backend}] skipped: {e}")
+            results[backend] = {"skipped": str(e)}
+            continue
         run(prompts, 1)
         run(prompts, ns.output_len)  # warm-up
         prefill = [run(prompts, 1) for _ in range(max(1, ns.num_iters // 2))]
@@ -300,6 +370,8 @@ def run_latency(ns: argparse.Namespace) -> int:
                "ms_per_output_token": decode_ms,
                "decode_tokens_per_s_per_seq": 1000 / decode_ms,
                "output_tokens_per_s": ns.batch_size * ns.output_len / lat}
+        if run.engine is not None:
+            fig.update(_weights(run.engine))
         if meter is not None:
             fig["gpu_idle"] = meter.report()
             run.engine.core.executor.runner.idle_meter = None
@@ -322,6 +394,8 @@ def run_latency(ns: argparse.Namespace) -> int:
     if "kvflow" in results and "hf" in results:
         results["kvflow_over_hf_decode"] = (results["kvflow"]["decode_tokens_per_s_per_seq"]
                                             / results["hf"]["decode_tokens_per_s_per_seq"])
+    _ratios(results, "decode_tokens_per_s_per_seq")
+    results["loadavg_end"] = list(os.getloadavg())
     _save(ns, results)
     return 0
 
@@ -347,12 +421,16 @@ def _host_profile(run, prompts, ns, tag: str) -> dict:
     return report
 
 
-def _latency_runner(backend: str, config, ns):
+def _latency_runner(backend: str, args: EngineArgs, config, ns):
     device = _device(config)
-    if backend in ("kvflow", "kvflow-eager"):
+    if backend == "llamacpp":
+        from kvflow.bench.llamacpp_backend import llamacpp_latency_runner
+
+        return llamacpp_latency_runner(config, ns)
+    if backend.startswith("kvflow"):
         from kvflow.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(config if backend == "kvflow" else _eager_config(config))
+        engine = LLMEngine(_kvflow_config(args, backend, config))
         counter = iter(range(1 << 30))
 
         def run(prompts, out_len):

@@ -49,6 +49,14 @@ class EngineArgs:
                             choices=["auto", "hf", "gguf", "dummy"])
     dtype: str = _arg("auto", "weights and activations dtype; auto = bfloat16 on GPU, "
                       "float32 on CPU", choices=["auto", "float32", "bfloat16", "float16"])
+    quantization: str = _arg("auto", "weight storage: auto (GGUF files keep their quantized "
+                             "blocks on CPU, other checkpoints stay dense), none (dense in "
+                             "--dtype), int8 (per channel) or int4 (group-wise) quantized "
+                             "at load, gguf", choices=["auto", "none", "int8", "int4", "gguf"])
+    quantization_group_size: int = _arg(32, "int4: input elements per scale (32, 64, 128)",
+                                        choices=[32, 64, 128])
+    quantization_symmetric: bool = _arg(False, "int4: symmetric (scale only) instead of a "
+                                        "zero point per group")
     device: str = _arg("auto", "cpu, cuda or cuda:N; auto picks cuda when available")
     max_model_len: int | None = _arg(None, "longest prompt + output per request (default: "
                                      "the model's context length)")
@@ -158,7 +166,11 @@ class EngineArgs:
             arch=resolved.arch, dtype=dtype, max_model_len=max_len, tokenizer=tokenizer,
             served_model_name=self.served_model_name or self.model, seed=self.seed,
             generation_defaults=tuple(sorted(gen_defaults.items())),
-            generation_source=gen_source, max_tokens_default=self.max_tokens_default)
+            generation_source=gen_source, max_tokens_default=self.max_tokens_default,
+            quantization=self.quantization,
+            quantization_group_size=self.quantization_group_size,
+            quantization_symmetric=self.quantization_symmetric,
+            dtype_forced=self.dtype != "auto")
         cache = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory=parse_bytes(self.kv_cache_memory, "kv_cache_memory"),

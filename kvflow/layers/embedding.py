@@ -1,38 +1,71 @@
-"""Token embedding and the language-model head (optionally tied to it)."""
+"""Token embedding and the language-model head (optionally tied to it).
+
+Both take their storage from the model's ``QuantizationConfig`` by prefix: the embedding
+through an embedding method (``create_weights``, ``embedding``,
+``process_weights_after_loading``), the head as a linear layer with its linear method.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers.linear import default_weight_loader
+from kvflow.layers.linear import LinearBase, default_weight_loader
+
+if TYPE_CHECKING:
+    from kvflow.layers.quantization import QuantizationConfig
+
+
+class UnquantizedEmbeddingMethod:
+    """A dense table [vocab, hidden] in the model dtype."""
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.vocab_size, layer.hidden_size,
+                                                dtype=dtype), requires_grad=False)
+        layer.weight.weight_loader = default_weight_loader
+        layer.weight.output_dim, layer.weight.input_dim = 0, 1
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                 quant_config: QuantizationConfig | None = None,
+                 prefix: str = "model.embed_tokens") -> None:
         super().__init__()
+        from kvflow.layers.quantization import embedding_method
+
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype),
-                                   requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        self.hidden_size = hidden_size
+        self.quant_method = embedding_method(quant_config, prefix)
+        self.quant_method.create_weights(self, dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)  # [T] -> [T, hidden]
+        return self.quant_method.embedding(self, input_ids)  # [T] -> [T, hidden]
 
 
-class LMHead(nn.Module):
-    """hidden -> logits over the vocabulary; shares the embedding's weight when tied."""
+class LMHead(LinearBase):
+    """hidden -> logits over the vocabulary; shares the embedding's weight when tied (a
+    quantized head makes its own packed copy of it after loading)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-                 tied_to: VocabEmbedding | None = None) -> None:
-        super().__init__()
-        if tied_to is not None:
-            self.weight = tied_to.weight
-        else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype),
-                                       requires_grad=False)
-            self.weight.weight_loader = default_weight_loader
+                 tied_to: VocabEmbedding | None = None,
+                 quant_config: QuantizationConfig | None = None,
+                 prefix: str = "lm_head") -> None:
+        from kvflow.layers.quantization import linear_method
+
+        tied_blocks = tied_to is not None and not hasattr(tied_to, "weight")
+        method = linear_method(quant_config, prefix, tied_to if tied_blocks else None)
+        super().__init__(hidden_size, [vocab_size], False, dtype, method, prefix=prefix)
+        if tied_to is not None and not tied_blocks:
+            self.weight = tied_to.weight  # the same Parameter: loaded once, by the embedding
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)  # [N, hidden] -> [N, vocab]
+        return self.quant_method.apply(self, hidden)  # [N, hidden] -> [N, vocab]

@@ -3,16 +3,27 @@
 Each parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)``. Merged
 layers (QKV as one GEMM, gate/up as one GEMM) place each checkpoint tensor into its
 slice of the merged weight. Quantization plugs in as a method object (``create_weights``,
-``apply``, ``process_weights_after_loading``); the models never branch on it.
+``apply``, ``process_weights_after_loading``), chosen by module prefix from the model's
+``QuantizationConfig`` (``kvflow.layers.quantization``); the models never branch on it.
+
+Every parameter a method creates says how it lies: ``output_dim`` and ``input_dim`` (which
+tensor dimension is the layer's output / input), and for packed tensors ``packed_dim`` and
+``pack_factor`` (logical elements per stored element along it). Merged shards are placed
+along ``output_dim``, and tensor-parallel slicing can read the same attributes.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvflow.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from kvflow.layers.quantization import QuantizationConfig
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -43,6 +54,7 @@ class UnquantizedLinearMethod(LinearMethod):
         weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size, dtype=dtype),
                               requires_grad=False)
         weight.weight_loader = layer.weight_loader
+        weight.output_dim, weight.input_dim = 0, 1
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
@@ -55,18 +67,25 @@ class LinearBase(nn.Module):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
                  dtype: torch.dtype, quant_method: LinearMethod | None = None,
-                 shard_ids: list[str | int] | None = None) -> None:
+                 shard_ids: list[str | int] | None = None, *,
+                 quant_config: "QuantizationConfig | None" = None, prefix: str = "") -> None:
         super().__init__()
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)
         self.shard_ids = shard_ids or list(range(len(output_sizes)))
-        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.prefix = prefix
+        if quant_method is None:
+            from kvflow.layers.quantization import linear_method
+
+            quant_method = linear_method(quant_config, prefix)
+        self.quant_method = quant_method
         self.quant_method.create_weights(self, dtype)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.output_size, dtype=dtype),
                                      requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+            self.bias.output_dim = 0
         else:
             self.register_parameter("bias", None)
 
@@ -80,7 +99,10 @@ class LinearBase(nn.Module):
         idx = self.shard_ids.index(shard_id)
         start = sum(self.output_sizes[:idx])
         size = self.output_sizes[idx]
-        default_weight_loader(param.data.narrow(0, start, size), loaded)
+        dim = getattr(param, "output_dim", 0)
+        if getattr(param, "packed_dim", None) == dim:  # e.g. zero points packed along N
+            start, size = start // param.pack_factor, size // param.pack_factor
+        default_weight_loader(param.data.narrow(dim, start, size), loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
@@ -93,8 +115,8 @@ class ReplicatedLinear(LinearBase):
     """A plain linear layer."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
-                 quant_method: LinearMethod | None = None) -> None:
-        super().__init__(input_size, [output_size], bias, dtype, quant_method)
+                 quant_method: LinearMethod | None = None, **quant) -> None:
+        super().__init__(input_size, [output_size], bias, dtype, quant_method, **quant)
 
 
 class QKVLinear(LinearBase):
@@ -102,16 +124,17 @@ class QKVLinear(LinearBase):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool, dtype: torch.dtype,
-                 quant_method: LinearMethod | None = None) -> None:
+                 quant_method: LinearMethod | None = None, **quant) -> None:
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias, dtype,
-                         quant_method, shard_ids=["q", "k", "v"])
+                         quant_method, shard_ids=["q", "k", "v"], **quant)
 
 
 class MergedLinear(LinearBase):
     """Several projections of the same input as one GEMM (gate/up); shards 0, 1, ..."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
-                 dtype: torch.dtype, quant_method: LinearMethod | None = None) -> None:
-        super().__init__(input_size, output_sizes, bias, dtype, quant_method)
+                 dtype: torch.dtype, quant_method: LinearMethod | None = None,
+                 **quant) -> None:
+        super().__init__(input_size, output_sizes, bias, dtype, quant_method, **quant)

@@ -155,8 +155,16 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def iter_gguf_weights(path: str, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, float32 tensor) for every weight in the file."""
+def iter_gguf_weights(path: str, arch: ModelArchConfig, keep_quantized: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, float32 tensor) for every weight in the file.
+
+    ``keep_quantized``: every matrix (linear layers, embedding, output) comes instead as
+    ``<module>.qweight_type`` (0-d int64, its GGML type) then ``<module>.qweight`` (its
+    raw block bytes, uint8 [rows, row_bytes], rows in Hugging Face order), for the GGUF
+    quantization method to repack; vectors (norms, biases) stay float32."""
+    import gguf
+
     h = cached_gguf_header(path)
     permute = h.field("general.architecture") in ("llama", "mistral")
     file = _file_bytes(path)
@@ -172,6 +180,22 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig) -> Iterator[tuple[str, t
             if base not in _GLOBAL_NAMES:
                 continue  # e.g. rope_freqs, read with the architecture
             name = f"{_GLOBAL_NAMES[base]}.{kind}"
+        if keep_quantized and kind == "weight" and len(t.numpy_shape) == 2:
+            try:
+                qtype = gguf.GGMLQuantizationType(t.ggml_type)
+            except ValueError:
+                raise ModelLoadError(f"{path}: tensor {t.name} has unknown GGML type "
+                                     f"{t.ggml_type}") from None
+            data = np.array(_tensor_data(path, file, t, qtype)).view(np.uint8)
+            data = data.reshape(t.numpy_shape[0], -1)  # [rows, row_bytes]
+            name = name[:-len("weight")]
+            if permute and m and part in ("attn_q", "attn_k"):
+                heads = (arch.num_attention_heads if part == "attn_q"
+                         else arch.num_key_value_heads)
+                data = np.ascontiguousarray(_unpermute(data, heads))
+            yield name + "qweight_type", torch.tensor(int(t.ggml_type))
+            yield name + "qweight", torch.from_numpy(data)
+            continue
         data = _dequantize(path, file, t)
         if permute and m and part in ("attn_q", "attn_k"):
             heads = arch.num_attention_heads if part == "attn_q" else arch.num_key_value_heads

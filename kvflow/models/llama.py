@@ -17,13 +17,13 @@ from kvflow.errors import ModelLoadError
 from kvflow.layers.activation import SiluAndMul
 from kvflow.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from kvflow.distributed.parallel_state import GroupCoordinator
-from kvflow.layers.linear import LinearMethod, default_weight_loader
+from kvflow.layers.linear import default_weight_loader
 from kvflow.layers.pipeline import make_layers
 from kvflow.layers.parallel_linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
-from kvflow.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from kvflow.layers.quantization import QuantizationConfig, make_embedding, make_lm_head
 
 # (merged parameter, checkpoint name, shard) for the merged GEMMs.
 STACKED_PARAMS = [
@@ -37,18 +37,20 @@ STACKED_PARAMS = [
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
-                 rotary: RotaryEmbedding, quant: LinearMethod | None,
-                 tp: GroupCoordinator | None) -> None:
+                 rotary: RotaryEmbedding, quant: QuantizationConfig | None,
+                 tp: GroupCoordinator | None, prefix: str) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim,
                                           cfg.num_attention_heads, cfg.num_key_value_heads,
-                                          cfg.attention_bias, dtype, quant, tp)
+                                          cfg.attention_bias, dtype, None, tp,
+                                          quant_config=quant, prefix=f"{prefix}.qkv_proj")
         # Heads of this rank (all of them on one rank).
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim,
-                                        cfg.hidden_size, False, dtype, quant, tp)
+                                        cfg.hidden_size, False, dtype, None, tp,
+                                        quant_config=quant, prefix=f"{prefix}.o_proj")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
@@ -68,12 +70,15 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype,
-                 quant: LinearMethod | None, tp: GroupCoordinator | None) -> None:
+                 quant: QuantizationConfig | None, tp: GroupCoordinator | None,
+                 prefix: str) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, quant, tp)
+            cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, None, tp,
+            quant_config=quant, prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False,
-                                           dtype, quant, tp)
+                                           dtype, None, tp, quant_config=quant,
+                                           prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,11 +87,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
-                 rotary: RotaryEmbedding, quant: LinearMethod | None,
-                 tp: GroupCoordinator | None) -> None:
+                 rotary: RotaryEmbedding, quant: QuantizationConfig | None,
+                 tp: GroupCoordinator | None, prefix: str) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, dtype, backend, rotary, quant, tp)
-        self.mlp = LlamaMLP(cfg, dtype, quant, tp)
+        self.self_attn = LlamaAttention(cfg, dtype, backend, rotary, quant, tp,
+                                        f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(cfg, dtype, quant, tp, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -104,17 +110,19 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
-                 max_position: int, quant: LinearMethod | None,
+                 max_position: int, quant: QuantizationConfig | None,
                  tp: GroupCoordinator | None, pp: GroupCoordinator | None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size, dtype, tp, quant,
+                                           "model.embed_tokens")
         # One rotary table shared by every layer.
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta,
                                  cfg.rope_scaling_dict)
         # This pipeline stage's layers [start_layer, end_layer) (all of them on one stage).
         self.layers, self.start_layer, self.end_layer = make_layers(
             cfg.num_hidden_layers, pp,
-            lambda i: LlamaDecoderLayer(cfg, dtype, backend, rotary, quant, tp))
+            lambda i: LlamaDecoderLayer(cfg, dtype, backend, rotary, quant, tp,
+                                        f"model.layers.{i}"))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -129,7 +137,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
-                 max_position: int, quant: LinearMethod | None = None,
+                 max_position: int, quant: QuantizationConfig | None = None,
                  tp: GroupCoordinator | None = None,
                  pp: GroupCoordinator | None = None) -> None:
         """``tp``: the tensor-parallel group the layers split over; ``pp``: the pipeline
@@ -138,8 +146,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg, dtype, backend, max_position, quant, tp, pp)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied,
-                                      tp=tp)
+        self.lm_head = make_lm_head(cfg.vocab_size, cfg.hidden_size, dtype, tied, tp, quant)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

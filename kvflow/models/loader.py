@@ -13,6 +13,7 @@ from kvflow.config import ModelConfig, torch_dtype
 from kvflow.distributed.parallel_state import GroupCoordinator
 from kvflow.errors import ModelLoadError
 from kvflow.layers.attention import AttentionBackend
+from kvflow.layers.quantization import QuantizationConfig, resolve_quantization
 from kvflow.logger import init_logger
 from kvflow.models.registry import model_class
 
@@ -68,16 +69,33 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             p.normal_(0.0, 0.02, generator=gen)
 
 
+def quantization_config(config: ModelConfig, device: torch.device
+                        ) -> QuantizationConfig | None:
+    """The model's one QuantizationConfig: from --quantization, the GGUF file, or the
+    checkpoint's config.json."""
+    hf_quant = None
+    if config.load_format == "hf" and config.path:
+        cfg_path = os.path.join(config.path, "config.json")
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                hf_quant = json.load(f).get("quantization_config")
+    return resolve_quantization(config.quantization, config.load_format, hf_quant,
+                                torch.device(device).type, config.dtype_forced,
+                                config.quantization_group_size,
+                                config.quantization_symmetric)
+
+
 def load_model(config: ModelConfig, device: torch.device, backend: AttentionBackend,
                tp: GroupCoordinator | None = None,
                pp: GroupCoordinator | None = None) -> torch.nn.Module:
     """Construct the model directly on ``device`` and load its weights (this rank's
     shard of them when ``tp`` spans several ranks, its stage's layers with ``pp``)."""
     dtype = torch_dtype(config.dtype)
+    quant = quantization_config(config, device)
     max_position = max(config.max_model_len, config.arch.max_position_embeddings)
     with torch.device(device):
         model = model_class(config.arch.architecture)(config.arch, dtype, backend,
-                                                      max_position, tp=tp, pp=pp)
+                                                      max_position, quant=quant, tp=tp, pp=pp)
     one_rank = (tp is None or tp.world_size == 1) and (pp is None or pp.world_size == 1)
     if config.load_format == "dummy" and one_rank:
         init_dummy_weights(model, config.seed)
@@ -88,11 +106,29 @@ def load_model(config: ModelConfig, device: torch.device, backend: AttentionBack
     elif config.load_format == "gguf":
         from kvflow.models.gguf_file import iter_gguf_weights
 
-        model.load_weights(iter_gguf_weights(config.path, config.arch))
+        keep = quant is not None and quant.method == "gguf"
+        model.load_weights(iter_gguf_weights(config.path, config.arch, keep_quantized=keep))
     else:
         model.load_weights(iter_hf_weights(config.path))
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    model.quant_config = quant
+    logger.info("weights: %s, %.1f MiB", _describe(model, quant), weight_bytes(model) / 2**20)
     return model.eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter, packed ones included (shared ones once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _describe(model: torch.nn.Module, quant: QuantizationConfig | None) -> str:
+    if quant is None:
+        return "dense"
+    if quant.method == "gguf":
+        from kvflow.layers.quantization.gguf import type_summary
+
+        return f"{quant.describe()}: {type_summary(model)}"
+    return quant.describe()

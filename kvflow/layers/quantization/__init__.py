@@ -1,0 +1,82 @@
+"""Low-bit weights: one ``QuantizationConfig`` per model, a method per layer prefix.
+
+``linear_method`` and ``embedding_method`` are the registry the layers call; the model
+files pass a config and module prefixes and never branch on the method (DESIGN rule 6).
+"""
+
+from __future__ import annotations
+
+from kvflow.layers.quantization.config import QuantizationConfig, resolve_quantization
+
+__all__ = ["QuantizationConfig", "resolve_quantization", "linear_method",
+           "embedding_method", "make_embedding", "make_lm_head"]
+
+
+def linear_method(config: QuantizationConfig | None, prefix: str, tied_to=None):
+    """The LinearMethod of the layer named ``prefix`` (``tied_to``: the embedding a tied
+    lm_head shares)."""
+    from kvflow.layers.linear import UnquantizedLinearMethod
+
+    kind = "none" if config is None else config.method_for(prefix)
+    if kind == "none":
+        return UnquantizedLinearMethod()
+    if kind == "gguf":
+        from kvflow.layers.quantization.gguf import GGUFLinearMethod
+
+        # A tied head reads its embedding's blocks, unless the embedding itself is dense.
+        return GGUFLinearMethod(tied_to)
+    if kind in ("gptq", "awq", "compressed-tensors"):
+        from kvflow.layers.quantization.prequant import PrequantizedLinearMethod
+
+        return PrequantizedLinearMethod(kind, config.bits, config.group_size,
+                                        config.zero_offset, config.symmetric)
+    from kvflow.layers.quantization.rtn import Int4LinearMethod, Int8LinearMethod
+
+    if kind == "int8":
+        return Int8LinearMethod()
+    return Int4LinearMethod(config.group_size, config.symmetric)
+
+
+def embedding_method(config: QuantizationConfig | None, prefix: str):
+    """The embedding method of the table named ``prefix``."""
+    kind = "none" if config is None else config.method_for(prefix)
+    if kind == "gguf":
+        from kvflow.layers.quantization.gguf import GGUFEmbeddingMethod
+
+        return GGUFEmbeddingMethod()
+    from kvflow.layers.embedding import UnquantizedEmbeddingMethod
+
+    return UnquantizedEmbeddingMethod()
+
+
+def _check_tp(config: QuantizationConfig | None, tp) -> None:
+    if config is not None and tp is not None and tp.world_size > 1:
+        from kvflow.errors import ModelLoadError
+
+        raise ModelLoadError(f"{config.method} weights with tensor parallelism are not "
+                             f"supported yet; use --quantization none with -tp")
+
+
+def make_embedding(vocab_size: int, hidden_size: int, dtype, tp, config, prefix: str):
+    """The token embedding: the vocab-parallel dense table, or (quantized model, one rank)
+    the embedding whose storage its method picks."""
+    _check_tp(config, tp)
+    if config is None:
+        from kvflow.layers.vocab_parallel import VocabParallelEmbedding
+
+        return VocabParallelEmbedding(vocab_size, hidden_size, dtype, tp)
+    from kvflow.layers.embedding import VocabEmbedding
+
+    return VocabEmbedding(vocab_size, hidden_size, dtype, config, prefix)
+
+
+def make_lm_head(vocab_size: int, hidden_size: int, dtype, tied_to, tp, config):
+    """The lm_head, tied to ``tied_to`` when given; quantized as the config says."""
+    _check_tp(config, tp)
+    if config is None:
+        from kvflow.layers.vocab_parallel import ParallelLMHead
+
+        return ParallelLMHead(vocab_size, hidden_size, dtype, tied_to=tied_to, tp=tp)
+    from kvflow.layers.embedding import LMHead
+
+    return LMHead(vocab_size, hidden_size, dtype, tied_to=tied_to, quant_config=config)

@@ -1,0 +1,165 @@
+"""The one quantization decision of a model, resolved once at load (pure Python, no torch).
+
+Where it comes from, in order: ``--quantization METHOD`` (int8, int4, none); a GGUF file's
+tensor types (``gguf``: the blocks are kept and multiplied as they are); a Hugging Face
+``config.json`` ``quantization_config`` (not supported yet: refused with the methods that
+are). Layers ask it for their method by module prefix (``method_for``), so lm_head,
+embeddings or listed layers can stay unquantized without the model knowing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvflow.errors import ModelLoadError, require
+
+# Pre-quantized checkpoint formats (config.json quant_method).
+PREQUANTIZED = ("gptq", "awq", "compressed-tensors")
+
+# Methods a user may name with --quantization ("auto" picks from the checkpoint).
+USER_METHODS = ("auto", "none", "int8", "int4", "gguf")
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """How a model's weights are stored and multiplied."""
+
+    method: str
+    """int8 (per output channel, symmetric), int4 (group-wise round-to-nearest), gguf
+    (the GGUF file's own blocks, repacked once at load), or a pre-quantized checkpoint's
+    gptq / awq."""
+    group_size: int = 32
+    """Input elements sharing one scale (and zero point). int4: 32, 64 or 128; gptq/awq:
+    the checkpoint's (a multiple of 32, or -1 for one group per row)."""
+    bits: int = 4
+    """gptq / awq: bits per weight of the checkpoint."""
+    zero_offset: int = 0
+    """gptq: added to stored zero points (1 for the common v1 format, which stores z - 1)."""
+    symmetric: bool = False
+    """int4: zero point fixed at the middle of the range (scale only) instead of per group."""
+    lm_head: str = "int8"
+    """How an int8/int4 model stores its lm_head: int8 (per output channel; the logits GEMM
+    is a fifth of the small models' weights) or none (model dtype)."""
+    skip_modules: tuple[str, ...] = ()
+    """Module prefixes kept in the model dtype (e.g. ``model.layers.0.mlp``)."""
+
+    def __post_init__(self) -> None:
+        require(self.method in ("int8", "int4", "gguf") + PREQUANTIZED, "quantization",
+                f"must be int8, int4, gguf or one of {PREQUANTIZED}, got {self.method!r}")
+        if self.method == "int4":
+            require(self.group_size in (32, 64, 128), "quantization_group_size",
+                    f"must be 32, 64 or 128, got {self.group_size}")
+        require(self.lm_head in ("int8", "none"), "lm_head", "must be int8 or none")
+
+    def is_skipped(self, prefix: str) -> bool:
+        return any(prefix == p or prefix.startswith(p + ".") for p in self.skip_modules)
+
+    def method_for(self, prefix: str) -> str:
+        """The method of the linear layer (or embedding) named ``prefix``: none, int8,
+        int4 or gguf."""
+        if self.is_skipped(prefix):
+            return "none"
+        if self.method == "gguf":
+            return "gguf"
+        if self.method in PREQUANTIZED:  # checkpoints quantize the decoder layers only
+            return "none" if prefix == "lm_head" or prefix.endswith("embed_tokens") else (
+                self.method)
+        if prefix == "lm_head":
+            return self.lm_head
+        if prefix.endswith("embed_tokens"):
+            return "none"  # a lookup reads a few rows; quantizing it only saves memory
+        return self.method
+
+    def describe(self) -> str:
+        if self.method == "int4":
+            kind = "symmetric" if self.symmetric else "asymmetric"
+            return f"int4 (group {self.group_size}, {kind}, lm_head {self.lm_head})"
+        if self.method == "int8":
+            return f"int8 (per channel, lm_head {self.lm_head})"
+        if self.method in PREQUANTIZED:
+            return f"{self.method} ({self.bits}-bit, group {self.group_size})"
+        return "gguf (blocks kept quantized)"
+
+
+def resolve_quantization(requested: str, load_format: str, hf_quant_config: dict | None,
+                         device: str, dtype_forced: bool, group_size: int = 32,
+                         symmetric: bool = False) -> QuantizationConfig | None:
+    """The model's QuantizationConfig from what the user asked and what the checkpoint is;
+    None means dense weights in the model dtype."""
+    require(requested in USER_METHODS, "quantization",
+            f"must be one of {', '.join(USER_METHODS)}, got {requested!r}")
+    on_cpu = device == "cpu"
+    if hf_quant_config:
+        return _prequantized(hf_quant_config, requested, on_cpu, device)
+    if requested == "none":
+        return None
+    if requested == "auto":
+        # GGUF runs on its own blocks on CPU unless a dtype was asked for (which means the
+        # dense path in that dtype); the GPU has no GGUF kernels yet.
+        if load_format == "gguf" and on_cpu and not dtype_forced:
+            return QuantizationConfig("gguf")
+        return None
+    if not on_cpu:
+        raise ModelLoadError(f"--quantization {requested} runs on CPU only for now (its GPU "
+                             f"kernels are not written yet); use --quantization none on "
+                             f"{device}")
+    if requested == "gguf" and load_format != "gguf":
+        raise ModelLoadError("--quantization gguf needs a GGUF file")
+    if load_format == "dummy" and requested == "gguf":
+        raise ModelLoadError("--quantization gguf needs real GGUF weights, not dummy ones")
+    return QuantizationConfig(requested, group_size=group_size, symmetric=symmetric)
+
+
+
+def _prequantized(qc: dict, requested: str, on_cpu: bool, device: str) -> QuantizationConfig:
+    """A config.json ``quantization_config`` -> QuantizationConfig, or a clear refusal."""
+    method = str(qc.get("quant_method", "?")).lower()
+    if method not in PREQUANTIZED:
+        raise ModelLoadError(
+            f"the checkpoint is pre-quantized with {method!r} (config.json "
+            f"quantization_config), which kvflow does not load (supported: gptq 4/8-bit, "
+            f"awq 4-bit GEMM, compressed-tensors pack-quantized W4A16/W8A16; or a float "
+            f"checkpoint with --quantization int8|int4)")
+    if requested not in ("auto", method):
+        raise ModelLoadError(f"the checkpoint is already {method}-quantized; "
+                             f"--quantization {requested} cannot apply to it (use auto)")
+    if not on_cpu:
+        raise ModelLoadError(f"{method} checkpoints run on CPU only for now (no GPU kernels "
+                             f"yet), not on {device}")
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+        raise ModelLoadError(f"awq version {qc.get('version')!r} is not supported "
+                             f"(supported: gemm)")
+    offset = 0
+    if method == "gptq":
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ModelLoadError(f"gptq checkpoint_format {fmt!r} is not supported "
+                                 f"(supported: gptq, gptq_v2)")
+        offset = 1 if fmt == "gptq" else 0
+    return QuantizationConfig(method, group_size=group, bits=bits, zero_offset=offset,
+                              lm_head="none")
+
+
+def _compressed_tensors(qc: dict) -> QuantizationConfig:
+    """compressed-tensors ``pack-quantized`` with one group of int weight-only settings."""
+    fmt = qc.get("format")
+    groups = list((qc.get("config_groups") or {}).values())
+    if fmt != "pack-quantized" or len(groups) != 1:
+        raise ModelLoadError(f"compressed-tensors format {fmt!r} with {len(groups)} config "
+                             f"groups is not supported (supported: pack-quantized, one group)")
+    w, acts = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    strategy = w.get("strategy", "group")
+    if acts or w.get("type", "int") != "int" or strategy not in ("group", "channel") or (
+            w.get("actorder")):
+        raise ModelLoadError(f"compressed-tensors scheme {w} (activations {acts}) is not "
+                             f"supported (supported: int weight-only, group or channel "
+                             f"strategy, no actorder: W4A16, W8A16)")
+    skip = tuple(m for m in qc.get("ignore") or () if not m.startswith("re:"))
+    return QuantizationConfig("compressed-tensors", bits=int(w.get("num_bits", 4)),
+                              group_size=int(w.get("group_size") or -1) if strategy == "group"
+                              else -1, symmetric=bool(w.get("symmetric", True)),
+                              lm_head="none", skip_modules=skip)

@@ -1,0 +1,199 @@
+"""GGUF weights kept in their blocks: each linear layer (and the embedding) loads the raw
+block bytes of its checkpoint tensors and repacks them once, after loading, into the
+packed int4 form of ``packed.py`` (GGML 8-bit blocks as two nibbles over a doubled input).
+
+The loader yields, per GGUF tensor, ``<module>.qweight_type`` (a 0-d int64 tensor, the
+GGML type) then ``<module>.qweight`` (uint8 [rows, row_bytes]); merged layers receive one
+pair per shard, so q, k and v (or gate and up) may even differ in type, as in the
+Q4_K_M files, which store some v and down projections as Q6_K.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from fractions import Fraction
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.errors import ModelLoadError
+from kvflow.layers.linear import LinearBase, LinearMethod
+from kvflow.layers.quantization import ggml_blocks as gb
+from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, flatten_tokens,
+                                               int4_mm, refine_top_logits)
+from kvflow.layers.quantization.rtn import set_param
+
+
+def _placeholders(layer: nn.Module, loader) -> None:
+    """``qweight``/``qweight_type`` parameters that only record what the checkpoint sends;
+    the real (packed) parameters exist after loading, when the types are known."""
+    layer._gguf_shards = {}
+    for name in ("qweight", "qweight_type"):
+        p = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        p.weight_loader = loader
+        # Raw block rows: output rows are whole rows; the input dimension is packed in
+        # blocks (elements per byte fixed per type, set on ``pack_factor`` when loaded).
+        p.output_dim, p.input_dim, p.packed_dim = 0, 1, 1
+        layer.register_parameter(name, p)
+
+
+def _record(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard) -> None:
+    entry = layer._gguf_shards.setdefault(shard, {})
+    if loaded.dim() == 0:
+        ggml_type = int(loaded)
+        elems, nbytes = gb.block_size(ggml_type)
+        layer.qweight.pack_factor = Fraction(elems, nbytes)
+        entry["type"] = ggml_type
+    else:
+        if loaded.dtype != torch.uint8 or loaded.dim() != 2:
+            raise ModelLoadError(f"GGUF block data must be uint8 [rows, bytes], got "
+                                 f"{loaded.dtype} {tuple(loaded.shape)}")
+        entry["raw"] = loaded.numpy()
+
+
+def _shard(layer: nn.Module, shard, rows: int, cols: int) -> tuple[int, np.ndarray]:
+    entry = layer._gguf_shards.get(shard, {})
+    if "type" not in entry or "raw" not in entry:
+        raise ModelLoadError(f"GGUF tensor for shard {shard!r} of a {rows}x{cols} layer is "
+                             f"missing its data or type")
+    raw = entry["raw"]
+    if raw.shape[0] != rows:
+        raise ModelLoadError(f"GGUF tensor has {raw.shape[0]} rows, the layer's shard "
+                             f"{shard!r} has {rows}")
+    return entry["type"], raw
+
+
+def _dense_raw(raw: np.ndarray, cols: int, ggml_type: int) -> torch.Tensor:
+    return gb.dequantize(raw, cols, ggml_type) if ggml_type != gb.F32 else torch.from_numpy(
+        np.ascontiguousarray(raw).view(np.float32).reshape(raw.shape[0], cols).copy())
+
+
+def _convert(parts: list[tuple[int, np.ndarray]], cols: int
+             ) -> tuple[Int4Groups | torch.Tensor, list[str]]:
+    """Shards (type, bytes) -> one Int4Groups, or a dense float32 weight when every shard is
+    stored dense; also the type names for the startup log."""
+    names = [gb.type_name(t) for t, _ in parts]
+    if all(t in gb.DENSE_TYPES for t, _ in parts):
+        return torch.cat([_dense_raw(r, cols, t) for t, r in parts]), names
+    groups = []
+    for t, raw in parts:
+        if t in gb.DENSE_TYPES:
+            g = gb.requantize8(_dense_raw(raw, cols, t))
+        else:
+            g, exact = gb.to_int4_groups(raw, cols, t)
+            if not exact:
+                names[len(groups)] += "->8bit"
+        groups.append(g)
+    if len({g.doubled for g in groups}) > 1:
+        # 4-bit and 8-bit shards in one layer: widen the 4-bit ones (a zero high half).
+        groups = [g if g.doubled else _widen(g) for g in groups]
+    return Int4Groups.cat(groups), names
+
+
+def _widen(g: Int4Groups) -> Int4Groups:
+    """A 4-bit Int4Groups as a doubled one whose first half contributes exactly zero."""
+    return Int4Groups(torch.cat([torch.full_like(g.values, 8), g.values], dim=1),
+                      torch.cat([torch.zeros_like(g.scale), g.scale], dim=1),
+                      torch.cat([torch.zeros_like(g.zero), g.zero], dim=1), g.group, True)
+
+
+class GGUFLinearMethod(LinearMethod):
+    """A linear layer on GGUF blocks (or, tied, on its embedding's blocks)."""
+
+    name = "gguf"
+
+    def __init__(self, tied_to: nn.Module | None = None) -> None:
+        self._tied = [tied_to] if tied_to is not None else []  # not a submodule
+
+    def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        if not self._tied:
+            _placeholders(layer, lambda p, w, shard=None: _record(layer, p, w, shard))
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if self._tied:
+            weight, _ = self._tied[0].quant_method.source(self._tied[0])
+        else:
+            shards = layer.shard_ids if len(layer.output_sizes) > 1 else [None]
+            parts = [_shard(layer, s, n, layer.input_size)
+                     for s, n in zip(shards, layer.output_sizes)]
+            weight, layer.gguf_types = _convert(parts, layer.input_size)
+            del layer.qweight, layer.qweight_type, layer._gguf_shards
+        if isinstance(weight, torch.Tensor):
+            self.packed = None
+            set_param(layer, "weight", weight.to(self.dtype))
+            return
+        packed = PackedInt4(weight)
+        self.group, self.doubled = packed.group, packed.doubled
+        self.packed = True
+        for name, t in packed.tensors().items():
+            set_param(layer, name, t)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if not self.packed:
+            return F.linear(x, layer.weight, layer.bias)
+        x2, lead = flatten_tokens(x)
+        y = int4_mm(x2, layer.qweight, layer.scales_and_zeros, self.group, self.doubled)
+        if layer.bias is not None:
+            y = y + layer.bias
+        if self._tied:  # a tied head: the embedding's table gives exact rows
+            emb = self._tied[0]
+            y = refine_top_logits(x2, y, lambda ids: emb.quant_method.rows(emb, ids))
+        return y.view(*lead, -1)
+
+
+class GGUFEmbeddingMethod:
+    """Token embedding on GGUF blocks: values two per byte, scale and zero per group in
+    float32 (so looked-up rows equal gguf-py's dequantization); the rows a step needs are
+    dequantized, never the table."""
+
+    name = "gguf"
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        _placeholders(layer, lambda p, w, shard=None: _record(layer, p, w, shard))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        part = _shard(layer, None, layer.vocab_size, layer.hidden_size)
+        weight, layer.gguf_types = _convert([part], layer.hidden_size)
+        del layer.qweight, layer.qweight_type, layer._gguf_shards
+        if isinstance(weight, torch.Tensor):
+            self.doubled = None
+            set_param(layer, "weight", weight.to(self.dtype))
+            return
+        self.group, self.doubled = weight.group, weight.doubled
+        v = weight.values  # [V, K2] -> two per byte [V, K2 / 2]
+        set_param(layer, "qvalues", (v[:, 0::2] | (v[:, 1::2] << 4)).contiguous())
+        set_param(layer, "qscale", weight.scale)
+        set_param(layer, "qzero", weight.zero)
+
+    def _groups(self, layer: nn.Module, rows: torch.Tensor | None = None) -> Int4Groups:
+        packed = layer.qvalues if rows is None else layer.qvalues[rows]
+        v = torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
+        scale = layer.qscale if rows is None else layer.qscale[rows]
+        zero = layer.qzero if rows is None else layer.qzero[rows]
+        return Int4Groups(v, scale, zero, self.group, self.doubled)
+
+    def rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), hidden]: the table's rows, dequantized."""
+        if self.doubled is None:
+            return layer.weight[ids].float()
+        return self._groups(layer, ids).dequantize()
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.rows(layer, ids.reshape(-1)).to(self.dtype)  # [T, hidden]
+        return rows.view(*ids.shape, -1)
+
+    def source(self, layer: nn.Module) -> tuple[Int4Groups | torch.Tensor, list[str]]:
+        """The table for a tied lm_head: its Int4Groups (or dense weight)."""
+        if self.doubled is None:
+            return layer.weight.data, layer.gguf_types
+        return self._groups(layer), layer.gguf_types
+
+
+def type_summary(model: nn.Module) -> str:
+    """'Q4_1 x210, Q8_0 x1' over the GGUF layers of a model (for the startup log)."""
+    counts = Counter(t for m in model.modules() for t in getattr(m, "gguf_types", ()))
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))

@@ -1,0 +1,85 @@
+"""int8 and int4 weight-only quantization at load (round to nearest) from float weights.
+
+The layer first loads its dense checkpoint weight as usual (so merged q/k/v and gate/up
+shards and tensor-parallel slicing work unchanged), then ``process_weights_after_loading``
+quantizes it once and replaces it with the packed form the CPU kernels read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvflow.errors import ModelLoadError
+from kvflow.layers.linear import LinearBase, UnquantizedLinearMethod
+from kvflow.layers.quantization.packed import (CPU_ACT_DTYPE, PackedInt4, flatten_tokens,
+                                               int4_mm, int8_mm, quantize_int4,
+                                               quantize_int8, refine_top_logits)
+
+
+def set_param(layer: nn.Module, name: str, t: torch.Tensor) -> None:
+    """Register ``t`` as a frozen parameter (so weight memory counts it)."""
+    if hasattr(layer, name):
+        delattr(layer, name)
+    layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
+
+
+class _QuantizeAfterLoad(UnquantizedLinearMethod):
+    """Dense weight while loading; subclasses replace it after."""
+
+    def _take_dense(self, layer: LinearBase) -> torch.Tensor:
+        w = layer.weight.data  # [N, K] (for a tied head: the embedding's own weight)
+        delattr(layer, "weight")  # the tied embedding keeps its parameter
+        return w
+
+
+class Int8LinearMethod(_QuantizeAfterLoad):
+    """Symmetric int8 per output channel; ``aten._weight_int8pack_mm`` on CPU."""
+
+    name = "int8"
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        q, scale = quantize_int8(self._take_dense(layer))
+        set_param(layer, "qweight", q)  # int8 [N, K]
+        set_param(layer, "scales", scale.to(CPU_ACT_DTYPE))  # [N]
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = flatten_tokens(x)
+        y = int8_mm(x2, layer.qweight, layer.scales)
+        if layer.bias is not None:
+            y = y + layer.bias
+        if layer.prefix == "lm_head":  # exact top logits (see refine_top_logits)
+            y = refine_top_logits(x2, y, lambda ids: layer.qweight[ids].float()
+                                  * layer.scales[ids].float()[:, None])
+        return y.view(*lead, -1)
+
+
+class Int4LinearMethod(_QuantizeAfterLoad):
+    """Group-wise int4 (symmetric or with a zero point per group);
+    ``aten._weight_int4pack_mm_for_cpu`` on CPU."""
+
+    name = "int4"
+
+    def __init__(self, group_size: int, symmetric: bool) -> None:
+        self.group_size = group_size
+        self.symmetric = symmetric
+
+    def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
+        if layer.input_size % self.group_size:
+            raise ModelLoadError(f"int4 group size {self.group_size} does not divide the "
+                                 f"{layer.input_size} inputs of {layer.prefix or 'a layer'}; "
+                                 f"use --quantization-group-size 32 or 64")
+        super().create_weights(layer, dtype)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        w = self._take_dense(layer)
+        packed = PackedInt4(quantize_int4(w, self.group_size, self.symmetric))
+        for name, t in packed.tensors().items():
+            set_param(layer, name, t)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = flatten_tokens(x)
+        y = int4_mm(x2, layer.qweight, layer.scales_and_zeros, self.group_size, False)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.view(*lead, -1)

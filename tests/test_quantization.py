@@ -1,0 +1,396 @@
+"""Low-bit weights: each fast path against its dequantize-then-matmul reference, GGML
+block parsing against gguf-py's own dequantization, and whole models (a tiny GGUF file
+written here, and the embedded SmolLM2) against their dense selves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from kvflow import LLM, SamplingParams  # noqa: E402
+from kvflow.bench.quality import _Scorer  # noqa: E402
+from kvflow.engine.args import EngineArgs  # noqa: E402
+from kvflow.errors import InvalidParameterError, ModelLoadError  # noqa: E402
+from kvflow.layers.quantization import QuantizationConfig, resolve_quantization  # noqa: E402
+from kvflow.layers.quantization import ggml_blocks as gb  # noqa: E402
+from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, int4_mm,  # noqa: E402
+                                               int8_mm, quantize_int4, quantize_int8)
+
+Q = gguf.GGMLQuantizationType
+
+
+def _bf16_tol(ref: torch.Tensor) -> dict:
+    # Activations and outputs are rounded to bfloat16 (8 significant bits) on this path.
+    return {"atol": 2e-2 * float(ref.abs().max()) + 1e-3, "rtol": 2e-2}
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("n,k,m", [(64, 128, 1), (192, 256, 5), (96, 384, 17)])
+def test_int4_matches_reference(group, symmetric, n, k, m):
+    g = torch.Generator().manual_seed(n + k + group)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(m, k, generator=g)
+    q = quantize_int4(w, group, symmetric)
+    deq = q.dequantize()
+    # Round to nearest: every weight within half a step of its group's grid.
+    step = q.scale.repeat_interleave(group, dim=1)
+    assert bool(((deq - w).abs() <= 0.5 * step + 1e-5).all())
+    packed = PackedInt4(q)
+    y = int4_mm(x, packed.packed, packed.scale_zero, group, False)
+    ref = x @ deq.t()
+    torch.testing.assert_close(y, ref, **_bf16_tol(ref))
+
+
+@pytest.mark.parametrize("n,k,m", [(64, 64, 1), (160, 256, 7)])
+def test_int8_matches_reference(n, k, m):
+    g = torch.Generator().manual_seed(k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    q, scale = quantize_int8(w)
+    assert (q.float() * scale[:, None] - w).abs().max() <= scale.max() / 2 + 1e-6
+    y = int8_mm(x, q, scale.bfloat16())
+    ref = x @ (q.float() * scale.bfloat16().float()[:, None]).t()
+    torch.testing.assert_close(y, ref, **_bf16_tol(ref))
+
+
+def test_8bit_as_two_nibbles_is_exact():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-128, 128, (32, 128), generator=g, dtype=torch.int8)
+    d = (torch.rand(32, 4, generator=g) + 0.1).half().float()  # GGUF scales are fp16
+    w = Int4Groups.from_int8_blocks(q, d)
+    exact = q.float() * d.repeat_interleave(32, dim=1)
+    assert torch.equal(w.dequantize(), exact)
+    x = torch.randn(3, 128, generator=g)
+    p = PackedInt4(w)
+    ref = x @ exact.t()
+    torch.testing.assert_close(int4_mm(x, p.packed, p.scale_zero, 32, True), ref,
+                               **_bf16_tol(ref))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_gguf_blocks_exact_against_gguf_py(qtype):
+    w = np.random.default_rng(int(qtype)).standard_normal((48, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)  # [48, row_bytes]
+    groups, exact = gb.to_int4_groups(raw, 256, int(qtype))
+    ref = gguf.quants.dequantize(raw, qtype)
+    assert exact
+    np.testing.assert_array_equal(groups.dequantize().numpy(), ref)
+
+
+def _random_k_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random K-quant super-blocks with sane float16 scales (bytes otherwise random)."""
+    elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (rows, cols // elems, nbytes), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.02, (rows, cols // elems, 2)).astype(np.float16)
+    if qtype == Q.Q4_K:
+        b[..., 0:4] = scales.view(np.uint8)
+    else:  # Q6_K: d is the last two bytes
+        b[..., -2:] = scales[..., :1].view(np.uint8)
+    return b.reshape(rows, -1)
+
+
+def test_q4_k_exact_and_q6_k_close():
+    raw = _random_k_blocks(Q.Q4_K, 16, 512, 0)
+    groups, exact = gb.to_int4_groups(raw, 512, int(Q.Q4_K))
+    assert exact
+    np.testing.assert_allclose(groups.dequantize().numpy(),
+                               gguf.quants.dequantize(raw, Q.Q4_K), rtol=1e-6, atol=1e-6)
+    raw6 = _random_k_blocks(Q.Q6_K, 16, 512, 1)
+    groups6, exact6 = gb.to_int4_groups(raw6, 512, int(Q.Q6_K))
+    ref = gguf.quants.dequantize(raw6, Q.Q6_K)
+    assert not exact6  # requantized to 8 bits per 32: within half an 8-bit step
+    step = np.abs(ref).reshape(16, -1, 32).max(-1, keepdims=True) / 127
+    err = np.abs(groups6.dequantize().numpy() - ref).reshape(16, -1, 32)
+    assert (err <= step / 2 * (1 + 1e-4)).all()
+
+
+def test_corrupt_block_tensor_is_refused():
+    raw = gguf.quants.quantize(np.ones((4, 64), np.float32), Q.Q4_1)
+    with pytest.raises(ModelLoadError, match="bytes per row"):
+        gb.to_int4_groups(raw[:, :-3], 64, int(Q.Q4_1))
+    with pytest.raises(ModelLoadError, match="unknown GGML tensor type"):
+        gb.block_size(999)
+
+
+def test_config_resolution_and_prefixes():
+    assert resolve_quantization("auto", "gguf", None, "cpu", False).method == "gguf"
+    assert resolve_quantization("auto", "gguf", None, "cpu", True) is None  # --dtype given
+    assert resolve_quantization("auto", "gguf", None, "cuda", False) is None
+    assert resolve_quantization("auto", "hf", None, "cpu", False) is None
+    assert resolve_quantization("none", "gguf", None, "cpu", False) is None
+    gptq = resolve_quantization("auto", "hf", {"quant_method": "gptq", "bits": 8}, "cpu", False)
+    assert (gptq.method, gptq.bits, gptq.zero_offset) == ("gptq", 8, 1)
+    assert gptq.method_for("lm_head") == "none"
+    with pytest.raises(ModelLoadError, match="pre-quantized with 'fp8'"):
+        resolve_quantization("auto", "hf", {"quant_method": "fp8"}, "cpu", False)
+    with pytest.raises(ModelLoadError, match="CPU only"):
+        resolve_quantization("auto", "hf", {"quant_method": "awq"}, "cuda", False)
+    with pytest.raises(ModelLoadError, match="needs a GGUF file"):
+        resolve_quantization("gguf", "hf", None, "cpu", False)
+    with pytest.raises(InvalidParameterError, match="group_size"):
+        QuantizationConfig("int4", group_size=48)
+    c = QuantizationConfig("int4", skip_modules=("model.layers.1",))
+    assert c.method_for("model.layers.0.mlp.down_proj") == "int4"
+    assert c.method_for("model.layers.1.mlp.down_proj") == "none"
+    assert c.method_for("model.layers.10.mlp.down_proj") == "int4"
+    assert c.method_for("model.embed_tokens") == "none"
+    assert c.method_for("lm_head") == "int8"
+    with pytest.raises(InvalidParameterError, match="quantization"):
+        EngineArgs(model="tiny-llama", load_format="dummy",
+                   quantization="fp3").create_engine_config()
+
+
+# --- a tiny GGUF model written here, loaded dense and kept quantized -------------------
+
+H, I, L, HEADS, KV, V = 64, 128, 2, 4, 2, 512
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order (the inverse of the loader's unpermute)."""
+    r = w.shape[0]
+    return w.reshape(n_head, 2, r // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_context_length(256)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(I)
+    w.add_block_count(L)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(V)
+
+    def mat(name, rows, cols, qtype, permute_heads=0):
+        x = (rng.standard_normal((rows, cols)) * 0.08).astype(np.float32)
+        if permute_heads:
+            x = _permute(x, permute_heads)
+        if qtype == Q.F32:
+            w.add_tensor(name, x)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+
+    mat("token_embd.weight", V, H, Q.Q8_0)
+    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+    mat("output.weight", V, H, Q.Q4_0)
+    for i in range(L):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", rng.uniform(0.8, 1.2, H).astype(np.float32))
+        w.add_tensor(p + "ffn_norm.weight", rng.uniform(0.8, 1.2, H).astype(np.float32))
+        mat(p + "attn_q.weight", H, H, Q.Q4_1, HEADS)
+        mat(p + "attn_k.weight", KV * H // HEADS, H, Q.Q4_1, KV)
+        # Mixed types inside merged layers, as Q4_K_M files have them.
+        mat(p + "attn_v.weight", KV * H // HEADS, H, Q.Q8_0)
+        mat(p + "attn_output.weight", H, H, Q.Q4_0)
+        mat(p + "ffn_gate.weight", I, H, Q.Q4_1)
+        mat(p + "ffn_up.weight", I, H, Q.F32 if i else Q.Q4_1)
+        mat(p + "ffn_down.weight", H, I, Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _scorer(path: str, quantization: str, **kw) -> _Scorer:
+    return _Scorer(EngineArgs(model=path, quantization=quantization, device="cpu",
+                              skip_tokenizer_init=True, **kw), 64)
+
+
+@pytest.mark.parametrize("method", ["gguf", "int8", "int4"])
+def test_tiny_gguf_quantized_close_to_dense(tiny_gguf, method):
+    ids = list(np.random.default_rng(3).integers(0, V, 40))
+    dense = _scorer(tiny_gguf, "none")
+    quant = _scorer(tiny_gguf, method)
+    ref, got = dense.logprobs(ids), quant.logprobs(ids)
+    assert quant.weight_bytes < dense.weight_bytes / 2
+    kl = (ref.exp() * (ref - got)).sum(-1)
+    # gguf only rounds activations to bf16; int8/int4 re-quantize the weights too.
+    assert float(kl.mean()) < {"gguf": 2e-4, "int8": 2e-3, "int4": 5e-2}[method]
+    layer = quant.model.model.layers[0].self_attn.qkv_proj
+    assert not hasattr(layer, "weight") and hasattr(layer, "qweight")
+
+
+def test_tiny_gguf_corrupt_file_is_refused(tiny_gguf, tmp_path):
+    data = open(tiny_gguf, "rb").read()
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(data[: len(data) - 3000])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        _scorer(str(bad), "gguf")
+
+
+def test_embedded_model_runs_quantized_by_default():
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = ["What is the capital of France?", "Name three colours."]
+    outs = {}
+    for q in ("auto", "none", "int8"):
+        llm = LLM("smollm2-135m", device="cpu", max_model_len=256, kv_cache_memory="64MiB",
+                  quantization=q)
+        tok = llm.get_tokenizer()
+        ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
+                          add_special_tokens=False) for p in prompts]
+        res = llm.generate([{"prompt_token_ids": i} for i in ids], sp)
+        outs[q] = [r.outputs[0].token_ids for r in res]
+        if q == "auto":  # the GGUF blocks: about 140 MiB instead of 0.5 GiB dense
+            assert llm.engine.core.executor.runner.weight_bytes < 200 * 2**20
+        del llm
+    for q in ("auto", "int8"):
+        same = [sum(a == b for a, b in zip(x, y)) / len(y)
+                for x, y in zip(outs[q], outs["none"])]
+        # Greedy decoding keeps following the dense model's tokens at least for a while.
+        assert min(same) > 0.25 and outs[q][0][:4] == outs["none"][0][:4], (q, same)
+
+
+# --- pre-quantized checkpoints, packed here from known integers ---------------------------
+
+def _pack_words(v: np.ndarray, bits: int, axis: int, order=None) -> np.ndarray:
+    """Our own packer: ``32 // bits`` values per int32 along ``axis``; with ``order``,
+    nibble i of a word holds element order[i] of its run (AWQ)."""
+    pf = 32 // bits
+    v = np.moveaxis(v.astype(np.uint32), axis, -1)
+    v = v.reshape(*v.shape[:-1], v.shape[-1] // pf, pf)
+    if order is not None:
+        v = v[..., list(order)]
+    words = np.zeros(v.shape[:-1], np.uint32)
+    for i in range(pf):
+        words |= v[..., i] << np.uint32(bits * i)
+    return np.ascontiguousarray(np.moveaxis(words, -1, axis)).view(np.int32)
+
+
+def _write_prequantized(path, fmt: str, bits: int, group: int, desc_act: bool,
+                        v1: bool = True, sym: bool = False) -> None:
+    """A tiny-llama checkpoint whose linears are GPTQ/AWQ packed, plus the same model
+    dequantized in ``path``/dense (the reference)."""
+    import json
+    import os
+
+    from safetensors.numpy import save_file
+
+    from kvflow.models.registry import PRESETS
+
+    rng = np.random.default_rng(bits + group)
+    cfg = dict(PRESETS["tiny-llama"])
+    h, inter, kv = cfg["hidden_size"], cfg["intermediate_size"], 32
+    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h),
+              "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, h),
+              "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+              "mlp.down_proj": (h, inter)}
+    packed: dict[str, np.ndarray] = {}
+    dense: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": rng.standard_normal((cfg["vocab_size"], h)) * 0.1,
+        "lm_head.weight": rng.standard_normal((cfg["vocab_size"], h)) * 0.1,
+        "model.norm.weight": np.ones(h)}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        dense[p + "input_layernorm.weight"] = rng.uniform(0.8, 1.2, h)
+        dense[p + "post_attention_layernorm.weight"] = rng.uniform(0.8, 1.2, h)
+        # q/k/v (and gate/up) share their input, so their desc_act order too.
+        perms = {k: rng.permutation(k) for k in (h, inter)}
+        for name, (n, k) in shapes.items():
+            ng = k // group
+            q = rng.integers(0, 1 << bits, (k, n))
+            # v1 stores z - 1 in 4 bits, so it cannot hold z = 0.
+            z = rng.integers(1 if fmt == "gptq" and v1 else 0, 1 << bits, (ng, n))
+            if sym:  # compressed-tensors stores signed values + 2^(bits-1): zero at mid
+                z[:] = 1 << (bits - 1)
+            s = rng.uniform(0.002, 0.01, (ng, n)).astype(np.float16)
+            g_idx = (np.argsort(perms[k]) // group if desc_act else np.arange(k) // group)
+            w = (q - z[g_idx]) * s[g_idx].astype(np.float64)  # [K, N]
+            dense[p + name + ".weight"] = w.T
+            key = p + name + "."
+            if fmt == "compressed-tensors":
+                packed[key + "weight_packed"] = _pack_words(q.T, bits, 1)
+                packed[key + "weight_scale"] = np.ascontiguousarray(s.T)
+                packed[key + "weight_shape"] = np.array([n, k], np.int64)
+                if not sym:
+                    packed[key + "weight_zero_point"] = _pack_words(z.T, bits, 0)
+                continue
+            if fmt == "gptq":
+                packed[key + "qweight"] = _pack_words(q, bits, 0)
+                packed[key + "qzeros"] = _pack_words(z - 1 if v1 else z, bits, 1)
+                packed[key + "g_idx"] = g_idx.astype(np.int32)
+            else:
+                order = (0, 2, 4, 6, 1, 3, 5, 7)
+                packed[key + "qweight"] = _pack_words(q, bits, 1, order)
+                packed[key + "qzeros"] = _pack_words(z, bits, 1, order)
+            packed[key + "scales"] = s
+    dense = {k: np.ascontiguousarray(v, np.float32) for k, v in dense.items()}
+    qc = {"quant_method": fmt, "bits": bits, "group_size": group}
+    if fmt == "compressed-tensors":
+        qc = {"quant_method": fmt, "format": "pack-quantized", "ignore": ["lm_head"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                  "num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group",
+                  "group_size": group}}}}
+    elif fmt == "gptq":
+        qc.update(desc_act=desc_act, checkpoint_format="gptq" if v1 else "gptq_v2")
+    else:
+        qc.update(version="gemm", zero_point=True)
+    os.makedirs(path / "dense")
+    for folder, tensors, extra in ((path, {**packed, **{k: v for k, v in dense.items()
+                                                       if not k.endswith("proj.weight")}},
+                                    {"quantization_config": qc}),
+                                   (path / "dense", dense, {})):
+        save_file(tensors, str(folder / "model.safetensors"))
+        with open(folder / "config.json", "w") as f:
+            json.dump({**cfg, **extra}, f)
+
+
+@pytest.mark.parametrize("fmt,bits,group,desc_act,v1,sym", [
+    ("gptq", 4, 32, False, True, False), ("gptq", 4, 32, True, True, False),
+    ("gptq", 8, 64, True, False, False), ("gptq", 4, 64, False, False, False),
+    ("awq", 4, 32, False, True, False), ("awq", 4, 64, False, True, False),
+    ("compressed-tensors", 4, 32, False, True, True),
+    ("compressed-tensors", 4, 64, False, True, False),
+    ("compressed-tensors", 8, 32, False, True, True)])
+def test_prequantized_checkpoint_matches_dequantized(tmp_path, fmt, bits, group, desc_act,
+                                                     v1, sym):
+    _write_prequantized(tmp_path, fmt, bits, group, desc_act, v1, sym)
+    ids = list(np.random.default_rng(5).integers(0, 512, 40))
+    quant = _scorer(str(tmp_path), "auto")
+    assert quant.model.quant_config.method == fmt
+    ref = _scorer(str(tmp_path / "dense"), "none").logprobs(ids)
+    got = quant.logprobs(ids)
+    kl = (ref.exp() * (ref - got)).sum(-1)
+    assert float(kl.mean()) < 1e-3  # bf16 activations only: the weights are exact
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+def test_prequantized_bad_input(tmp_path):
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    _write_prequantized(tmp_path, "gptq", 4, 32, False)
+    cfg_path = tmp_path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for change, match in (({"bits": 3}, "3-bit weights is not supported"),
+                          ({"quant_method": "bitsandbytes"}, "'bitsandbytes'.*supported"),
+                          ({"group_size": 48}, "groups of 48")):
+        cfg_path.write_text(json.dumps({**cfg, "quantization_config": {
+            **cfg["quantization_config"], **change}}))
+        with pytest.raises(ModelLoadError, match=match):
+            _scorer(str(tmp_path), "auto")
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="already gptq-quantized"):
+        _scorer(str(tmp_path), "int8")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.g_idx"
+    tensors[name] = np.zeros_like(tensors[name])  # every input in group 0
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="g_idx"):
+        _scorer(str(tmp_path), "auto")
+
+
+def test_int4_group_that_does_not_divide_the_layer_is_refused():
+    with pytest.raises(ModelLoadError, match="group size 128 does not divide the 64 inputs"):
+        LLM("tiny-llama", load_format="dummy", device="cpu", quantization="int4",
+            quantization_group_size=128)
