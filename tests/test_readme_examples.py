@@ -47,7 +47,7 @@ def test_readme_curl_example(server):
     body = json.loads(out.stdout)
     choice = body["choices"][0]
     assert choice["finish_reason"] == "stop", body
-    assert on_topic(choice["message"]["content"], "paris"), body
+    assert on_topic(choice["message"]["content"], "h2o"), body
 
 
 def test_readme_openai_example(server):
