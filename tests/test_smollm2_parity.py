@@ -82,7 +82,8 @@ def test_all_together_chunked_with_preemption(prompt_ids, hf_greedy):
 def _compiled_llm(monkeypatch, **kw) -> LLM:
     """The real model with the compiled CPU decode step on (the suite turns it off)."""
     monkeypatch.setenv("KVFLOW_CPU_COMPILE", "1")
-    llm = LLM("smollm2-135m", device="cpu", **kw)
+    # Dense fp32, as HF runs it: the GGUF-quantized default computes in bf16.
+    llm = LLM("smollm2-135m", device="cpu", quantization="none", **kw)
     assert llm.engine.core.executor.runner.graphs is not None
     return llm
 

@@ -15,7 +15,6 @@ import os
 import time
 
 import numpy as np
-import torch
 
 from kvflow.bench.machine import save_result
 from kvflow.engine.args import EngineArgs
@@ -60,6 +59,8 @@ class _Scorer:
         from kvflow.layers.attention.metadata import AttentionSpec
         from kvflow.models.loader import load_model, weight_bytes
 
+        import torch  # here, not at the top: `kvflow plan` builds this parser without torch
+
         self.config = args.create_engine_config()
         self.device = torch.device(self.config.device.device)
         start = time.perf_counter()
@@ -78,9 +79,14 @@ class _Scorer:
                 m.kv_cache = torch.zeros(2, self.nblocks, bs, arch.num_key_value_heads,
                                          arch.head_dim, dtype=dtype, device=self.device)
 
-    @torch.inference_mode()
     def logprobs(self, ids: list[int]) -> torch.Tensor:
         """[T] token ids -> float32 [T, vocab] log-probabilities of the next token."""
+        import torch
+
+        with torch.inference_mode():
+            return self._logprobs(torch, ids)
+
+    def _logprobs(self, torch, ids: list[int]) -> torch.Tensor:
         from kvflow.layers.attention import AttentionMetadata
 
         t, d = len(ids), self.device
@@ -122,6 +128,8 @@ def _windows(ns, config) -> list[list[int]]:
 
 
 def run_quality(ns: argparse.Namespace) -> int:
+    import torch
+
     base = EngineArgs.from_cli_args(ns)
     methods = [m.strip() for m in ns.methods.split(",") if m.strip()]
     ref = _Scorer(dataclasses.replace(base, quantization="none"), ns.context)
@@ -154,6 +162,8 @@ def run_quality(ns: argparse.Namespace) -> int:
 
 def _figures(lp: torch.Tensor, ref: torch.Tensor | None, targets: torch.Tensor,
              scorer: _Scorer) -> dict:
+    import torch
+
     nll = -lp.gather(1, targets[:, None]).squeeze(1)
     out = {"perplexity": float(torch.exp(nll.mean())),
            "weight_mib": scorer.weight_bytes / 2**20, "load_s": scorer.load_s,
