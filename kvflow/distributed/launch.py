@@ -20,6 +20,7 @@ import msgspec
 
 from kvflow.config import EngineConfig
 from kvflow.logger import init_logger
+from kvflow.utils import describe_exit
 
 logger = init_logger(__name__)
 
@@ -54,13 +55,7 @@ class RankProcess:
         code = self.proc.poll()
         if code is None:
             return None
-        if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            return f"rank {self.rank} (pid {self.proc.pid}) was killed by {name}"
-        return f"rank {self.rank} (pid {self.proc.pid}) exited with code {code}"
+        return describe_exit(f"rank {self.rank} (pid {self.proc.pid})", code)
 
 
 def spawn_ranks(config: EngineConfig, ranks: list[tuple[int, int]], port: int

@@ -16,7 +16,6 @@ import enum
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from kvflow.errors import (EngineDeadError, EngineNotReadyError, InvalidParamete
 from kvflow.logger import init_logger
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import OutputKind, SamplingParams
+from kvflow.utils import describe_exit
 
 logger = init_logger(__name__)
 
@@ -119,13 +119,7 @@ def _error_from_core(msg: RequestError) -> KvflowError:
 
 
 def _exit_cause(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"the engine core process was killed by {name}"
-    return f"the engine core process exited with code {returncode}"
+    return describe_exit("the engine core process", returncode)
 
 
 class CoreProcess:
