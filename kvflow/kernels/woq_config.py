@@ -1,0 +1,101 @@
+"""Launch configurations shared by the weight-only GEMM kernels (``w4a16_gemm``,
+``w8a16_gemm``): which path a given M takes, the tile sizes and the split-K factor.
+
+Two paths, picked from the number of activation rows M (tokens in the step):
+
+- **decode, M <= 8** (``split-K GEMV``): the weight is read once and nothing else moves,
+  so the kernel must keep every SM busy streaming it. N / BLOCK_N column tiles alone are
+  too few programs (N = 4096 with BLOCK_N = 64 is 64 programs for 132 SMs), so the K
+  loop is split over ``split_k`` programs as well; partial sums go to a float32
+  workspace with atomic adds and are cast to the output dtype after. The M rows are padded
+  to 16 for ``tl.dot`` (tensor cores are idle at this size anyway), or, with
+  ``dot=False``, reduced with a broadcast multiply-add and ``tl.sum`` (one row).
+- **GEMM, M > 8** (prefill, large batches): classic tiles, the weight tile dequantized
+  in registers and fed to ``tl.dot``; split-K only when the output tiles cannot fill
+  the SMs.
+
+Everything is decided from shapes (Python ints): no host synchronisation, so the launch
+can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+DECODE_MAX_M = 8
+
+
+@dataclass(frozen=True)
+class WoqConfig:
+    """Tile sizes of one weight-only GEMM launch."""
+
+    block_m: int
+    """Activation rows per program (>= 16 when ``dot``)."""
+    block_n: int
+    """Output columns per program."""
+    block_k: int
+    """Inputs per K step (a power of two; nested with the group size either way)."""
+    split_k: int = 1
+    """Programs sharing one output tile's K loop (> 1: float32 atomics + a cast)."""
+    dot: bool = True
+    """tl.dot on tensor cores; False: broadcast multiply + tl.sum (block_m must be 1)."""
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for v in (self.block_m, self.block_n, self.block_k):
+            if v & (v - 1):
+                raise ValueError(f"tile sizes must be powers of two: {self}")
+        if self.dot and min(self.block_m, self.block_n, self.block_k) < 16:
+            raise ValueError(f"tl.dot tiles must be at least 16: {self}")
+        if not self.dot and self.block_m != 1:
+            raise ValueError(f"the tl.sum path takes one row per program: {self}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1: {self}")
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: a host query, no sync)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small shapes, exercise split-K a little
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_config(m: int, n: int, k: int, device: torch.device, bits: int) -> WoqConfig:
+    """The launch configuration for x [m, k] @ W[n, k]^T with ``bits``-bit weights.
+
+    Hopper sizing: a decode tile of 64 x 128 int4 weights is 4 KiB; with 4 warps each
+    thread loads 16 contiguous bytes of packed weight per step, and three stages keep
+    several loads in flight. Splits aim at about 4 programs per SM so the HBM queue stays
+    full (4.8 TB/s needs many outstanding loads)."""
+    sms = _sms(device)
+    if m <= DECODE_MAX_M:
+        bm, bn, bk, warps, stages = 16, 64, 128 if bits == 4 else 128, 4, 3
+    elif m <= 64:
+        bm, bn, bk, warps, stages = max(16, triton.next_power_of_2(m)), 64, 64, 4, 4
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    k_tiles = triton.cdiv(k, bk)
+    split = 1
+    target = 4 * sms if m <= DECODE_MAX_M else sms
+    if tiles < target:
+        # at least 2 K tiles per split, so each program still streams a few tiles
+        split = max(1, min(triton.cdiv(target, tiles), k_tiles // 2, 16))
+    return WoqConfig(bm, bn, bk, split, True, warps, stages)
+
+
+def finish_split(acc: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """After a split-K launch: the float32 workspace cast into ``out``."""
+    if acc is not None:
+        out.copy_(acc)
+    return out
