@@ -14,7 +14,7 @@ Layout (written once at load by ``pack_int4``; every 4-bit format is repacked in
 
 Reference: ``w4a16_ref`` (dequantize to float32, matmul, round to x's dtype).
 
-Algorithm: grid ``(cdiv(M, BM) * cdiv(N, BN), SPLIT_K)``. Each program walks its share
+Algorithm: grid ``(cdiv(M, BM) * cdiv(N, BN), split_k)``. Each program walks its share
 of the K tiles; per tile it loads the packed words, unpacks them with shifts into
 [BN, BK / 8, 8], views that as [BN, groups-in-tile, G] to apply each group's scale and
 bias with one FMA per weight in the activation dtype, and multiplies with the
@@ -38,8 +38,9 @@ from kvflow.kernels.woq_config import WoqConfig, choose_config, finish_split
 
 @triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+                  split_k,
                   GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
                   DOT: tl.constexpr, UPCAST: tl.constexpr):
     # Groups of GROUP inputs inside one K tile (1 when the tile is inside one group).
     GPT: tl.constexpr = BLOCK_K // GROUP if BLOCK_K >= GROUP else 1
@@ -59,7 +60,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stri
     rows_g = offs_n.to(tl.int64)[:, None] * kg
     shifts = (tl.arange(0, 8) * 4)[None, None, :]  # [1, 1, 8]
     k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    per_split = tl.cdiv(k_tiles, split_k)
     t_start = pid_k * per_split
     t_end = tl.minimum(t_start + per_split, k_tiles)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -94,10 +95,10 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stri
                           axis=2)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     o_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
+    if ATOMIC:  # split-K: float32 partial sums into the zeroed workspace
         tl.atomic_add(o_ptrs, acc, mask=o_mask)
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -152,9 +153,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     _w4a16_kernel[grid](
         x, qweight, scale, bias if bias is not None else scale,
-        out if acc is None else acc, m, n, k, x.stride(0), n,
+        out if acc is None else acc, m, n, k, x.stride(0), n, cfg.split_k,
         GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, DOT=cfg.dot,
+        BLOCK_K=cfg.block_k, ATOMIC=acc is not None, DOT=cfg.dot,
         UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return finish_split(acc, out)

@@ -29,9 +29,10 @@ from kvflow.kernels.woq_config import WoqConfig, choose_config, finish_split
 
 @triton.jit
 def _w8a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+                  split_k,
                   GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
+                  ATOMIC: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
     GPT: tl.constexpr = BLOCK_K // GROUP if BLOCK_K >= GROUP else 1  # groups per K tile
     GL: tl.constexpr = BLOCK_K // GPT
     pid = tl.program_id(0)
@@ -47,7 +48,7 @@ def _w8a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stri
     rows_w = offs_n.to(tl.int64)[:, None] * K  # [BN, 1]
     rows_g = offs_n.to(tl.int64)[:, None] * kg
     k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    per_split = tl.cdiv(k_tiles, split_k)
     t_start = pid_k * per_split
     t_end = tl.minimum(t_start + per_split, k_tiles)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -82,10 +83,10 @@ def _w8a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stri
         acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     o_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
+    if ATOMIC:  # split-K: float32 partial sums into the zeroed workspace
         tl.atomic_add(o_ptrs, acc, mask=o_mask)
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -134,10 +135,10 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     _w8a16_kernel[grid](
         x, qweight, scale, bias if bias is not None else scale,
-        out if acc is None else acc, m, n, k, x.stride(0), n,
+        out if acc is None else acc, m, n, k, x.stride(0), n, cfg.split_k,
         GROUP=group or cfg.block_k, PER_CHANNEL=group is None, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, DOT=cfg.dot,
+        ATOMIC=acc is not None, DOT=cfg.dot,
         UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return finish_split(acc, out)
