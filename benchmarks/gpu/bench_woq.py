@@ -100,7 +100,7 @@ def bench(sweep: bool) -> dict:
                          "speedup_vs_bf16": bf16_ms / g, "max_abs_err_vs_ref": err})
             print(f"{name:8s} M={m:<4d} {fmt:13s} {g * 1e3:8.1f} us  "
                   f"{total / g / 1e6:7.0f} GB/s  x{bf16_ms / g:.2f} vs bf16", flush=True)
-            if sweep and m <= 16 and fmt in ("int4-g128", "int8-channel"):
+            if sweep and m in (1, 16) and fmt in ("int4-g128", "int8-channel"):
                 sweeps += _sweep(name, m, n, k, x, fmt, args, wbytes + io, bf16_ms)
             del args
         torch.cuda.empty_cache()
@@ -108,15 +108,18 @@ def bench(sweep: bool) -> dict:
 
 
 def _sweep(name, m, n, k, x, fmt, args, total, bf16_ms) -> list[dict]:
+    """Tile configurations around the heuristic's for one case (opt-in: --sweep)."""
     gemm, _ = _fns(fmt)
-    out = []
-    grid = [(bn, bk, sk, st) for bn in (32, 64, 128) for bk in (64, 128, 256)
-            for sk in (1, 2, 4, 8) for st in (2, 4)]
+    bits = 4 if fmt.startswith("int4") else 8
+    base = choose_config(m, n, k, x.device, bits)
+    splits = sorted({max(1, base.split_k // 2), base.split_k, base.split_k * 2})
+    grid = [WoqConfig(16, bn, base.block_k, sk, True, w, st)
+            for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3) for sk in splits]
     if m == 1:  # the tl.sum GEMV path
-        grid += [("sum", bn, bk, sk) for bn in (32, 64) for bk in (128, 256) for sk in (2, 4, 8)]
-    for c in grid:
-        cfg = (WoqConfig(1, c[1], c[2], c[3], dot=False) if c[0] == "sum"
-               else WoqConfig(16, c[0], c[1], c[2], num_stages=c[3]))
+        grid += [WoqConfig(1, bn, base.block_k, sk, False, w, 3)
+                 for bn in (32, 64, 128) for w in (4, 8) for sk in splits]
+    out = []
+    for cfg in grid:
         try:
             g = float(do_bench_cudagraph(lambda: gemm(x, *args, config=cfg), rep=20,
                                          return_mode="median"))

@@ -45,8 +45,8 @@ def _w8a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stri
     m_ok = offs_m < M
     n_ok = offs_n < N
     kg = K // GROUP
-    rows_w = offs_n.to(tl.int64)[:, None] * K  # [BN, 1]
-    rows_g = offs_n.to(tl.int64)[:, None] * kg
+    rows_w = offs_n[:, None] * K  # [BN, 1]
+    rows_g = offs_n[:, None] * kg
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, split_k)
     t_start = pid_k * per_split
@@ -58,7 +58,7 @@ def _w8a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stri
         k_ok = offs_k < K
         q = tl.load(qw_ptr + rows_w + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0)  # [BN, BK] int8
-        x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
         if PER_CHANNEL:
             w = q.to(tl.float32)  # integers: exact in the activation dtype
@@ -81,7 +81,7 @@ def _w8a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stri
                           axis=2)
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     o_mask = m_ok[:, None] & n_ok[None, :]
     if ATOMIC:  # split-K: float32 partial sums into the zeroed workspace
         tl.atomic_add(o_ptrs, acc, mask=o_mask)

@@ -38,13 +38,17 @@ class WoqConfig:
     block_n: int
     """Output columns per program."""
     block_k: int
-    """Inputs per K step (a power of two; nested with the group size either way)."""
+    """Inputs per K step (a power of two; nested with the group size either way). The
+    int4 kernel always steps by its packing's 256 and reads this only for split sizing."""
     split_k: int = 1
     """Programs sharing one output tile's K loop (> 1: float32 atomics + a cast)."""
     dot: bool = True
     """tl.dot on tensor cores; False: broadcast multiply + tl.sum (block_m must be 1)."""
     num_warps: int = 4
     num_stages: int = 3
+    scale_after: bool = True
+    """int4: scale each plane's float32 partial sums (few rows) instead of dequantizing
+    every weight before the dot (many rows)."""
 
     def __post_init__(self) -> None:
         for v in (self.block_m, self.block_n, self.block_k):
@@ -73,17 +77,29 @@ def _sms(device: torch.device) -> int:
 def choose_config(m: int, n: int, k: int, device: torch.device, bits: int) -> WoqConfig:
     """The launch configuration for x [m, k] @ W[n, k]^T with ``bits``-bit weights.
 
-    Hopper sizing: a decode tile of 64 x 128 int4 weights is 4 KiB; with 4 warps each
-    thread loads 16 contiguous bytes of packed weight per step, and three stages keep
-    several loads in flight. Splits aim at about 4 programs per SM so the HBM queue stays
-    full (4.8 TB/s needs many outstanding loads)."""
+    Hopper sizing: a decode tile of 64 outputs x 256 int4 inputs is 8 KiB (int8: 64 x
+    128, 8 KiB), loaded as 16 contiguous bytes per thread, three stages deep. Splits aim
+    at about 4 programs per SM so the HBM queue stays full (4.8 TB/s needs many
+    outstanding loads)."""
     sms = _sms(device)
-    if m <= DECODE_MAX_M:
-        bm, bn, bk, warps, stages = 16, 64, 128 if bits == 4 else 128, 4, 3
-    elif m <= 64:
-        bm, bn, bk, warps, stages = max(16, triton.next_power_of_2(m)), 64, 64, 4, 4
+    # Picked from sm_90 builds (ptxas register and shared-memory use, no spills); the
+    # speed on the H200 is for benchmarks/gpu/bench_woq.py --sweep to settle.
+    if bits == 4:  # 256-input tiles (8 nibble planes); int4 decode at 104 registers
+        bk = 256
+        if m <= DECODE_MAX_M:
+            bm, bn, warps, stages = 16, 64, 8, 3
+        elif m <= 64:
+            bm, bn, warps, stages = max(16, triton.next_power_of_2(m)), 64, 4, 2
+        else:
+            bm, bn, warps, stages = 128, 128, 8, 2  # 3 stages would need 232 KiB of smem
     else:
-        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+        bk = 128 if m <= DECODE_MAX_M else 64
+        if m <= DECODE_MAX_M:
+            bm, bn, warps, stages = 16, 64, 4, 3
+        elif m <= 64:
+            bm, bn, warps, stages = max(16, triton.next_power_of_2(m)), 64, 4, 4
+        else:
+            bm, bn, warps, stages = 128, 128, 8, 3
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_tiles = triton.cdiv(k, bk)
     split = 1
@@ -91,7 +107,7 @@ def choose_config(m: int, n: int, k: int, device: torch.device, bits: int) -> Wo
     if tiles < target:
         # at least 2 K tiles per split, so each program still streams a few tiles
         split = max(1, min(triton.cdiv(target, tiles), k_tiles // 2, 16))
-    return WoqConfig(bm, bn, bk, split, True, warps, stages)
+    return WoqConfig(bm, bn, bk, split, True, warps, stages, scale_after=bm <= 16)
 
 
 def finish_split(acc: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:

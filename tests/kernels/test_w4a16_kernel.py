@@ -35,13 +35,16 @@ def _weights(n: int, k: int, group: int, symmetric: bool, dtype, device, seed: i
 
 
 def test_pack_layout_roundtrip():
-    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    q = torch.randint(0, 16, (5, 320), dtype=torch.uint8)
     words = pack_int4(q)
-    assert words.shape == (5, 8) and words.dtype == torch.int32
-    assert torch.equal(unpack_int4(words), q.long())
-    # value k sits in nibble k % 8 of word k // 8
-    assert int(words[0, 0]) & 0xF == int(q[0, 0]) and (int(words[0, 0]) >> 4) & 0xF == int(
-        q[0, 1])
+    # K padded to 512 = two tiles of 256 inputs, 32 words each
+    assert words.shape == (5, 64) and words.dtype == torch.int32
+    assert torch.equal(unpack_int4(words, 320), q.long())
+    # nibble plane i of word w (tile t) holds input 256 t + 32 i + w
+    w = int(words[1, 3])
+    assert [(w >> 4 * i) & 15 for i in range(8)] == [int(q[1, 32 * i + 3]) for i in range(8)]
+    assert int(words[1, 32]) & 15 == int(q[1, 256])
+    assert (int(words[1, 32 + 31]) >> 28) & 15 == 0  # padding beyond K
 
 
 def test_dequantize_matches_int4groups_convention():
@@ -65,13 +68,15 @@ def test_w4a16_default_config(device, m, group, symmetric):
 
 
 @pytest.mark.parametrize("cfg", [
-    WoqConfig(16, 16, 32, split_k=3),  # tile inside one group of 64, three splits
-    WoqConfig(32, 32, 128, split_k=1),  # two groups of 64 per tile
+    WoqConfig(16, 16, 32, split_k=3),  # three splits of two 256-input tiles (one empty)
+    WoqConfig(32, 32, 128, split_k=1),  # partial sums scaled per plane
+    WoqConfig(16, 32, 256, split_k=2, scale_after=False),  # planes dequantized, then dot
     WoqConfig(1, 32, 64, split_k=2, dot=False),  # the tl.sum GEMV path
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_w4a16_configs(device, cfg, dtype):
     m = 1 if not cfg.dot else 5
+    # K = 320: one whole 256-input tile and a partial one (planes past K are padding)
     n, k, group = 40, 320, 64  # 5 groups: K not a multiple of any tile
     _, qw, s, b = _weights(n, k, group, False, dtype, device, seed=1)
     x = torch.randn(m, k, dtype=dtype, device=device)
