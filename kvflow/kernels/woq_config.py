@@ -74,22 +74,24 @@ def _sms(device: torch.device) -> int:
     return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def choose_config(m: int, n: int, k: int, device: torch.device, bits: int) -> WoqConfig:
+def choose_config(m: int, n: int, k: int, device: torch.device, bits: int,
+                  sms: int | None = None) -> WoqConfig:
     """The launch configuration for x [m, k] @ W[n, k]^T with ``bits``-bit weights.
 
     Hopper sizing: a decode tile of 64 outputs x 256 int4 inputs is 8 KiB (int8: 64 x
     128, 8 KiB), loaded as 16 contiguous bytes per thread, three stages deep. Splits aim
     at about 4 programs per SM so the HBM queue stays full (4.8 TB/s needs many
-    outstanding loads)."""
-    sms = _sms(device)
+    outstanding loads). ``sms`` overrides the device's multiprocessor count."""
+    sms = sms or _sms(device)
     # Picked from sm_90 builds (ptxas register and shared-memory use, no spills); the
     # speed on the H200 is for benchmarks/gpu/bench_woq.py --sweep to settle.
     if bits == 4:  # 256-input tiles (8 nibble planes); int4 decode at 104 registers
         bk = 256
         if m <= DECODE_MAX_M:
             bm, bn, warps, stages = 16, 64, 8, 3
-        elif m <= 64:
-            bm, bn, warps, stages = max(16, triton.next_power_of_2(m)), 64, 4, 2
+        elif m <= 64:  # 8 warps at 16 rows: 80 registers (4 warps: 244)
+            bm = max(16, triton.next_power_of_2(m))
+            bn, warps, stages = 64, 8 if bm == 16 else 4, 2
         else:
             bm, bn, warps, stages = 128, 128, 8, 2  # 3 stages would need 232 KiB of smem
     else:
