@@ -109,6 +109,7 @@ def choose_config(m: int, n: int, k: int, device: torch.device, bits: int,
     if tiles < target:
         # at least 2 K tiles per split, so each program still streams a few tiles
         split = max(1, min(triton.cdiv(target, tiles), k_tiles // 2, 16))
+        split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no split left empty
     return WoqConfig(bm, bn, bk, split, True, warps, stages, scale_after=bm <= 16)
 
 
