@@ -59,10 +59,10 @@ def _build(kernel, sig: dict, consts: dict, cfg: WoqConfig) -> dict:
 def build_w4(cfg: WoqConfig, bias: bool = True, group: int = 128) -> dict:
     split = cfg.split_k > 1
     sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16",
-           "out_ptr": "*fp32" if split else "*bf16", "M": "i32", "N": "i32", "K": "i32",
-           "KW": "i32", "stride_xm": "i32", "stride_om": "i32", "split_k": "i32"}
+           "out_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32",
+           "K": "i32", "KW": "i32", "stride_xm": "i32", "stride_om": "i32", "split_k": "i32"}
     consts = dict(GROUP=group, HAS_BIAS=bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  ATOMIC=split, DOT=cfg.dot, SCALE_AFTER=cfg.scale_after or not cfg.dot,
+                  SPLIT=split, DOT=cfg.dot, SCALE_AFTER=cfg.scale_after or not cfg.dot,
                   UPCAST=False)
     return _build(w4a16_gemm._w4a16_kernel, sig, consts, cfg)
 
@@ -70,11 +70,11 @@ def build_w4(cfg: WoqConfig, bias: bool = True, group: int = 128) -> dict:
 def build_w8(cfg: WoqConfig, group: int | None = None) -> dict:
     split = cfg.split_k > 1
     sig = {"x_ptr": "*bf16", "qw_ptr": "*i8", "s_ptr": "*fp32" if group is None else "*bf16",
-           "b_ptr": "*bf16", "out_ptr": "*fp32" if split else "*bf16", "M": "i32",
-           "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "split_k": "i32"}
+           "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
+           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "split_k": "i32"}
     consts = dict(GROUP=group or cfg.block_k, PER_CHANNEL=group is None,
                   HAS_BIAS=group is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, ATOMIC=split, DOT=cfg.dot, UPCAST=False)
+                  BLOCK_K=cfg.block_k, SPLIT=split, DOT=cfg.dot, UPCAST=False)
     return _build(w8a16_gemm._w8a16_kernel, sig, consts, cfg)
 
 

@@ -26,8 +26,8 @@ the integers q_i (exact in bf16/fp16) with the activations x[:, 32 i : 32 i + 32
 ``s * (x . q) + b * sum(x)``: no weight is rounded and the per-weight work is shift,
 mask and convert. For many rows that would cost more than the weights, so the plane is
 dequantized in registers first (one FMA per weight, rounded to the activation dtype).
-One split stores its tile in the output dtype; several add float32 partials atomically
-into a zeroed workspace that is cast after (``woq_config``).
+One split stores its tile in the output dtype; several add float32 partials to a
+workspace whose last-arriving program adds them (``woq_config.store_output``).
 
 Traffic: N K / 2 bytes of weight + 2 N K / G * elem bytes of scales and biases + M K and
 M N activations. Llama-3.1-8B down_proj (N 4096, K 14336, G 128, bf16) at M = 1: 29.4 MB
@@ -40,17 +40,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.kernels.woq_config import WoqConfig, choose_config, finish_split
+from kvflow.kernels.woq_config import (WoqConfig, choose_config, split_buffers,
+                                      store_output)
 
 PACK_K = 256  # inputs per packed tile: 8 planes of 32
 PLANE = PACK_K // 8
 
 
 @triton.jit
-def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, KW, stride_xm, stride_om,
-                  split_k,
+def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, KW,
+                  stride_xm, stride_om, split_k,
                   GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, DOT: tl.constexpr,
+                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
                   SCALE_AFTER: tl.constexpr, UPCAST: tl.constexpr):
     PL: tl.constexpr = 32  # inputs per nibble plane (PACK_K / 8)
     pid = tl.program_id(0)
@@ -105,12 +106,8 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, KW, stride_xm, 
                                   input_precision="ieee")
                 else:
                     acc += tl.dot(x, tl.trans(w))
-    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    o_mask = m_ok[:, None] & n_ok[None, :]
-    if ATOMIC:  # split-K: float32 partial sums into the zeroed workspace
-        tl.atomic_add(o_ptrs, acc, mask=o_mask)
-    else:
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    store_output(acc, out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_om, pid, pid_k,
+                 split_k, SPLIT)
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -169,14 +166,14 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if m == 0:
         return out
     cfg = config or choose_config(m, n, k, x.device, bits=4)
-    acc = None if cfg.split_k == 1 else torch.zeros((m, n), dtype=torch.float32,
-                                                    device=x.device)
+    ws, locks = split_buffers(cfg, m, n, x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     _w4a16_kernel[grid](
-        x, qweight, scale, bias if bias is not None else scale,
-        out if acc is None else acc, m, n, k, qweight.shape[1], x.stride(0), n, cfg.split_k,
+        x, qweight, scale, bias if bias is not None else scale, out,
+        out if ws is None else ws, out if locks is None else locks, m, n, k, qweight.shape[1],
+        x.stride(0), n, cfg.split_k,
         GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        ATOMIC=acc is not None, DOT=cfg.dot, SCALE_AFTER=cfg.scale_after or not cfg.dot,
+        SPLIT=ws is not None, DOT=cfg.dot, SCALE_AFTER=cfg.scale_after or not cfg.dot,
         UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return finish_split(acc, out)
+    return out

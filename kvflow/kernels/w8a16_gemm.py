@@ -24,15 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.kernels.woq_config import WoqConfig, choose_config, finish_split
+from kvflow.kernels.woq_config import (WoqConfig, choose_config, split_buffers,
+                                      store_output)
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om,
-                  split_k,
+def _w8a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K,
+                  stride_xm, stride_om, split_k,
                   GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  ATOMIC: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
+                  SPLIT: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
     GPT: tl.constexpr = BLOCK_K // GROUP if BLOCK_K >= GROUP else 1  # groups per K tile
     GL: tl.constexpr = BLOCK_K // GPT
     pid = tl.program_id(0)
@@ -81,12 +82,8 @@ def _w8a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stri
                           axis=2)
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    o_mask = m_ok[:, None] & n_ok[None, :]
-    if ATOMIC:  # split-K: float32 partial sums into the zeroed workspace
-        tl.atomic_add(o_ptrs, acc, mask=o_mask)
-    else:
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    store_output(acc, out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_om, pid, pid_k,
+                 split_k, SPLIT)
 
 
 def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -130,15 +127,15 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if m == 0:
         return out
     cfg = config or choose_config(m, n, k, x.device, bits=8)
-    acc = None if cfg.split_k == 1 else torch.zeros((m, n), dtype=torch.float32,
-                                                    device=x.device)
+    ws, locks = split_buffers(cfg, m, n, x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     _w8a16_kernel[grid](
-        x, qweight, scale, bias if bias is not None else scale,
-        out if acc is None else acc, m, n, k, x.stride(0), n, cfg.split_k,
+        x, qweight, scale, bias if bias is not None else scale, out,
+        out if ws is None else ws, out if locks is None else locks, m, n, k, x.stride(0), n,
+        cfg.split_k,
         GROUP=group or cfg.block_k, PER_CHANNEL=group is None, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        ATOMIC=acc is not None, DOT=cfg.dot,
+        SPLIT=ws is not None, DOT=cfg.dot,
         UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return finish_split(acc, out)
+    return out

@@ -6,8 +6,9 @@ Two paths, picked from the number of activation rows M (tokens in the step):
 - **decode, M <= 8** (``split-K GEMV``): the weight is read once and nothing else moves,
   so the kernel must keep every SM busy streaming it. N / BLOCK_N column tiles alone are
   too few programs (N = 4096 with BLOCK_N = 64 is 64 programs for 132 SMs), so the K
-  loop is split over ``split_k`` programs as well; partial sums go to a float32
-  workspace with atomic adds and are cast to the output dtype after. The M rows are padded
+  loop is split over ``split_k`` programs as well; each writes its float32 partial sums
+  to a workspace slice and the tile's last program (an arrival counter) adds them and
+  stores the output, all in the one launch (``store_output``). The M rows are padded
   to 16 for ``tl.dot`` (tensor cores are idle at this size anyway), or, with
   ``dot=False``, reduced with a broadcast multiply-add and ``tl.sum`` (one row).
 - **GEMM, M > 8** (prefill, large batches): classic tiles, the weight tile dequantized
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 DECODE_MAX_M = 8
 
@@ -113,8 +115,45 @@ def choose_config(m: int, n: int, k: int, device: torch.device, bits: int,
     return WoqConfig(bm, bn, bk, split, True, warps, stages, scale_after=bm <= 16)
 
 
-def finish_split(acc: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """After a split-K launch: the float32 workspace cast into ``out``."""
-    if acc is not None:
-        out.copy_(acc)
-    return out
+LOCK_SLOTS = 4096  # output tiles of one split-K launch (splits need tiles < 4 per SM)
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def split_buffers(cfg: WoqConfig, m: int, n: int, device: torch.device
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(workspace float32 [split_k, m, n], per-tile arrival counters) of a split-K launch,
+    or (None, None). The workspace needs no zeroing (each split writes its own slice
+    before the tile's last program reads them all), and the counters are zeroed once
+    and reset by the kernel, so a launch adds no memset or cast kernel and captures in
+    a CUDA graph (the counters are allocated by the first, uncaptured, warm-up call)."""
+    if cfg.split_k == 1:
+        return None, None
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    assert tiles <= LOCK_SLOTS, f"{tiles} output tiles for split-K (at most {LOCK_SLOTS})"
+    locks = _locks.get(device)
+    if locks is None:
+        locks = _locks[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
+    return torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=device), locks
+
+
+@triton.jit
+def store_output(acc, out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_om, tile,
+                 pid_k, split_k, SPLIT: tl.constexpr):
+    """Write a program's [BM, BN] float32 sums: directly, or (split-K) into its slice of
+    the workspace, the tile's last-arriving program then adding the slices in order and
+    storing the result (deterministic: the sum order does not depend on arrival)."""
+    o_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLIT:
+        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws + pid_k * M * N, acc, mask=o_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            total = tl.zeros_like(acc)
+            for j in range(0, split_k):  # .cg: read at L2, where the other SMs wrote
+                total += tl.load(ws + j * M * N, mask=o_mask, other=0.0, cache_modifier=".cg")
+            tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=o_mask)
+            tl.atomic_xchg(lock_ptr + tile, 0)  # zero again for the next launch
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)

@@ -125,3 +125,16 @@ def test_w4a16_cuda_graph_capture():
     x.copy_(torch.randn_like(x))
     graph.replay()
     _check(y, x, qw, s, b, 128)
+
+
+def test_split_k_counters_reset_and_repeat(device):
+    """Each split-K launch leaves its arrival counters at zero for the next one."""
+    from kvflow.kernels import woq_config
+
+    _, qw, s, b = _weights(40, 512, 32, False, torch.float16, device)
+    x = torch.randn(2, 512, dtype=torch.float16, device=device)
+    cfg = WoqConfig(16, 16, 256, split_k=2)
+    first = w4a16_gemm(x, qw, s, b, 32, cfg)
+    assert not woq_config._locks[x.device].any()
+    assert torch.equal(w4a16_gemm(x, qw, s, b, 32, cfg), first)  # deterministic order
+    _check(first, x, qw, s, b, 32)
