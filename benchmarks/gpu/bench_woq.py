@@ -6,8 +6,7 @@
 Per shape (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096), per M
 (1, 4, 16, 256) and per format (bf16; int4 group 128 and group 32 with offsets; int8 per
 channel; int8 group 32 as GGUF Q8_0 becomes): the median time replayed from a CUDA graph
-(what the engine's decode graphs see: no Python launch overhead; the split-K memset and
-cast included), the eager median (``do_bench``, L2 flushed), the bytes the launch must move
+(what the engine's decode graphs see: no Python launch overhead), the eager median (``do_bench``, L2 flushed), the bytes the launch must move
 (packed weight + scales + activations + output) over the graph time as GB/s and as a
 fraction of the H200's 4.8 TB/s, the speed-up over bf16, and the largest error against
 the kernel's reference. ``--sweep`` also times a grid of tile configurations for M <= 16
