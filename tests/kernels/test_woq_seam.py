@@ -126,6 +126,36 @@ def test_tiny_gguf_model_on_the_triton_path(triton_path, tmp_path):
     assert float(kl.mean()) < 2e-3, float(kl.mean())
 
 
+@pytest.mark.parametrize("fmt,bits,group,desc_act,sym", [
+    ("gptq", 4, 32, True, False), ("gptq", 8, 64, True, False), ("awq", 4, 64, False, False),
+    ("compressed-tensors", 4, 32, False, False), ("compressed-tensors", 8, 32, False, True)])
+def test_prequantized_checkpoint_on_the_triton_path(triton_path, tmp_path, fmt, bits, group,
+                                                   desc_act, sym):
+    """GPTQ (desc_act: inputs sorted by group at load, activations permuted per call),
+    AWQ and compressed-tensors checkpoints packed by the tests' own packer, through the
+    Triton kernels, against the same model dequantized."""
+    from prequant_checkpoints import _write_prequantized
+
+    from kvflow.bench.quality import _Scorer
+    from kvflow.engine.args import EngineArgs
+
+    _write_prequantized(tmp_path, fmt, bits, group, desc_act, True, sym)
+
+    def scorer(path, q: str) -> _Scorer:
+        return _Scorer(EngineArgs(model=str(path), quantization=q, device="cpu",
+                                  skip_tokenizer_init=True), 64)
+
+    ids = list(np.random.default_rng(5).integers(0, 512, 24))
+    quant = scorer(tmp_path, "auto")
+    qkv = quant.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_method.triton.bits == bits
+    assert (qkv.perm is not None) == (desc_act and group < 64)  # hidden 64: one group
+    ref = scorer(tmp_path / "dense", "none").logprobs(ids)
+    got = quant.logprobs(ids)
+    kl = (ref.exp() * (ref - got)).sum(-1)
+    assert float(kl.mean()) < 1e-3, float(kl.mean())  # bf16 activations; exact weights
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_embedded_model_quantized_on_cuda_with_graphs():
