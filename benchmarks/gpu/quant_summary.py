@@ -24,7 +24,9 @@ def _load(path: str) -> dict | None:
 def main(out: str) -> int:
     summary: dict = {"decode": {}, "kernels": [], "quality": None}
     base = None
-    for q in ("none", "int8", "int4"):
+    found = sorted(f[len("gpu-a-quant-"):-5] for f in os.listdir(out)
+                   if f.startswith("gpu-a-quant-") and f.endswith(".json"))
+    for q in ["none"] + [f for f in found if f != "none"]:
         r = _load(os.path.join(out, f"gpu-a-quant-{q}.json"))
         fig = (r or {}).get("kvflow") or {}
         tps = fig.get("decode_tokens_per_s_per_seq")
@@ -34,7 +36,7 @@ def main(out: str) -> int:
         base = tps if q == "none" else base
         summary["decode"][q] = {"decode_tokens_per_s": tps, "weight_gib": fig.get("weight_gib"),
                                 "over_bf16": tps / base if base else None}
-        print(f"decode {q:5s} {tps:7.1f} tokens/s  {fig.get('weight_gib', 0):.2f} GiB  "
+        print(f"decode {q:9s} {tps:7.1f} tokens/s  {fig.get('weight_gib', 0):.2f} GiB  "
               f"x{tps / base if base else float('nan'):.2f} vs bf16")
     bench = _load(os.path.join(out, "woq-bench.json"))
     for row in (bench or {}).get("rows", []):

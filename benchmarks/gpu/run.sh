@@ -47,8 +47,9 @@ for stage in "$@"; do
     # Each quant sub-run is independent (its own timeout; a failure is reported, not fatal).
     quant-kernels) timeout ${QUANT_BENCH_TIMEOUT:-150} python benchmarks/gpu/bench_woq.py --out "$OUT/woq-bench.json" ${QUANT_SWEEP:+--sweep} 2>&1 | grep -v "^INFO" | tail -90 || echo "woq-bench failed";;
     quant-e2e)
-      for q in ${QUANT_METHODS:-none int8 int4}; do
-        timeout ${QUANT_E2E_TIMEOUT:-140} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --quantization $q --max-num-seqs 8 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-quant-$q.json" 2>&1 | grep -E "weights:|captured|tokens/s|rror|Traceback" | tail -8
+      for q in ${QUANT_METHODS:-none int8 int4}; do  # int4-g128: --quantization-group-size 128
+        group=$([[ $q == *-g* ]] && echo "--quantization-group-size ${q##*-g}")
+        timeout ${QUANT_E2E_TIMEOUT:-140} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --quantization ${q%%-g*} $group --max-num-seqs 8 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-quant-$q.json" 2>&1 | grep -E "weights:|captured|tokens/s|rror|Traceback" | tail -8
         echo "gpu-a-quant-$q exit ${PIPESTATUS[0]}"
       done;;
     quant-quality) timeout ${QUANT_QUALITY_TIMEOUT:-100} $KV bench quality --device cuda --methods gguf,int8,int4 --context 256 --max-windows 4 --save-result "$OUT/quality-cuda.json" 2>&1 | grep -v "^INFO" | tail -12 || echo "quality failed";;
