@@ -127,8 +127,10 @@ def test_config_resolution_and_prefixes():
     assert gptq.method_for("lm_head") == "none"
     with pytest.raises(ModelLoadError, match="pre-quantized with 'fp8'"):
         resolve_quantization("auto", "hf", {"quant_method": "fp8"}, "cpu", False)
-    with pytest.raises(ModelLoadError, match="CPU only"):
-        resolve_quantization("auto", "hf", {"quant_method": "awq"}, "cuda", False)
+    assert resolve_quantization("auto", "hf", {"quant_method": "awq"}, "cuda", False).method == (
+        "awq")  # the GPU runs them on the Triton kernels
+    with pytest.raises(ModelLoadError, match="cpu and cuda"):
+        resolve_quantization("auto", "hf", {"quant_method": "awq"}, "mps", False)
     with pytest.raises(ModelLoadError, match="needs a GGUF file"):
         resolve_quantization("gguf", "hf", None, "cpu", False)
     with pytest.raises(InvalidParameterError, match="group_size"):
@@ -146,59 +148,12 @@ def test_config_resolution_and_prefixes():
 
 # --- a tiny GGUF model written here, loaded dense and kept quantized -------------------
 
-H, I, L, HEADS, KV, V = 64, 128, 2, 4, 2, 512
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's q/k row order (the inverse of the loader's unpermute)."""
-    r = w.shape[0]
-    return w.reshape(n_head, 2, r // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+from tiny_gguf import V, write_tiny_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
-    rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_context_length(256)
-    w.add_embedding_length(H)
-    w.add_feed_forward_length(I)
-    w.add_block_count(L)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(V)
-
-    def mat(name, rows, cols, qtype, permute_heads=0):
-        x = (rng.standard_normal((rows, cols)) * 0.08).astype(np.float32)
-        if permute_heads:
-            x = _permute(x, permute_heads)
-        if qtype == Q.F32:
-            w.add_tensor(name, x)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
-
-    mat("token_embd.weight", V, H, Q.Q8_0)
-    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
-    mat("output.weight", V, H, Q.Q4_0)
-    for i in range(L):
-        p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", rng.uniform(0.8, 1.2, H).astype(np.float32))
-        w.add_tensor(p + "ffn_norm.weight", rng.uniform(0.8, 1.2, H).astype(np.float32))
-        mat(p + "attn_q.weight", H, H, Q.Q4_1, HEADS)
-        mat(p + "attn_k.weight", KV * H // HEADS, H, Q.Q4_1, KV)
-        # Mixed types inside merged layers, as Q4_K_M files have them.
-        mat(p + "attn_v.weight", KV * H // HEADS, H, Q.Q8_0)
-        mat(p + "attn_output.weight", H, H, Q.Q4_0)
-        mat(p + "ffn_gate.weight", I, H, Q.Q4_1)
-        mat(p + "ffn_up.weight", I, H, Q.F32 if i else Q.Q4_1)
-        mat(p + "ffn_down.weight", H, I, Q.Q8_0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_tiny_gguf(str(tmp_path_factory.mktemp("gguf") / "tiny.gguf"))
 
 
 def _scorer(path: str, quantization: str, **kw) -> _Scorer:
@@ -252,96 +207,7 @@ def test_embedded_model_runs_quantized_by_default():
 
 # --- pre-quantized checkpoints, packed here from known integers ---------------------------
 
-def _pack_words(v: np.ndarray, bits: int, axis: int, order=None) -> np.ndarray:
-    """Our own packer: ``32 // bits`` values per int32 along ``axis``; with ``order``,
-    nibble i of a word holds element order[i] of its run (AWQ)."""
-    pf = 32 // bits
-    v = np.moveaxis(v.astype(np.uint32), axis, -1)
-    v = v.reshape(*v.shape[:-1], v.shape[-1] // pf, pf)
-    if order is not None:
-        v = v[..., list(order)]
-    words = np.zeros(v.shape[:-1], np.uint32)
-    for i in range(pf):
-        words |= v[..., i] << np.uint32(bits * i)
-    return np.ascontiguousarray(np.moveaxis(words, -1, axis)).view(np.int32)
-
-
-def _write_prequantized(path, fmt: str, bits: int, group: int, desc_act: bool,
-                        v1: bool = True, sym: bool = False) -> None:
-    """A tiny-llama checkpoint whose linears are GPTQ/AWQ packed, plus the same model
-    dequantized in ``path``/dense (the reference)."""
-    import json
-    import os
-
-    from safetensors.numpy import save_file
-
-    from kvflow.models.registry import PRESETS
-
-    rng = np.random.default_rng(bits + group)
-    cfg = dict(PRESETS["tiny-llama"])
-    h, inter, kv = cfg["hidden_size"], cfg["intermediate_size"], 32
-    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h),
-              "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, h),
-              "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
-              "mlp.down_proj": (h, inter)}
-    packed: dict[str, np.ndarray] = {}
-    dense: dict[str, np.ndarray] = {
-        "model.embed_tokens.weight": rng.standard_normal((cfg["vocab_size"], h)) * 0.1,
-        "lm_head.weight": rng.standard_normal((cfg["vocab_size"], h)) * 0.1,
-        "model.norm.weight": np.ones(h)}
-    for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        dense[p + "input_layernorm.weight"] = rng.uniform(0.8, 1.2, h)
-        dense[p + "post_attention_layernorm.weight"] = rng.uniform(0.8, 1.2, h)
-        # q/k/v (and gate/up) share their input, so their desc_act order too.
-        perms = {k: rng.permutation(k) for k in (h, inter)}
-        for name, (n, k) in shapes.items():
-            ng = k // group
-            q = rng.integers(0, 1 << bits, (k, n))
-            # v1 stores z - 1 in 4 bits, so it cannot hold z = 0.
-            z = rng.integers(1 if fmt == "gptq" and v1 else 0, 1 << bits, (ng, n))
-            if sym:  # compressed-tensors stores signed values + 2^(bits-1): zero at mid
-                z[:] = 1 << (bits - 1)
-            s = rng.uniform(0.002, 0.01, (ng, n)).astype(np.float16)
-            g_idx = (np.argsort(perms[k]) // group if desc_act else np.arange(k) // group)
-            w = (q - z[g_idx]) * s[g_idx].astype(np.float64)  # [K, N]
-            dense[p + name + ".weight"] = w.T
-            key = p + name + "."
-            if fmt == "compressed-tensors":
-                packed[key + "weight_packed"] = _pack_words(q.T, bits, 1)
-                packed[key + "weight_scale"] = np.ascontiguousarray(s.T)
-                packed[key + "weight_shape"] = np.array([n, k], np.int64)
-                if not sym:
-                    packed[key + "weight_zero_point"] = _pack_words(z.T, bits, 0)
-                continue
-            if fmt == "gptq":
-                packed[key + "qweight"] = _pack_words(q, bits, 0)
-                packed[key + "qzeros"] = _pack_words(z - 1 if v1 else z, bits, 1)
-                packed[key + "g_idx"] = g_idx.astype(np.int32)
-            else:
-                order = (0, 2, 4, 6, 1, 3, 5, 7)
-                packed[key + "qweight"] = _pack_words(q, bits, 1, order)
-                packed[key + "qzeros"] = _pack_words(z, bits, 1, order)
-            packed[key + "scales"] = s
-    dense = {k: np.ascontiguousarray(v, np.float32) for k, v in dense.items()}
-    qc = {"quant_method": fmt, "bits": bits, "group_size": group}
-    if fmt == "compressed-tensors":
-        qc = {"quant_method": fmt, "format": "pack-quantized", "ignore": ["lm_head"],
-              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                  "num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group",
-                  "group_size": group}}}}
-    elif fmt == "gptq":
-        qc.update(desc_act=desc_act, checkpoint_format="gptq" if v1 else "gptq_v2")
-    else:
-        qc.update(version="gemm", zero_point=True)
-    os.makedirs(path / "dense")
-    for folder, tensors, extra in ((path, {**packed, **{k: v for k, v in dense.items()
-                                                       if not k.endswith("proj.weight")}},
-                                    {"quantization_config": qc}),
-                                   (path / "dense", dense, {})):
-        save_file(tensors, str(folder / "model.safetensors"))
-        with open(folder / "config.json", "w") as f:
-            json.dump({**cfg, **extra}, f)
+from prequant_checkpoints import _pack_words, _write_prequantized  # noqa: E402,F401
 
 
 @pytest.mark.parametrize("fmt,bits,group,desc_act,v1,sym", [

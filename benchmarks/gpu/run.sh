@@ -11,6 +11,11 @@
 #   kbench    kernel micro-benchmarks
 #   cow       parallel sampling n=4 (copy-on-write of shared prompt blocks), 256 prompts
 #   swap      a KV cache small enough to preempt, swap preemption, 256 prompts
+#   quant     low-bit weights, = quant-kernels quant-e2e quant-quality quant-summary (~6-8 min):
+#             weight-only GEMM micro-benchmark (woq-bench.json; QUANT_SWEEP=1 adds a tile
+#             sweep), batch-1 decode bf16 / int8 / int4 at Llama-3.1-8B shape
+#             (gpu-a-quant-*.json; QUANT_METHODS picks), bench quality of the embedded
+#             model on the GPU (quality-cuda.json), summary (quant-summary.json)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-out}
@@ -38,6 +43,17 @@ for stage in "$@"; do
     cpu-overhead) python benchmarks/gpu/cpu_overhead.py 2>&1 | grep -v "^INFO" | head -60;;
     profile) python benchmarks/gpu/profile_steps.py --out "$OUT/profile.json" 2>&1 | grep -v "^INFO" | tail -60;;
     kbench) timeout ${KBENCH_TIMEOUT:-240} python benchmarks/kernels/bench_kernels.py --out "$OUT/kernels-bench.json" 2>&1 | tail -45;;
+    quant) OUT="$OUT" bash benchmarks/gpu/run.sh quant-kernels quant-e2e quant-quality quant-summary;;
+    # Each quant sub-run is independent (its own timeout; a failure is reported, not fatal).
+    quant-kernels) timeout ${QUANT_BENCH_TIMEOUT:-150} python benchmarks/gpu/bench_woq.py --out "$OUT/woq-bench.json" ${QUANT_SWEEP:+--sweep} 2>&1 | grep -v "^INFO" | tail -90 || echo "woq-bench failed";;
+    quant-e2e)
+      for q in ${QUANT_METHODS:-none int8 int4}; do  # int4-g128: --quantization-group-size 128
+        group=$([[ $q == *-g* ]] && echo "--quantization-group-size ${q##*-g}")
+        timeout ${QUANT_E2E_TIMEOUT:-140} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --quantization ${q%%-g*} $group --max-num-seqs 8 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-quant-$q.json" 2>&1 | grep -E "weights:|captured|tokens/s|rror|Traceback" | tail -8
+        echo "gpu-a-quant-$q exit ${PIPESTATUS[0]}"
+      done;;
+    quant-quality) timeout ${QUANT_QUALITY_TIMEOUT:-100} $KV bench quality --device cuda --methods gguf,int8,int4 --context 256 --max-windows 4 --save-result "$OUT/quality-cuda.json" 2>&1 | grep -v "^INFO" | tail -12 || echo "quality failed";;
+    quant-summary) python benchmarks/gpu/quant_summary.py "$OUT" 2>&1 | tail -12;;
     *) echo "unknown stage $stage"; exit 2;;
   esac
 done

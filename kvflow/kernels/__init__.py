@@ -8,6 +8,9 @@ Each module holds one fused operation and names the pure-torch reference it matc
 - ``rms_norm``: RMSNorm and residual-add + RMSNorm over ``[..., hidden]``.
 - ``rotary_kv``: rotary embedding of q and k fused with the KV-cache write.
 - ``silu_and_mul``: ``silu(gate) * up`` on the merged gate/up projection.
+- ``w4a16_gemm`` / ``w8a16_gemm``: weight-only int4 / int8 GEMMs (split-K for decode,
+  tiled ``tl.dot`` for prefill; launch configurations in ``woq_config``), references
+  beside them in the same files.
 
 Every launch is free of host synchronisation (grid sizes come from tensor shapes and
 Python ints the caller passes), so the kernels can be captured in CUDA graphs once they

@@ -90,19 +90,17 @@ def resolve_quantization(requested: str, load_format: str, hf_quant_config: dict
             f"must be one of {', '.join(USER_METHODS)}, got {requested!r}")
     on_cpu = device == "cpu"
     if hf_quant_config:
-        return _prequantized(hf_quant_config, requested, on_cpu, device)
+        return _prequantized(hf_quant_config, requested, device)
     if requested == "none":
         return None
     if requested == "auto":
         # GGUF runs on its own blocks on CPU unless a dtype was asked for (which means the
-        # dense path in that dtype); the GPU has no GGUF kernels yet.
+        # dense path in that dtype). On the GPU it stays dense unless asked for
+        # (--quantization gguf): the GPU path is new and its speed is still being tuned.
         if load_format == "gguf" and on_cpu and not dtype_forced:
             return QuantizationConfig("gguf")
         return None
-    if not on_cpu:
-        raise ModelLoadError(f"--quantization {requested} runs on CPU only for now (its GPU "
-                             f"kernels are not written yet); use --quantization none on "
-                             f"{device}")
+    _check_device(device, f"--quantization {requested}")
     if requested == "gguf" and load_format != "gguf":
         raise ModelLoadError("--quantization gguf needs a GGUF file")
     if load_format == "dummy" and requested == "gguf":
@@ -111,7 +109,13 @@ def resolve_quantization(requested: str, load_format: str, hf_quant_config: dict
 
 
 
-def _prequantized(qc: dict, requested: str, on_cpu: bool, device: str) -> QuantizationConfig:
+def _check_device(device: str, what: str) -> None:
+    """CPU (aten packed kernels) and CUDA (Triton kernels, kvflow/kernels/w*a16_gemm.py)."""
+    if device not in ("cpu", "cuda"):
+        raise ModelLoadError(f"{what} runs on cpu and cuda, not on {device}")
+
+
+def _prequantized(qc: dict, requested: str, device: str) -> QuantizationConfig:
     """A config.json ``quantization_config`` -> QuantizationConfig, or a clear refusal."""
     method = str(qc.get("quant_method", "?")).lower()
     if method not in PREQUANTIZED:
@@ -123,9 +127,7 @@ def _prequantized(qc: dict, requested: str, on_cpu: bool, device: str) -> Quanti
     if requested not in ("auto", method):
         raise ModelLoadError(f"the checkpoint is already {method}-quantized; "
                              f"--quantization {requested} cannot apply to it (use auto)")
-    if not on_cpu:
-        raise ModelLoadError(f"{method} checkpoints run on CPU only for now (no GPU kernels "
-                             f"yet), not on {device}")
+    _check_device(device, f"a {method} checkpoint")
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     bits = int(qc.get("bits", qc.get("w_bit", 4)))

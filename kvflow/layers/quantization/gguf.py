@@ -21,6 +21,7 @@ from torch import nn
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import LinearBase, LinearMethod
 from kvflow.layers.quantization import ggml_blocks as gb
+from kvflow.layers.quantization import gpu
 from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, flatten_tokens,
                                                int4_mm, refine_top_logits)
 from kvflow.layers.quantization.rtn import set_param
@@ -107,8 +108,12 @@ class GGUFLinearMethod(LinearMethod):
     def __init__(self, tied_to: nn.Module | None = None) -> None:
         self._tied = [tied_to] if tied_to is not None else []  # not a submodule
 
+    triton: gpu.TritonWeight | None = None
+    """Set after loading when the blocks went to the GPU kernels."""
+
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         self.dtype = dtype
+        self.device = torch.empty(0).device  # the model is built under torch.device(...)
         if not self._tied:
             _placeholders(layer, lambda p, w, shard=None: _record(layer, p, w, shard))
 
@@ -123,7 +128,11 @@ class GGUFLinearMethod(LinearMethod):
             del layer.qweight, layer.qweight_type, layer._gguf_shards
         if isinstance(weight, torch.Tensor):
             self.packed = None
-            set_param(layer, "weight", weight.to(self.dtype))
+            set_param(layer, "weight", weight.to(self.device, self.dtype))
+            return
+        if gpu.use_triton(self.device):
+            self.packed = True
+            self.triton = gpu.repack_groups(layer, weight, self.dtype, self.device)
             return
         packed = PackedInt4(weight)
         self.group, self.doubled = packed.group, packed.doubled
@@ -134,6 +143,8 @@ class GGUFLinearMethod(LinearMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         if not self.packed:
             return F.linear(x, layer.weight, layer.bias)
+        if self.triton is not None:  # float32 sums: the logits need no refinement
+            return gpu.triton_apply(layer, self.triton, x)
         x2, lead = flatten_tokens(x)
         y = int4_mm(x2, layer.qweight, layer.scales_and_zeros, self.group, self.doubled)
         if layer.bias is not None:
@@ -153,6 +164,7 @@ class GGUFEmbeddingMethod:
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         self.dtype = dtype
+        self.device = torch.empty(0).device  # the model is built under torch.device(...)
         _placeholders(layer, lambda p, w, shard=None: _record(layer, p, w, shard))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -161,13 +173,14 @@ class GGUFEmbeddingMethod:
         del layer.qweight, layer.qweight_type, layer._gguf_shards
         if isinstance(weight, torch.Tensor):
             self.doubled = None
-            set_param(layer, "weight", weight.to(self.dtype))
+            set_param(layer, "weight", weight.to(self.device, self.dtype))
             return
         self.group, self.doubled = weight.group, weight.doubled
         v = weight.values  # [V, K2] -> two per byte [V, K2 / 2]
-        set_param(layer, "qvalues", (v[:, 0::2] | (v[:, 1::2] << 4)).contiguous())
-        set_param(layer, "qscale", weight.scale)
-        set_param(layer, "qzero", weight.zero)
+        set_param(layer, "qvalues", (v[:, 0::2] | (v[:, 1::2] << 4)).contiguous().to(
+            self.device))
+        set_param(layer, "qscale", weight.scale.to(self.device))
+        set_param(layer, "qzero", weight.zero.to(self.device))
 
     def _groups(self, layer: nn.Module, rows: torch.Tensor | None = None) -> Int4Groups:
         packed = layer.qvalues if rows is None else layer.qvalues[rows]

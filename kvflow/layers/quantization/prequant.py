@@ -17,6 +17,7 @@ from torch import nn
 
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import LinearBase, LinearMethod
+from kvflow.layers.quantization import gpu
 from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, flatten_tokens,
                                                int4_mm)
 from kvflow.layers.quantization.rtn import set_param
@@ -28,10 +29,10 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int,
                  order: tuple[int, ...] | None = None) -> torch.Tensor:
     """int32 words -> int64 values, ``32 // bits`` per word, expanded along ``dim``."""
     pf = 32 // bits
-    shifts = torch.arange(pf, dtype=torch.int64) * bits
+    shifts = torch.arange(pf, dtype=torch.int64, device=packed.device) * bits
     v = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., pf]
     if order is not None:  # word nibble i holds logical element order[i]
-        v = v[..., torch.argsort(torch.tensor(order))]
+        v = v[..., torch.argsort(torch.tensor(order, device=packed.device))]
     v = v.movedim(-1, dim + 1) if dim != packed.dim() - 1 else v
     shape = list(packed.shape)
     shape[dim] *= pf
@@ -66,7 +67,10 @@ def _param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dty
 
 
 class PrequantizedLinearMethod(LinearMethod):
-    """GPTQ or AWQ weights, repacked after loading for the CPU int4 GEMM."""
+    """GPTQ, AWQ or compressed-tensors weights, repacked after loading for the CPU int4
+    GEMM or (on CUDA) the Triton kernels."""
+
+    triton: gpu.TritonWeight | None = None
 
     def __init__(self, fmt: str, bits: int, group_size: int, zero_offset: int = 0,
                  symmetric: bool = False) -> None:
@@ -85,6 +89,7 @@ class PrequantizedLinearMethod(LinearMethod):
             raise ModelLoadError(f"{self.fmt}: a {n}x{k} layer does not split into groups "
                                  f"of {g} inputs and {pf}-value words")
         self.g = g
+        self.dtype = dtype
         if self.fmt == "compressed-tensors":
             # Rows are output channels: weight_packed [N, K/pack] packed along K, the
             # scale [N, K/g], zero points (asymmetric only) [N/pack, K/g] packed along N.
@@ -116,7 +121,7 @@ class PrequantizedLinearMethod(LinearMethod):
         q = unpack_int32(layer.weight_packed.data, self.bits, 1)  # [N, K], offset form
         s = layer.weight_scale.data
         if self.symmetric:
-            z = torch.full(s.shape, 1 << (self.bits - 1), dtype=torch.int64)
+            z = torch.full(s.shape, 1 << (self.bits - 1), dtype=torch.int64, device=s.device)
         else:
             z = unpack_int32(layer.weight_zero_point.data, self.bits, 0)  # [N, K/g]
         if not torch.isfinite(s).all():
@@ -128,11 +133,16 @@ class PrequantizedLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         if self.fmt == "compressed-tensors":
-            packed = PackedInt4(self._ct_weights(layer))
+            weights = self._ct_weights(layer)
+            layer.register_buffer("perm", None)
+            if gpu.use_triton(weights.values.device):
+                self.triton = gpu.repack_groups(layer, weights, self.dtype,
+                                                weights.values.device)
+                return
+            packed = PackedInt4(weights)
             self.doubled = packed.doubled
             for name, t in packed.tensors().items():
                 set_param(layer, name, t)
-            layer.register_buffer("perm", None)
             return
         bits, order = self.bits, (AWQ_ORDER if self.fmt == "awq" else None)
         if self.fmt == "gptq":
@@ -150,7 +160,7 @@ class PrequantizedLinearMethod(LinearMethod):
                     g_idx, minlength=s.shape[0]).ne(self.g).any():
                 raise ModelLoadError("gptq: g_idx does not assign each group "
                                      f"{self.g} inputs (corrupt g_idx?)")
-            if not torch.equal(g_idx, torch.arange(len(g_idx)) // self.g):
+            if not torch.equal(g_idx, torch.arange(len(g_idx), device=g_idx.device) // self.g):
                 perm = torch.argsort(g_idx, stable=True)  # inputs sorted by group
                 q = q[perm]
         weights = affine_groups(q.t().contiguous(), s.t().contiguous(), z.t().contiguous(),
@@ -158,13 +168,18 @@ class PrequantizedLinearMethod(LinearMethod):
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             if hasattr(layer, name):
                 delattr(layer, name)
+        layer.register_buffer("perm", perm)
+        if gpu.use_triton(weights.values.device):
+            self.triton = gpu.repack_groups(layer, weights, self.dtype, weights.values.device)
+            return
         packed = PackedInt4(weights)
         self.doubled = packed.doubled
         for name, t in packed.tensors().items():
             set_param(layer, name, t)
-        layer.register_buffer("perm", perm)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if self.triton is not None:
+            return gpu.triton_apply(layer, self.triton, x, layer.perm)
         x2, lead = flatten_tokens(x)
         if layer.perm is not None:
             x2 = x2.index_select(1, layer.perm)  # [M, K] in the sorted-by-group order

@@ -2,7 +2,8 @@
 
 The layer first loads its dense checkpoint weight as usual (so merged q/k/v and gate/up
 shards and tensor-parallel slicing work unchanged), then ``process_weights_after_loading``
-quantizes it once and replaces it with the packed form the CPU kernels read.
+quantizes it once and replaces it with the packed form the kernels read: the CPU's
+(``packed.py``) or, for weights on CUDA, the Triton kernels' (``gpu.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torch import nn
 
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import LinearBase, UnquantizedLinearMethod
+from kvflow.layers.quantization import gpu
 from kvflow.layers.quantization.packed import (CPU_ACT_DTYPE, PackedInt4, flatten_tokens,
                                                int4_mm, int8_mm, quantize_int4,
                                                quantize_int8, refine_top_logits)
@@ -27,6 +29,9 @@ def set_param(layer: nn.Module, name: str, t: torch.Tensor) -> None:
 class _QuantizeAfterLoad(UnquantizedLinearMethod):
     """Dense weight while loading; subclasses replace it after."""
 
+    triton: gpu.TritonWeight | None = None
+    """Set after loading when the weights went to the GPU kernels."""
+
     def _take_dense(self, layer: LinearBase) -> torch.Tensor:
         w = layer.weight.data  # [N, K] (for a tied head: the embedding's own weight)
         delattr(layer, "weight")  # the tied embedding keeps its parameter
@@ -39,11 +44,18 @@ class Int8LinearMethod(_QuantizeAfterLoad):
     name = "int8"
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
+        dtype = layer.weight.dtype
         q, scale = quantize_int8(self._take_dense(layer))
+        if gpu.use_triton(q.device):
+            self.triton = gpu.repack_int8_channel(layer, q, scale, dtype)
+            return
         set_param(layer, "qweight", q)  # int8 [N, K]
         set_param(layer, "scales", scale.to(CPU_ACT_DTYPE))  # [N]
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if self.triton is not None:
+            # float32 accumulation, scaled per channel: no top-logit refinement needed
+            return gpu.triton_apply(layer, self.triton, x)
         x2, lead = flatten_tokens(x)
         y = int8_mm(x2, layer.qweight, layer.scales)
         if layer.bias is not None:
@@ -72,12 +84,20 @@ class Int4LinearMethod(_QuantizeAfterLoad):
         super().create_weights(layer, dtype)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
+        dtype = layer.weight.dtype
         w = self._take_dense(layer)
-        packed = PackedInt4(quantize_int4(w, self.group_size, self.symmetric))
+        groups = quantize_int4(w, self.group_size, self.symmetric)
+        if gpu.use_triton(w.device):
+            del w  # the dense weight goes before the packed one is built (8B: 117 MB)
+            self.triton = gpu.repack_groups(layer, groups, dtype, groups.values.device)
+            return
+        packed = PackedInt4(groups)
         for name, t in packed.tensors().items():
             set_param(layer, name, t)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if self.triton is not None:
+            return gpu.triton_apply(layer, self.triton, x)
         x2, lead = flatten_tokens(x)
         y = int4_mm(x2, layer.qweight, layer.scales_and_zeros, self.group_size, False)
         if layer.bias is not None:

@@ -1,0 +1,179 @@
+"""Weight-only int4 GEMM for the GPU: ``y = x @ W^T`` with W kept in 4 bits.
+
+Layout (written once at load by ``pack_int4``; every 4-bit format is repacked into it):
+
+- ``qweight`` int32 [N, Kp / 8], Kp = K rounded up to a multiple of ``PACK_K`` = 256
+  (padding values are 0 with no scale, so they add nothing). Row n runs along K in
+  tiles of 256 inputs = 32 words; inside a tile, **nibble i of word w holds input
+  ``32 i + w``**: shifting a tile's [BN, 32] words right by 4 i gives the 32 contiguous
+  inputs ``32 i .. 32 i + 31`` ("nibble planes"), so the kernel unpacks with one shift
+  and mask per plane and never reorders registers. A tile row is 128 contiguous bytes:
+  coalesced, 16 bytes per thread.
+- ``scale`` and ``bias`` [N, K / G] in the activation dtype, one per group of G inputs
+  (G = 32, 64, 128, ...; a multiple of 32, so a plane lies inside one group):
+  ``w = q * scale + bias`` for q in 0..15. In the seam's ``Int4Groups`` form
+  (``w = (v - 8) * s + z``) that is ``bias = z - 8 s``, which for GGUF Q4_1 and
+  asymmetric round-to-nearest is exactly the group minimum. Symmetric weights store no
+  bias (``bias=None``: w = (q - 8) * scale).
+
+Reference: ``w4a16_ref`` (dequantize to float32, matmul in float32).
+
+Algorithm: grid ``(cdiv(M, BM) * cdiv(N, BN), split_k)``. Each program walks its share
+of the 256-input tiles. Per tile it loads the [BN, 32] words, and per plane i multiplies
+the integers q_i (exact in bf16/fp16) with the activations x[:, 32 i : 32 i + 32] (a
+``tl.dot`` into float32, or for one row a multiply and ``tl.sum``). For few rows
+(decode) the plane's group scale and bias are applied to that float32 partial sum,
+``s * (x . q) + b * sum(x)``: no weight is rounded and the per-weight work is shift,
+mask and convert. For many rows that would cost more than the weights, so the plane is
+dequantized in registers first (one FMA per weight, rounded to the activation dtype).
+One split stores its tile in the output dtype; several add float32 partials to a
+workspace whose last-arriving program adds them (``woq_config.store_output``).
+
+Traffic: N K / 2 bytes of weight + 2 N K / G * elem bytes of scales and biases + M K and
+M N activations. Llama-3.1-8B down_proj (N 4096, K 14336, G 128, bf16) at M = 1: 29.4 MB
++ 1.8 MB, about 6.5 us at 4.8 TB/s, against 117 MB (24 us) for the bf16 weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvflow.kernels.woq_config import (WoqConfig, choose_config, split_buffers,
+                                      store_output)
+
+PACK_K = 256  # inputs per packed tile: 8 planes of 32
+PLANE = PACK_K // 8
+
+
+@triton.jit
+def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, KW,
+                  stride_xm, stride_om, split_k,
+                  GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+                  SCALE_AFTER: tl.constexpr, UPCAST: tl.constexpr):
+    PL: tl.constexpr = 32  # inputs per nibble plane (PACK_K / 8)
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_w = tl.arange(0, PL)  # [32] words of a tile, = inputs of a plane
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    kg = K // GROUP  # groups per row
+    w_ptrs = qw_ptr + offs_n[:, None] * KW + offs_w[None, :]  # [BN, 32]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_w[None, :]  # [BM, 32]
+    g_ptrs = offs_n * kg  # [BN] row starts in scale / bias
+    k_tiles = tl.cdiv(K, 8 * PL)
+    per_split = tl.cdiv(k_tiles, split_k)
+    t_start = pid_k * per_split
+    t_end = tl.minimum(t_start + per_split, k_tiles)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(t_start, t_end):
+        words = tl.load(w_ptrs + t * PL, mask=n_ok[:, None], other=0)  # [BN, 32] int32
+        for i in tl.static_range(8):
+            k0 = t * (8 * PL) + i * PL  # first input of plane i
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & (k0 + offs_w < K)[None, :],
+                        other=0.0)  # [BM, 32]
+            q = ((words >> (4 * i)) & 0xF).to(tl.float32)  # [BN, 32], inputs k0 + w
+            # A plane past K (padding) has x = 0: any valid group's scale gives 0.
+            g = tl.minimum(k0 // GROUP, kg - 1)
+            s = tl.load(s_ptr + g_ptrs + g, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
+            if HAS_BIAS:
+                b = tl.load(b_ptr + g_ptrs + g, mask=n_ok, other=0.0).to(tl.float32)
+            else:  # symmetric: w = (q - 8) s
+                b = -8.0 * s
+            if SCALE_AFTER:
+                # Few rows: scale the plane's float32 partial sums, s (x . q) + b sum(x),
+                # rather than every weight.
+                if UPCAST:  # CPU interpreter: its tl.dot multiplies bf16 as raw uint16
+                    part = tl.dot(x.to(tl.float32), tl.trans(q), input_precision="ieee")
+                elif DOT:
+                    part = tl.dot(x, tl.trans(q.to(x.dtype)))  # [BM, BN]; q exact in bf16
+                else:  # one row: [1, 1, 32] * [1, BN, 32] summed over the plane
+                    part = tl.sum(x.to(tl.float32)[:, None, :] * q[None, :, :], axis=2)
+                xsum = tl.sum(x.to(tl.float32), axis=1)  # [BM]
+                acc += part * s[None, :] + xsum[:, None] * b[None, :]
+            else:
+                # Many rows: dequantize the plane (one FMA per weight) and feed tl.dot.
+                w = (q * s[:, None] + b[:, None]).to(x.dtype)  # [BN, 32]
+                if UPCAST:
+                    acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)),
+                                  input_precision="ieee")
+                else:
+                    acc += tl.dot(x, tl.trans(w))
+    store_output(acc, out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_om, pid, pid_k,
+                 split_k, SPLIT)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [N, K] (K a multiple of 8) -> int32 words [N, Kp / 8] in the
+    nibble-plane layout (K zero-padded to a multiple of 256)."""
+    n, k = values.shape
+    kp = triton.cdiv(k, PACK_K) * PACK_K
+    v = torch.zeros((n, kp), dtype=torch.int32, device=values.device)
+    v[:, :k] = values.to(torch.int32)
+    v = v.view(n, kp // PACK_K, 8, PLANE).transpose(2, 3)  # [N, T, w, i]: input 32 i + w
+    shifts = torch.arange(8, dtype=torch.int32, device=values.device) * 4
+    words = (v << shifts).sum(-1, dtype=torch.int32)  # disjoint bits: sum = or
+    return words.reshape(n, kp // 8).contiguous()
+
+
+def unpack_int4(qweight: torch.Tensor, k: int) -> torch.Tensor:
+    """int32 words [N, Kp / 8] -> int64 values 0..15 [N, k] (the layout's definition)."""
+    n, kw = qweight.shape
+    shifts = torch.arange(8, dtype=torch.int64, device=qweight.device) * 4
+    v = (qweight.to(torch.int64).unsqueeze(-1) >> shifts) & 15  # [N, Kp/8, 8]: word, nibble
+    v = v.view(n, kw // PLANE, PLANE, 8).transpose(2, 3)  # [N, T, i, w]
+    return v.reshape(n, kw * 8)[:, :k]
+
+
+def dequantize_int4(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                    group: int) -> torch.Tensor:
+    """The float32 weight [N, K] the packed tensors stand for (K = groups x group)."""
+    k = scale.shape[1] * group
+    q = unpack_int4(qweight, k).float()
+    s = scale.float().repeat_interleave(group, dim=1)
+    b = -8.0 * s if bias is None else bias.float().repeat_interleave(group, dim=1)
+    return q * s + b
+
+
+def w4a16_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None, group: int) -> torch.Tensor:
+    """Reference: x [M, K] @ dequantize(W)^T in float32 -> [M, N] in x's dtype."""
+    return (x.float() @ dequantize_int4(qweight, scale, bias, group).t()).to(x.dtype)
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None, group: int, config: WoqConfig | None = None
+               ) -> torch.Tensor:
+    """x [M, K] (bf16/fp16, unit stride along K) @ W^T -> [M, N] in x's dtype.
+
+    ``qweight`` int32 [N, Kp / 8] (``pack_int4``), ``scale``/``bias`` [N, K / group] in
+    x's dtype (``bias`` None: symmetric). ``config`` overrides the launch heuristic
+    (benchmarks, tests; its block_k is ignored: tiles are the packing's 256 inputs)."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    assert k % group == 0 and group % PLANE == 0 and x.stride(1) == 1
+    assert qweight.shape == (n, triton.cdiv(k, PACK_K) * PACK_K // 8)
+    assert scale.shape == (n, k // group) and scale.dtype == x.dtype
+    assert max(qweight.numel(), x.numel(), m * n) < 2**31  # int32 offsets in the kernel
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = config or choose_config(m, n, k, x.device, bits=4)
+    ws, locks = split_buffers(cfg, m, n, x.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _w4a16_kernel[grid](
+        x, qweight, scale, bias if bias is not None else scale, out,
+        out if ws is None else ws, out if locks is None else locks, m, n, k, qweight.shape[1],
+        x.stride(0), n, cfg.split_k,
+        GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        SPLIT=ws is not None, DOT=cfg.dot, SCALE_AFTER=cfg.scale_after or not cfg.dot,
+        UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
