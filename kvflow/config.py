@@ -271,6 +271,10 @@ class SchedulerConfig:
     """Latency target: cap each step's token budget and running batch so the predicted
     step time (learned online from measured steps) stays under this many milliseconds
     per output token; requests beyond that wait. None: no target."""
+    target_ttft_ms: float | None = None
+    """With target_tpot_ms: a request at the head of the queue that would miss this time
+    to first token at the TPOT caps, and can still make it, is admitted with the prefill
+    chunk it needs even if that step runs over the TPOT plan. None: no TTFT target."""
 
     def __post_init__(self) -> None:
         require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
@@ -278,6 +282,11 @@ class SchedulerConfig:
                  f"must be continuous or static, got {self.batching!r}")
         if self.target_tpot_ms is not None:
             require(self.target_tpot_ms > 0, "target_tpot_ms", "must be > 0 milliseconds")
+        if self.target_ttft_ms is not None:
+            require(self.target_ttft_ms > 0, "target_ttft_ms", "must be > 0 milliseconds")
+            require(self.target_tpot_ms is not None, "target_ttft_ms",
+                    "needs --target-tpot-ms: without a TPOT target nothing holds a request "
+                    "back from its first token but the engine's own limits")
         require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         if not self.enable_chunked_prefill:
             require(self.max_num_batched_tokens >= self.max_model_len,

@@ -173,3 +173,79 @@ def test_bench_goodput_counts_requests_meeting_every_objective():
     for bad in (["ttft"], ["tpot:-1"], ["speed:3"]):
         with pytest.raises(SystemExit, match="--goodput"):
             parse_goodput(bad)
+
+
+def ttft_of_late_arrival(ttft_ms: float | None, prompt: int) -> tuple[float, list[float], Scheduler]:
+    """Long answers fill every seat a 50 ms TPOT target allows; then one request with a
+    ``prompt``-token prompt arrives. Returns its TTFT and every step's cost."""
+    clock = FakeClock()
+    cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=1024,
+                          target_tpot_ms=50.0, target_ttft_ms=ttft_ms)
+    prior = StepTimePrior(*TRUE)
+    latency = LatencyTarget(0.050, StepTimeModel(prior), clock,
+                            None if ttft_ms is None else ttft_ms / 1e3)
+    s = Scheduler(cfg, block_size=16, num_blocks=2048, latency=latency)
+    for i in range(latency.model.max_seqs(0.050 * HEADROOM)):  # 11 seats
+        s.add_request(Request(str(i), list(range(10, 34)), SamplingParams(max_tokens=300),
+                              eos_token_ids={EOS}, arrival_time=clock.now))
+    costs, first = [], None
+    for step in range(3000):
+        if step == 40:
+            arrived = clock.now
+            s.add_request(Request("late", list(range(10, 10 + prompt)),
+                                  SamplingParams(max_tokens=4), eos_token_ids={EOS},
+                                  arrival_time=clock.now))
+        so = s.schedule()
+        c = cost(so.total_num_scheduled_tokens, len(so.num_scheduled_tokens))
+        costs.append(c)
+        clock.now += c
+        ids, sampled = [], []
+        for rid in so.num_scheduled_tokens:
+            r = s.requests[rid]
+            ids.append(rid)
+            done = r.num_computed_tokens == r.num_tokens
+            sampled.append([7] if done else [])
+            if rid == "late" and done and first is None:
+                first = clock.now - arrived
+        s.update_from_output(so, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled))
+        if first is not None:
+            return first, costs, s
+    raise AssertionError("the late request never got its first token")
+
+
+@pytest.mark.parametrize("prompt", [24, 300])
+def test_ttft_target_lets_a_request_in_before_its_deadline(prompt):
+    # Without a TTFT target the late request waits for a seat (and, with a long prompt,
+    # would then crawl through prefill on what the decodes leave of the budget).
+    slow, _, _ = ttft_of_late_arrival(None, prompt)
+    assert slow > 2.0
+    fast, costs, s = ttft_of_late_arrival(1000.0, prompt)
+    assert fast <= 1.0
+    assert s.latency.num_ttft_steps >= 1
+    # TPOT pays only for the steps that carried its prefill.
+    over = [c for c in costs if c > 0.050 * 1.02]
+    assert len(over) <= s.latency.num_ttft_steps
+
+
+def test_ttft_target_does_not_chase_requests_already_late():
+    clock = FakeClock()
+    lt = LatencyTarget(0.050, StepTimeModel(StepTimePrior(*TRUE)), clock, 0.5)
+    # Waited 0.6 s of a 0.5 s target: no override, it waits its turn.
+    assert lt.ttft_budget(clock.now - 0.6, 24, 10, 12, 512) is None
+    # On time even at the TPOT caps: no override either.
+    assert lt.ttft_budget(clock.now, 4, 1, 40, 512) is None
+    # More than the whole engine budget could compute in time: no override.
+    assert lt.ttft_budget(clock.now - 0.3, 100_000, 10, 12, 512) is None
+    assert lt.num_ttft_steps == 0
+    assert lt.ttft_budget(clock.now - 0.1, 200, 10, 12, 512) > 12
+
+
+def test_ttft_target_needs_a_tpot_target():
+    with pytest.raises(InvalidParameterError, match="target_ttft_ms.*target-tpot-ms"):
+        EngineArgs(target_ttft_ms=500).create_engine_config()
+    with pytest.raises(InvalidParameterError, match="target_ttft_ms"):
+        EngineArgs(target_tpot_ms=50, target_ttft_ms=-1).create_engine_config()
+    cfg = EngineArgs(target_tpot_ms=50, target_ttft_ms=800).create_engine_config()
+    from kvflow.engine.core import latency_target
+
+    assert latency_target(cfg).target_ttft_s == pytest.approx(0.8)

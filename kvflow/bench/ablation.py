@@ -37,8 +37,11 @@ class Ablation:
     gpu_only: bool = False
 
 
-def ablations(on_gpu: bool, async_default: bool) -> list[Ablation]:
-    """The baseline and one configuration per optimization (GPU-only ones on GPU)."""
+def ablations(on_gpu: bool, async_default: bool, quantized: str | None = None
+              ) -> list[Ablation]:
+    """The baseline and one configuration per optimization (GPU-only ones on GPU).
+    ``quantized`` names the baseline's weight method when its weights are low-bit (the
+    embedded GGUF model by default); it adds a row with dense weights."""
     rows = [
         Ablation("baseline", "nothing (kvflow's defaults)"),
         Ablation("no-paged-kv", "paged KV: each request reserves max_model_len of KV in "
@@ -60,6 +63,10 @@ def ablations(on_gpu: bool, async_default: bool) -> list[Ablation]:
         Ablation("no-triton", "Triton kernels (pure-torch references instead)",
                  env={"KVFLOW_DISABLE_TRITON": "1"}, gpu_only=True),
     ]
+    if quantized:
+        rows.insert(1, Ablation("no-quantization", f"low-bit weights ({quantized}): dense "
+                                "weights in the model dtype instead",
+                                {"quantization": "none"}))
     return [a for a in rows if on_gpu or not a.gpu_only]
 
 
@@ -154,6 +161,14 @@ def _child(ablation: Ablation, base_args: dict, requests: list[BenchRequest],
     return json.loads(marker[-1][len("@@result "):])
 
 
+def _weight_method(config) -> str | None:
+    """The baseline's low-bit weight method, or None for dense weights."""
+    from kvflow.models.loader import quantization_config
+
+    quant = quantization_config(config.model, config.device.device)
+    return None if quant is None else quant.method
+
+
 def run_ablation(ns: argparse.Namespace) -> int:
     from kvflow.bench.ablation_report import write_report
     from kvflow.engine.args import EngineArgs
@@ -165,7 +180,8 @@ def run_ablation(ns: argparse.Namespace) -> int:
                                          is not None else set())
     requests = workload(ns, arch.vocab_size, special)
     base_args = {k: v for k, v in vars(args).items()}
-    rows = ablations(config.device.is_cuda, config.scheduler.async_scheduling)
+    rows = ablations(config.device.is_cuda, config.scheduler.async_scheduling,
+                     _weight_method(config))
     if ns.only:
         rows = [a for a in rows if a.name in ns.only or a.name == "baseline"]
     results = []

@@ -10,6 +10,13 @@ prior, so directions the workload never varies (decode-only traffic has tokens =
 stay at the prior instead of drifting. Every step that decodes is one token of TPOT for
 each running request, so keeping the predicted step time under the target keeps TPOT
 under it; requests the target has no room for wait in the queue.
+
+An optional TTFT target (``--target-ttft-ms``) sits on top: when the request at the head
+of the queue would miss its time to first token at the TPOT caps (too few seats, or
+prefill chunks too small), and can still make it, that step admits it and grows the
+budget by the chunk it needs; the step runs over the TPOT plan once so that one request
+meets its first-token deadline. A request that has already missed it waits its turn: saving it would
+cost everyone's TPOT and still miss.
 """
 
 from __future__ import annotations
@@ -122,12 +129,14 @@ class LatencyTarget:
     same requests keep running)."""
 
     def __init__(self, target_tpot_s: float, model: StepTimeModel,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], target_ttft_s: float | None = None) -> None:
         self.target_s = target_tpot_s
+        self.target_ttft_s = target_ttft_s
         self.model = model
         self.clock = clock
         self._last: tuple[float, int, int, frozenset[str]] | None = None
         self.num_capped_steps = 0  # steps whose budget or seats the target lowered
+        self.num_ttft_steps = 0  # steps that went over the TPOT plan to save a TTFT
 
     def caps(self, num_running: int, budget: int, max_seqs: int) -> tuple[int, int]:
         """(token budget, seat limit) for the next step."""
@@ -140,6 +149,30 @@ class LatencyTarget:
         if new_budget < budget or seats < max_seqs:
             self.num_capped_steps += 1
         return new_budget, seats
+
+    def ttft_budget(self, arrival_time: float, prompt_left: int, num_running: int,
+                    tpot_budget: int, max_budget: int) -> int | None:
+        """The token budget a step needs so that the head-of-queue request (arrived at
+        ``arrival_time``, ``prompt_left`` prompt tokens to compute) meets the TTFT target;
+        None when it meets it at the TPOT caps, when there is no TTFT target, or when it
+        can no longer meet it (it has waited past the target, or even the engine's whole
+        budget would not finish its prompt in time)."""
+        if self.target_ttft_s is None or prompt_left <= 0:
+            return None
+        plan = self.target_ttft_s * HEADROOM
+        waited = self.clock() - arrival_time
+        step_s = max(self.model.predict(tpot_budget, num_running + 1), 1e-6)
+        share = max(1, tpot_budget - num_running)  # what the running decodes leave it
+        if waited + -(-prompt_left // share) * step_s <= plan:
+            return None  # on time at the TPOT caps (once it has a seat)
+        steps_left = int((plan - waited) / step_s)
+        if steps_left < 1:
+            return None  # too late already
+        need = num_running + -(-prompt_left // steps_left)
+        if need > max_budget:
+            return None
+        self.num_ttft_steps += 1
+        return max(tpot_budget, need)
 
     def on_schedule(self, tokens: int, seqs: int, req_ids: frozenset[str],
                     alive: Callable[[str], bool]) -> None:

@@ -201,9 +201,14 @@ class Scheduler:
     # --- one step -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget, seats = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        extra_running = extra_head = 0  # --target-ttft-ms: budget to save a first token
         if self.latency is not None:
+            full, max_seqs = budget, seats
             budget, seats = self.latency.caps(len(self.running), budget, seats)
-        step = _Step(budget)
+            if self.latency.target_ttft_s is not None:
+                extra_running, extra_head, seats = self._ttft_extra(budget, full, seats,
+                                                                    max_seqs)
+        step = _Step(budget + extra_running)
 
         # 1. Running requests first.
         i = 0
@@ -233,6 +238,7 @@ class Scheduler:
             step.take(req, n, ids, drafts)
             i += 1
 
+        step.budget += extra_head  # after the running requests: it is the head's
         # 2. Waiting requests, in order of service, while budget, seats and blocks last.
         # Not after a preemption: what was just freed goes to the running requests.
         # Static batching (ablation): a batch forms only once the last one has finished.
@@ -252,6 +258,31 @@ class Scheduler:
                                      frozenset(out.num_scheduled_tokens),
                                      self.requests.__contains__)
         return out
+
+    def _ttft_extra(self, budget: int, full: int, seats: int, max_seqs: int
+                    ) -> tuple[int, int, int]:
+        """(extra budget for the running requests, extra budget for the head of the
+        queue, seats) that let the oldest request still before its first token meet the
+        TTFT target: a running one mid-prefill (it is usually last in the running order,
+        so the extra reaches it after the decodes' one token each), else the head of the
+        queue, which may also take a seat beyond the TPOT caps."""
+        n = len(self.running)
+        for req in self.running:
+            if req.num_output_tokens == 0 and not req.num_placeholders \
+                    and req.num_computed_tokens < req.num_prompt_tokens:
+                need = self.latency.ttft_budget(
+                    req.arrival_time, req.num_prompt_tokens - req.num_computed_tokens,
+                    n - 1, budget, full)
+                if need is not None:
+                    return need - budget, 0, seats
+        head = self.waiting[0] if self.waiting else None
+        if head is not None and head.num_output_tokens == 0 and not head.num_placeholders:
+            need = self.latency.ttft_budget(
+                head.arrival_time, head.num_tokens - head.num_computed_tokens, n, budget,
+                full)
+            if need is not None:
+                return 0, need - budget, max(seats, min(max_seqs, n + 1))
+        return 0, 0, seats
 
     def _drafts_to_verify(self, req: Request, budget: int) -> list[int]:
         """The proposed drafts this step can verify: only right after a sampled token

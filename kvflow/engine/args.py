@@ -98,6 +98,10 @@ class EngineArgs:
                                         "capped so its predicted time stays under it; "
                                         "requests beyond that wait (see "
                                         "--max-queued-requests)")
+    target_ttft_ms: float | None = _arg(None, "with --target-tpot-ms: a waiting request "
+                                        "that would miss this time to first token (and "
+                                        "can still make it) is admitted with the prefill "
+                                        "chunk it needs, even over the TPOT plan")
     enforce_eager: bool = _arg(False, "never use CUDA graphs")
     async_scheduling: bool | None = _arg(None, "prepare and launch step N+1 while step N runs "
                                          "(default: on for GPU, off for CPU)")
@@ -199,7 +203,8 @@ class EngineArgs:
             else self.max_num_seqs,
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
             max_queued_requests=self.max_queued_requests,
-            target_tpot_ms=self.target_tpot_ms, batching=self.batching,
+            target_tpot_ms=self.target_tpot_ms, target_ttft_ms=self.target_ttft_ms,
+            batching=self.batching,
             async_scheduling=async_scheduling)
         parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,

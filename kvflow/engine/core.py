@@ -84,10 +84,14 @@ def latency_target(config: EngineConfig) -> LatencyTarget | None:
 
         gpu_name = torch.cuda.get_device_name(torch.device(config.device))
     prior = step_time_prior(config, gpu_name)
-    logger.info("latency target: %.1f ms per output token; step-time prior from %s: "
-                "%.2f ms + %.3f ms/token + %.3f ms/sequence", target, prior.source,
-                prior.fixed_s * 1e3, prior.per_token_s * 1e3, prior.per_seq_s * 1e3)
-    return LatencyTarget(target / 1e3, StepTimeModel(prior), time.monotonic)
+    ttft = config.scheduler.target_ttft_ms
+    logger.info("latency target: %.1f ms per output token%s; step-time prior from %s: "
+                "%.2f ms + %.3f ms/token + %.3f ms/sequence", target,
+                f", {ttft:.0f} ms to first token" if ttft is not None else "",
+                prior.source, prior.fixed_s * 1e3, prior.per_token_s * 1e3,
+                prior.per_seq_s * 1e3)
+    return LatencyTarget(target / 1e3, StepTimeModel(prior), time.monotonic,
+                         None if ttft is None else ttft / 1e3)
 
 
 class EngineCore:

@@ -182,7 +182,8 @@ def install_dashboard(app: FastAPI, engine, model_name: str) -> DashboardStats:
         s = engine.config.scheduler
         extra = {"max_model_len": m.max_model_len,
                  "generation_defaults": dict(m.generation_defaults),
-                 "target_tpot_ms": s.target_tpot_ms, "max_num_seqs": s.max_num_seqs,
+                 "target_tpot_ms": s.target_tpot_ms, "target_ttft_ms": s.target_ttft_ms,
+                 "max_num_seqs": s.max_num_seqs,
                  "engine_state": engine.state.name.lower()}
         return JSONResponse(stats.snapshot(extra), headers={"Cache-Control": "no-cache"})
 
