@@ -15,7 +15,7 @@ TTFT=${5:-3000}
 PY=${PY:-.venv/bin/python}
 PORT=${PORT:-8031}
 OUT=benchmarks/results
-WORKLOAD=(--num-prompts "$N" --input-len 128 --output-len 32 --range-ratio 0.5 --seed 1
+WORKLOAD=(--num-prompts "$N" --input-len 128 --output-len 32 --range-ratio 0.5
           --goodput "tpot:$TARGET" "ttft:$TTFT")
 SERVER=(--max-model-len 1024 --kv-cache-memory 512MiB --stats-log-interval 0)
 
@@ -29,9 +29,11 @@ run_config() {  # $1: off|on, then server flags
     kill -0 "$pid" 2>/dev/null || { cat "$log"; exit 1; }
     sleep 0.5
   done
+  local seed=0
   for rate in "$LOW" "$HIGH"; do
+    seed=$((seed + 1))  # other prompts at the second rate: no prefix-cache hits from the first
     "$PY" -m kvflow.cli bench serve --base-url "http://127.0.0.1:$PORT" "${WORKLOAD[@]}" \
-      --request-rate "$rate" \
+      --request-rate "$rate" --seed "$seed" \
       --metadata "server=kvflow serve ${SERVER[*]} $*" --metadata "target_tpot_ms=$TARGET" --metadata "target_ttft_ms=$TTFT" \
       --save-result "$OUT/cpu-latency-target-$tag-rate-$rate.json"
   done
