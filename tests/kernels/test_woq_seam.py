@@ -4,6 +4,8 @@ the seam's own reference (``Int4Groups.dequantize``, the int8 per-channel scale)
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -20,8 +22,21 @@ gguf = pytest.importorskip("gguf")
 
 @pytest.fixture
 def triton_path(monkeypatch):
-    """Weights on CPU take the path that CUDA weights take."""
+    """Weights on CPU take the path that CUDA weights take. Without a GPU the kernels run
+    in the interpreter on the CPU tensors; with one (the interpreter is then off) each
+    launch gets CUDA copies of the layer's packed tensors and returns to the CPU, so the
+    same tests check the compiled kernels on the same repacks."""
     monkeypatch.setattr(gpu, "use_triton", lambda device: True)
+    if torch.cuda.is_available():
+        matmul = gpu._matmul
+
+        def on_cuda(layer, tw, x):
+            packed = SimpleNamespace(**{name: None if getattr(layer, name) is None else
+                                        getattr(layer, name).cuda()
+                                        for name in ("qweight", "scales", "offsets")})
+            return matmul(packed, tw, x.cuda()).to(x.device)
+
+        monkeypatch.setattr(gpu, "_matmul", on_cuda)
 
 
 def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
