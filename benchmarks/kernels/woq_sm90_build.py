@@ -62,8 +62,10 @@ def build_w4(cfg: WoqConfig, bias: bool = True, group: int = 128) -> dict:
            "out_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32",
            "K": "i32", "KW": "i32", "stride_xm": "i32", "stride_om": "i32", "split_k": "i32"}
     consts = dict(GROUP=group, HAS_BIAS=bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  SPLIT=split, DOT=cfg.dot, SCALE_AFTER=cfg.scale_after or not cfg.dot,
-                  UPCAST=False)
+                  SPLIT=split)
+    if not cfg.dot:
+        return _build(w4a16_gemm._w4a16_gemv_kernel, sig, consts, cfg)
+    consts.update(SCALE_AFTER=cfg.scale_after, UPCAST=False)
     return _build(w4a16_gemm._w4a16_kernel, sig, consts, cfg)
 
 

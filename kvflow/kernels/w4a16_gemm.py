@@ -51,8 +51,8 @@ PLANE = PACK_K // 8
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, KW,
                   stride_xm, stride_om, split_k,
                   GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-                  SCALE_AFTER: tl.constexpr, UPCAST: tl.constexpr):
+                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SCALE_AFTER: tl.constexpr,
+                  UPCAST: tl.constexpr):
     PL: tl.constexpr = 32  # inputs per nibble plane (PACK_K / 8)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -92,10 +92,8 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, 
                 # rather than every weight.
                 if UPCAST:  # CPU interpreter: its tl.dot multiplies bf16 as raw uint16
                     part = tl.dot(x.to(tl.float32), tl.trans(q), input_precision="ieee")
-                elif DOT:
+                else:
                     part = tl.dot(x, tl.trans(q.to(x.dtype)))  # [BM, BN]; q exact in bf16
-                else:  # one row: [1, 1, 32] * [1, BN, 32] summed over the plane
-                    part = tl.sum(x.to(tl.float32)[:, None, :] * q[None, :, :], axis=2)
                 xsum = tl.sum(x.to(tl.float32), axis=1)  # [BM]
                 acc += part * s[None, :] + xsum[:, None] * b[None, :]
             else:
@@ -106,6 +104,82 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, 
                                   input_precision="ieee")
                 else:
                     acc += tl.dot(x, tl.trans(w))
+    store_output(acc, out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_om, pid, pid_k,
+                 split_k, SPLIT)
+
+
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, KW,
+                       stride_xm, stride_om, split_k,
+                       GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """Decode (M <= 8): the whole product in registers, no tensor cores, no layout change.
+
+    Each thread keeps the [BN, 32] word tile as loaded (4 words = 16 bytes per load) and
+    gets plane i's 32 weights in place by ``(w >> 4 i) & 15``; OR-ing that into the bits of
+    float32 2**23 and subtracting 2**23 turns it into a float without a conversion
+    instruction (those issue at a quarter of the FMA rate). The products with the
+    matching activations (broadcast along BN) accumulate in float32 over the planes of
+    one scale group, and only then are reduced over the 32 words and scaled,
+    ``s (x . q) + b sum(x)``: per weight a shift, a logic op, an add and M FMAs."""
+    PL: tl.constexpr = 32  # inputs per nibble plane
+    SPAN: tl.constexpr = (GROUP if GROUP < 8 * PL else 8 * PL) // PL  # planes per scale
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_w = tl.arange(0, PL)  # [32]
+    n_ok = offs_n < N
+    kg = K // GROUP
+    w_ptrs = qw_ptr + offs_n[:, None] * KW + offs_w[None, :]  # [BN, 32]
+    g_ptrs = offs_n * kg  # [BN]
+    k_tiles = tl.cdiv(K, 8 * PL)
+    per_split = tl.cdiv(k_tiles, split_k)
+    t_start = pid_k * per_split
+    t_end = tl.minimum(t_start + per_split, k_tiles)
+    # Each row's sums go to column r of a [BN, BM] accumulator so that every tensor in
+    # the loop keeps the word tile's register layout (a [BM, BN, 32] product would get a
+    # layout of its own and a shared-memory conversion per plane).
+    cols = tl.arange(0, BLOCK_M)  # [BM]
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # [BN, BM]
+    # The next tile's load is issued before this tile's arithmetic (two tiles in flight
+    # per program; Triton's pipeliner only stages loads that feed tl.dot).
+    zero_w = offs_w * 0  # [32]: scalar conditions as tensors (the interpreter's masks)
+    nxt = tl.load(w_ptrs + t_start * PL, mask=n_ok[:, None] & (zero_w + t_start < t_end)[None, :],
+                  other=0)
+    for t in range(t_start, t_end):
+        words = nxt  # [BN, 32] int32
+        nxt = tl.load(w_ptrs + (t + 1) * PL,
+                      mask=n_ok[:, None] & (zero_w + t + 1 < t_end)[None, :], other=0)
+        for j in tl.static_range(8 // SPAN):  # the scale groups (or group part) of the tile
+            # planes past K (padding) have x = 0: any valid group's scale gives 0
+            g = tl.minimum((t * (8 * PL) + j * SPAN * PL) // GROUP, kg - 1)
+            s = tl.load(s_ptr + g_ptrs + g, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
+            if HAS_BIAS:
+                b = tl.load(b_ptr + g_ptrs + g, mask=n_ok, other=0.0).to(tl.float32)
+            else:  # symmetric: w = (q - 8) s
+                b = -8.0 * s
+            for r in tl.static_range(BLOCK_M):
+                row = pid_m * BLOCK_M + r
+                part = tl.zeros((BLOCK_N, PL), dtype=tl.float32)
+                xs = tl.zeros((PL,), dtype=tl.float32)
+                for p in tl.static_range(SPAN):
+                    i = j * SPAN + p
+                    k0 = t * (8 * PL) + i * PL  # first input of plane i
+                    x = tl.load(x_ptr + row * stride_xm + k0 + offs_w,
+                                mask=(zero_w + row < M) & (k0 + offs_w < K), other=0.0
+                                ).to(tl.float32)  # [32]
+                    # the same for every row: computed once (CSE), kept for the rows
+                    bits = ((words >> (4 * i)) & 0xF) | 0x4B000000  # float32 2**23 + q
+                    q = bits.to(tl.float32, bitcast=True) - 8388608.0  # [BN, 32], exact
+                    part += q * x[None, :]
+                    xs += x
+                y = tl.sum(part, axis=1) * s + tl.sum(xs, axis=0) * b  # [BN]
+                acc_t += tl.where(cols[None, :] == r, y[:, None], 0.0)
+    acc = tl.trans(acc_t)  # [BM, BN]
     store_output(acc, out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_om, pid, pid_k,
                  split_k, SPLIT)
 
@@ -168,12 +242,16 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     cfg = config or choose_config(m, n, k, x.device, bits=4)
     ws, locks = split_buffers(cfg, m, n, x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
-    _w4a16_kernel[grid](
-        x, qweight, scale, bias if bias is not None else scale, out,
-        out if ws is None else ws, out if locks is None else locks, m, n, k, qweight.shape[1],
-        x.stride(0), n, cfg.split_k,
-        GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        SPLIT=ws is not None, DOT=cfg.dot, SCALE_AFTER=cfg.scale_after or not cfg.dot,
-        UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (x, qweight, scale, bias if bias is not None else scale, out,
+            out if ws is None else ws, out if locks is None else locks, m, n, k,
+            qweight.shape[1], x.stride(0), n, cfg.split_k)
+    common = dict(GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, SPLIT=ws is not None, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+    if cfg.dot:
+        _w4a16_kernel[grid](*args, SCALE_AFTER=cfg.scale_after,
+                            UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
+                            **common)
+    else:
+        _w4a16_gemv_kernel[grid](*args, **common)
     return out

@@ -45,7 +45,8 @@ class WoqConfig:
     split_k: int = 1
     """Programs sharing one output tile's K loop (> 1: float32 atomics + a cast)."""
     dot: bool = True
-    """tl.dot on tensor cores; False: broadcast multiply + tl.sum (block_m must be 1)."""
+    """tl.dot on tensor cores; False: the register GEMV (broadcast multiply, float32
+    sums, ``tl.sum``; block_m at most ``DECODE_MAX_M``)."""
     num_warps: int = 4
     num_stages: int = 3
     scale_after: bool = True
@@ -58,8 +59,9 @@ class WoqConfig:
                 raise ValueError(f"tile sizes must be powers of two: {self}")
         if self.dot and min(self.block_m, self.block_n, self.block_k) < 16:
             raise ValueError(f"tl.dot tiles must be at least 16: {self}")
-        if not self.dot and self.block_m != 1:
-            raise ValueError(f"the tl.sum path takes one row per program: {self}")
+        if not self.dot and self.block_m > DECODE_MAX_M:
+            raise ValueError(f"the register GEMV path takes at most {DECODE_MAX_M} rows per "
+                             f"program: {self}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1: {self}")
 
@@ -87,10 +89,16 @@ def choose_config(m: int, n: int, k: int, device: torch.device, bits: int,
     sms = sms or _sms(device)
     # Picked from sm_90 builds (ptxas register and shared-memory use, no spills); the
     # speed on the H200 is for benchmarks/gpu/bench_woq.py --sweep to settle.
-    if bits == 4:  # 256-input tiles (8 nibble planes); int4 decode at 104 registers
+    dot = True
+    if bits == 4:  # 256-input tiles (8 nibble planes)
         bk = 256
         if m <= DECODE_MAX_M:
-            bm, bn, warps, stages = 16, 64, 8, 3
+            # The register GEMV: the first (tl.dot) decode ran at 0.35 TB/s on the H200,
+            # bound by the per-plane conversions into the dot's operand layout. Rows are
+            # padded to a power of two; more rows per program shrink BN so the per-row
+            # float32 partials stay in registers.
+            dot, bm = False, triton.next_power_of_2(m)
+            bn, warps, stages = (64, 4, 3) if bm <= 2 else (32, 4, 3)
         elif m <= 64:  # 8 warps at 16 rows: 80 registers (4 warps: 244)
             bm = max(16, triton.next_power_of_2(m))
             bn, warps, stages = 64, 8 if bm == 16 else 4, 2
@@ -112,7 +120,7 @@ def choose_config(m: int, n: int, k: int, device: torch.device, bits: int,
         # at least 2 K tiles per split, so each program still streams a few tiles
         split = max(1, min(triton.cdiv(target, tiles), k_tiles // 2, 16))
         split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no split left empty
-    return WoqConfig(bm, bn, bk, split, True, warps, stages, scale_after=bm <= 16)
+    return WoqConfig(bm, bn, bk, split, dot, warps, stages, scale_after=bm <= 16)
 
 
 LOCK_SLOTS = 4096  # output tiles of one split-K launch (splits need tiles < 4 per SM)
