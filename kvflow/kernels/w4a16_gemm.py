@@ -29,6 +29,10 @@ dequantized in registers first (one FMA per weight, rounded to the activation dt
 One split stores its tile in the output dtype; several add float32 partials to a
 workspace whose last-arriving program adds them (``woq_config.store_output``).
 
+Decode (M <= 8) takes ``_w4a16_gemv_kernel`` instead (``WoqConfig.dot`` False): the same
+layout and split-K, all arithmetic on the loaded registers (see its docstring); the
+``tl.dot`` form above is the GEMM for M > 8.
+
 Traffic: N K / 2 bytes of weight + 2 N K / G * elem bytes of scales and biases + M K and
 M N activations. Llama-3.1-8B down_proj (N 4096, K 14336, G 128, bf16) at M = 1: 29.4 MB
 + 1.8 MB, about 6.5 us at 4.8 TB/s, against 117 MB (24 us) for the bf16 weight.

@@ -8,9 +8,9 @@ Two paths, picked from the number of activation rows M (tokens in the step):
   too few programs (N = 4096 with BLOCK_N = 64 is 64 programs for 132 SMs), so the K
   loop is split over ``split_k`` programs as well; each writes its float32 partial sums
   to a workspace slice and the tile's last program (an arrival counter) adds them and
-  stores the output, all in the one launch (``store_output``). The M rows are padded
-  to 16 for ``tl.dot`` (tensor cores are idle at this size anyway), or, with
-  ``dot=False``, reduced with a broadcast multiply-add and ``tl.sum`` (one row).
+  stores the output, all in the one launch (``store_output``). int8 pads the M
+  rows to 16 for ``tl.dot`` (tensor cores are idle at this size anyway); int4 takes
+  the register GEMV (``dot=False``: broadcast multiply-add in float32, ``tl.sum``).
 - **GEMM, M > 8** (prefill, large batches): classic tiles, the weight tile dequantized
   in registers and fed to ``tl.dot``; split-K only when the output tiles cannot fill
   the SMs.
