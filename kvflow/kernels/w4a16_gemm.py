@@ -244,6 +244,10 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if m == 0:
         return out
     cfg = config or choose_config(m, n, k, x.device, bits=4)
+    if cfg.dequant:  # many rows: the dense weight (one pass) and cuBLAS
+        from kvflow.kernels.int4_dequant import int4_dequant
+
+        return torch.nn.functional.linear(x, int4_dequant(qweight, scale, bias, group))
     ws, locks = split_buffers(cfg, m, n, x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     args = (x, qweight, scale, bias if bias is not None else scale, out,

@@ -11,9 +11,11 @@ Two paths, picked from the number of activation rows M (tokens in the step):
   stores the output, all in the one launch (``store_output``). int8 pads the M
   rows to 16 for ``tl.dot`` (tensor cores are idle at this size anyway); int4 takes
   the register GEMV (``dot=False``: broadcast multiply-add in float32, ``tl.sum``).
-- **GEMM, M > 8** (prefill, large batches): classic tiles, the weight tile dequantized
-  in registers and fed to ``tl.dot``; split-K only when the output tiles cannot fill
-  the SMs.
+- **GEMM, M > 8** (prefill, large batches): int8 runs classic tiles, the weight tile
+  converted in registers and fed to ``tl.dot`` (split-K only when the output tiles
+  cannot fill the SMs); int4 dequantizes the whole weight into the activation dtype and
+  calls cuBLAS (``dequant``): by traffic its Triton tiles should lose to it at every M
+  (their H200 figures: 0.22-0.35x bf16 cuBLAS at M = 16 and 256).
 
 Everything is decided from shapes (Python ints): no host synchronisation, so the launch
 can be captured in a CUDA graph.
@@ -52,6 +54,9 @@ class WoqConfig:
     scale_after: bool = True
     """int4: scale each plane's float32 partial sums (few rows) instead of dequantizing
     every weight before the dot (many rows)."""
+    dequant: bool = False
+    """int4: dequantize the whole weight into x's dtype (``int4_dequant``) and multiply
+    with cuBLAS instead of running a Triton tile (the tile sizes are then unused)."""
 
     def __post_init__(self) -> None:
         for v in (self.block_m, self.block_n, self.block_k):
@@ -99,11 +104,15 @@ def choose_config(m: int, n: int, k: int, device: torch.device, bits: int,
             # float32 partials stay in registers.
             dot, bm = False, triton.next_power_of_2(m)
             bn, warps, stages = (64, 4, 3) if bm <= 2 else (32, 4, 3)
-        elif m <= 64:  # 8 warps at 16 rows: 80 registers (4 warps: 244)
-            bm = max(16, triton.next_power_of_2(m))
-            bn, warps, stages = 64, 8 if bm == 16 else 4, 2
         else:
-            bm, bn, warps, stages = 128, 128, 8, 2  # 3 stages would need 232 KiB of smem
+            # Dequantize + cuBLAS: the Triton GEMM below (still there for explicit
+            # configs) ran at 0.22-0.35x bf16 cuBLAS at M = 16 and 256 on the H200; the
+            # dense weight costs 2.5 bytes per weight once, then the GEMM runs at cuBLAS
+            # speed (see int4_dequant).
+            bm = max(16, min(128, triton.next_power_of_2(m)))
+            bn, warps, stages = (64, 8 if bm == 16 else 4, 2) if bm <= 64 else (128, 8, 2)
+            return WoqConfig(bm, bn, bk, 1, True, warps, stages, scale_after=bm <= 16,
+                             dequant=True)
     else:
         bk = 128 if m <= DECODE_MAX_M else 64
         if m <= DECODE_MAX_M:

@@ -6,6 +6,7 @@ import pytest
 import torch
 import triton
 
+from kvflow.kernels.int4_dequant import int4_dequant, int4_dequant_ref
 from kvflow.kernels.w4a16_gemm import (dequantize_int4, pack_int4, unpack_int4, w4a16_gemm,
                                        w4a16_ref)
 from kvflow.kernels.woq_config import WoqConfig, choose_config
@@ -111,7 +112,25 @@ def test_choose_config_paths():
     assert dec.block_m == 1 and not dec.dot and dec.split_k >= 1  # the register GEMV
     assert choose_config(6, 4096, 4096, cuda, 4).block_m == 8
     big = choose_config(4096, 4096, 4096, cuda, 4)
-    assert big.block_m == 128 and big.split_k == 1
+    assert big.block_m == 128 and big.split_k == 1 and big.dequant  # dense weight + cuBLAS
+    assert not choose_config(4096, 4096, 4096, cuda, 8).dequant
+
+
+@pytest.mark.parametrize("group,symmetric,dtype", [(32, False, torch.bfloat16),
+                                                   (128, True, torch.float16)])
+def test_int4_dequant_kernel(device, group, symmetric, dtype):
+    """The dense weight of the M > 8 path: the reference's float32 weight rounded to the
+    dtype (within one ulp: the interpreter truncates instead of rounding); K = 384 ends
+    in a partial 256-input tile."""
+    n, k = 72, 384
+    _, qw, s, b = _weights(n, k, group, symmetric, dtype, device, seed=group)
+    w = int4_dequant(qw, s, b, group, block_n=32)
+    ref = int4_dequant_ref(qw, s, b, group, dtype)
+    assert w.shape == (n, k) and w.dtype == dtype
+    eps = torch.finfo(dtype).eps
+    exact = dequantize_int4(qw, s, b, group)
+    assert ((w.float() - exact).abs() <= eps * exact.abs() + 1e-6).all()
+    assert ((w.float() - ref.float()).abs() <= eps * ref.float().abs() + 1e-6).all()
 
 
 @pytest.mark.gpu
