@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.kernels.w4a16_gemm import PACK_K, PLANE, dequantize_int4
+from kvflow.kernels.w4a16_gemm import PACK_K, PLANE, dequantize_int4, nibble_plane
 
 
 @triton.jit
@@ -37,6 +37,7 @@ def _int4_dequant_kernel(qw_ptr, s_ptr, b_ptr, out_ptr, N, K, KW,
     kg = K // GROUP
     words = tl.load(qw_ptr + offs_n[:, None] * KW + t * PL + offs_w[None, :],
                     mask=n_ok[:, None], other=0)  # [BN, 32] int32
+    hi = words >> 12
     for i in tl.static_range(8):
         k0 = t * (8 * PL) + i * PL  # first input of plane i
         g = tl.minimum(k0 // GROUP, kg - 1)
@@ -45,8 +46,7 @@ def _int4_dequant_kernel(qw_ptr, s_ptr, b_ptr, out_ptr, N, K, KW,
             b = tl.load(b_ptr + offs_n * kg + g, mask=n_ok, other=0.0).to(tl.float32)
         else:  # symmetric: w = (q - 8) s
             b = -8.0 * s
-        bits = ((words >> (4 * i)) & 0xF) | 0x4B000000  # float32 2**23 + q
-        q = bits.to(tl.float32, bitcast=True) - 8388608.0  # [BN, 32]
+        q = nibble_plane(words, hi, i)  # [BN, 32] float32
         w = q * s[:, None] + b[:, None]
         k_ok = k0 + offs_w < K  # planes past K are padding
         tl.store(out_ptr + offs_n[:, None] * K + k0 + offs_w[None, :],

@@ -113,6 +113,20 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, 
 
 
 @triton.jit
+def nibble_plane(words, hi, i: tl.constexpr):
+    """Plane i of a word tile as exact float32 values 0..15 (same shape and layout as
+    ``words``; ``hi`` = ``words >> 12``), with one logic op and one add per value and no
+    conversion instruction: the nibble, masked in place at bit 4 j, is OR-ed into the
+    mantissa of float32 2**(23 - 4 j), whose last place is then 2**-(4 j), so the
+    float reads 2**(23 - 4 j) + q; subtracting 2**(23 - 4 j) leaves q. Nibbles above
+    bit 19 would reach the exponent: planes 5..7 come from ``hi`` (nibbles 2..4)."""
+    J: tl.constexpr = i if i < 5 else i - 3
+    src = words if i < 5 else hi
+    bits = (src & (0xF << (4 * J))) | ((150 - 4 * J) << 23)
+    return bits.to(tl.float32, bitcast=True) - ((1 << (23 - 4 * J)) * 1.0)
+
+
+@triton.jit
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, KW,
                        stride_xm, stride_om, split_k,
                        GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -120,12 +134,12 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M
     """Decode (M <= 8): the whole product in registers, no tensor cores, no layout change.
 
     Each thread keeps the [BN, 32] word tile as loaded (4 words = 16 bytes per load) and
-    gets plane i's 32 weights in place by ``(w >> 4 i) & 15``; OR-ing that into the bits of
-    float32 2**23 and subtracting 2**23 turns it into a float without a conversion
-    instruction (those issue at a quarter of the FMA rate). The products with the
+    gets plane i's 32 weights in place as floats with a mask, an OR and an add
+    (``nibble_plane``: no shift per plane and no conversion instruction, which issues at
+    a quarter of the FMA rate). The products with the
     matching activations (broadcast along BN) accumulate in float32 over the planes of
     one scale group, and only then are reduced over the 32 words and scaled,
-    ``s (x . q) + b sum(x)``: per weight a shift, a logic op, an add and M FMAs."""
+    ``s (x . q) + b sum(x)``: per weight a logic op, an add and M FMAs."""
     PL: tl.constexpr = 32  # inputs per nibble plane
     SPAN: tl.constexpr = (GROUP if GROUP < 8 * PL else 8 * PL) // PL  # planes per scale
     pid = tl.program_id(0)
@@ -156,6 +170,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M
                   other=0)
     for t in range(t_start, t_end):
         words = nxt  # [BN, 32] int32
+        hi = words >> 12  # planes 5..7 at nibbles 2..4 (nibble_plane)
         nxt = tl.load(w_ptrs + (t + 1) * PL,
                       mask=n_ok[:, None] & (zero_w + t + 1 < t_end)[None, :], other=0)
         for j in tl.static_range(8 // SPAN):  # the scale groups (or group part) of the tile
@@ -177,8 +192,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M
                                 mask=(zero_w + row < M) & (k0 + offs_w < K), other=0.0
                                 ).to(tl.float32)  # [32]
                     # the same for every row: computed once (CSE), kept for the rows
-                    bits = ((words >> (4 * i)) & 0xF) | 0x4B000000  # float32 2**23 + q
-                    q = bits.to(tl.float32, bitcast=True) - 8388608.0  # [BN, 32], exact
+                    q = nibble_plane(words, hi, i)  # [BN, 32] float32, exact
                     part += q * x[None, :]
                     xs += x
                 y = tl.sum(part, axis=1) * s + tl.sum(xs, axis=0) * b  # [BN]
