@@ -120,10 +120,15 @@ def nibble_plane(words, hi, i: tl.constexpr):
     mantissa of float32 2**(23 - 4 j), whose last place is then 2**-(4 j), so the
     float reads 2**(23 - 4 j) + q; subtracting 2**(23 - 4 j) leaves q. Nibbles above
     bit 19 would reach the exponent: planes 5..7 come from ``hi`` (nibbles 2..4)."""
-    J: tl.constexpr = i if i < 5 else i - 3
-    src = words if i < 5 else hi
-    bits = (src & (0xF << (4 * J))) | ((150 - 4 * J) << 23)
-    return bits.to(tl.float32, bitcast=True) - ((1 << (23 - 4 * J)) * 1.0)
+    # Statement-level ifs on the constexpr plane index: resolved when the kernel is
+    # compiled (a conditional expression would become a runtime select on Triton 3.6).
+    if i < 5:
+        bits = (words & (0xF << (4 * i))) | ((150 - 4 * i) << 23)
+        q = bits.to(tl.float32, bitcast=True) - ((1 << (23 - 4 * i)) * 1.0)
+    else:
+        bits = (hi & (0xF << (4 * (i - 3)))) | ((150 - 4 * (i - 3)) << 23)
+        q = bits.to(tl.float32, bitcast=True) - ((1 << (23 - 4 * (i - 3))) * 1.0)
+    return q
 
 
 @triton.jit
