@@ -82,14 +82,23 @@ class GroupCoordinator:
         dist.broadcast(x, src=self.ranks[src], group=self.device_group)
         return x
 
-    def send(self, x: torch.Tensor, dst: int) -> None:
+    def broadcast_async(self, x: torch.Tensor, src: int = 0):
+        """Post a broadcast into ``x``; the returned work's ``wait()`` ends it (pipeline
+        stages collect the sampled ids only when the step is collected)."""
+        return dist.broadcast(x, src=self.ranks[src], group=self.device_group, async_op=True)
+
+    def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Point-to-point send to group rank ``dst`` (pipeline stages)."""
-        dist.send(x.contiguous(), dst=self.ranks[dst], group=self.device_group)
+        dist.send(x.contiguous(), dst=self.ranks[dst], group=self.device_group, tag=tag)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(out, src=self.ranks[src], group=self.device_group)
         return out
+
+    def recv_async(self, out: torch.Tensor, src: int, tag: int = 0):
+        """Post a receive into ``out`` from group rank ``src``; ``wait()`` ends it."""
+        return dist.irecv(out, src=self.ranks[src], group=self.device_group, tag=tag)
 
     # --- control data on the CPU -------------------------------------------------
     def min_int(self, value: int) -> int:

@@ -12,6 +12,7 @@ naming the rank.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import time
@@ -77,6 +78,9 @@ class Executor:
         self.procs = []
         self.state = None
         self.failed: str | None = None
+        # Pipeline batches in flight: step messages posted to the ranks, not yet taken by
+        # all of them (the oldest are waited for once more than that many are out).
+        self._posted: collections.deque[list] = collections.deque()
         pc = config.parallel
         if pc.world_size == 1:
             self.runner = ModelRunner(config)
@@ -124,7 +128,8 @@ class Executor:
         if self.state is None:
             return self.runner.execute_model_async(so)
         from kvflow.distributed.launch import first_failure
-        from kvflow.distributed.messages import ExecuteStep, broadcast_message
+        from kvflow.distributed.messages import (ExecuteStep, broadcast_message,
+                                                 broadcast_message_async)
 
         if self.failed is not None:
             raise DistributedError(self.failed)
@@ -132,7 +137,17 @@ class Executor:
         if why is not None:
             self._fail(None, why)
         try:
-            broadcast_message(self.state.control, ExecuteStep(so))
+            depth = self.config.parallel.batches_in_flight
+            if depth > 1:
+                # A later stage takes this message when it is done with the batches
+                # before it; rank 0 goes on with its own stage of this one meanwhile.
+                self._posted.append(broadcast_message_async(self.state.control,
+                                                            ExecuteStep(so)))
+                while len(self._posted) > depth:
+                    for work in self._posted.popleft():
+                        work.wait()
+            else:
+                broadcast_message(self.state.control, ExecuteStep(so))
             return self.runner.execute_model_async(so)
         except Exception as e:
             self._fail(e)
@@ -168,6 +183,9 @@ class Executor:
             clean = self.failed is None and first_failure(self.procs) is None
             if clean:
                 try:
+                    while self._posted:
+                        for work in self._posted.popleft():
+                            work.wait()
                     broadcast_message(self.state.control, StopWorkers())
                 except Exception:
                     clean = False
