@@ -397,6 +397,9 @@ class ParallelConfig:
     stage: int = 0
     """The pipeline stage of the process this config is for (the executor sets it per
     rank; it sizes that rank's KV cache to its layers)."""
+    launcher: str = "kvflow"
+    """Who starts the ranks: kvflow (each node's ``kvflow serve`` starts its ranks) or
+    torchrun (one process per rank, each told its rank by RANK and LOCAL_RANK)."""
     pipeline_in_flight: int | None = None
     """Scheduled batches in flight at once with pipeline parallelism (each its own
     requests, like vLLM's virtual engines), so that no stage idles; None: one per stage;
@@ -417,6 +420,8 @@ class ParallelConfig:
         require(self.timeout_s > 0, "timeout_s", "must be > 0 seconds")
         require(0 <= self.stage < self.pipeline_parallel_size, "stage",
                  f"must be in [0, pipeline_parallel_size={self.pipeline_parallel_size})")
+        require(self.launcher in ("kvflow", "torchrun"), "launcher",
+                f"must be kvflow or torchrun, got {self.launcher!r}")
         require(self.pipeline_in_flight is None or self.pipeline_in_flight >= 1,
                 "pipeline_in_flight", "must be >= 1")
 

@@ -221,14 +221,40 @@ class EngineArgs:
             async_scheduling=async_scheduling)
         parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size, nnodes=self.nnodes,
-            node_rank=self.node_rank, master_addr=self.master_addr,
-            master_port=self.master_port, timeout_s=self.distributed_timeout,
-            pipeline_in_flight=self.pipeline_in_flight)
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            timeout_s=self.distributed_timeout, pipeline_in_flight=self.pipeline_in_flight,
+            **self._placement())
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(device=device,
                                                 enforce_eager=self.enforce_eager),
                             speculative=speculative, parallel=parallel)
+
+    def _placement(self) -> dict:
+        """Nodes, this node and the rendezvous: the flags, or torchrun's environment
+        variables when torchrun started this process (a flag given as well must agree)."""
+        from kvflow.distributed.torchrun import torchrun_rank
+
+        flags = dict(nnodes=self.nnodes, node_rank=self.node_rank,
+                     master_addr=self.master_addr, master_port=self.master_port)
+        tr = torchrun_rank()
+        if tr is None:
+            return flags
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if tr.world_size != world:
+            raise InvalidParameterError(
+                f"torchrun started WORLD_SIZE={tr.world_size} processes but "
+                f"--tensor-parallel-size {self.tensor_parallel_size} x "
+                f"--pipeline-parallel-size {self.pipeline_parallel_size} needs {world}",
+                param="tensor_parallel_size")
+        env = dict(nnodes=tr.nnodes, node_rank=tr.node_rank, master_addr=tr.master_addr,
+                   master_port=tr.master_port)
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in flags}
+        for name, value in flags.items():
+            if value != defaults[name] and value != env[name]:
+                raise InvalidParameterError(
+                    f"--{name.replace('_', '-')} {value} disagrees with torchrun's "
+                    f"environment ({env[name]}); give one or the other", param=name)
+        return dict(env, launcher="torchrun")
 
     def _generation_defaults(self, resolved) -> tuple[dict, str]:
         choice = self.generation_config

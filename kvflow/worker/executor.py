@@ -63,6 +63,17 @@ def initialize_rank(runner: ModelRunner) -> int:
     return num_blocks
 
 
+def _check_torchrun_rank0() -> None:
+    from kvflow.distributed.torchrun import torchrun_rank
+
+    tr = torchrun_rank()
+    if tr is not None and tr.rank != 0:
+        raise InvalidParameterError(
+            f"under torchrun only RANK 0 runs the engine; this is RANK {tr.rank}: start "
+            f"every rank with the kvflow command (kvflow serve or kvflow generate), which "
+            f"runs the other ranks' loop", param="RANK")
+
+
 def _kill_now(procs) -> None:
     for p in procs:
         if p.proc.poll() is None:
@@ -89,15 +100,25 @@ class Executor:
             raise InvalidParameterError("the engine (scheduler and rank 0) runs on node 0; "
                                         "other nodes run their ranks only", param="node_rank")
         from kvflow.distributed import init_parallel_state
-        from kvflow.distributed.launch import free_port, spawn_ranks
+        from kvflow.distributed.launch import spawn_ranks
+        from kvflow.distributed.rendezvous import listen_socket
 
-        port = pc.master_port or free_port(pc.master_addr)
         set_rank_threads(config)
-        self.procs = spawn_ranks(config, [(r, r) for r in range(1, pc.ranks_per_node)], port)
+        listen = None
+        if pc.launcher == "torchrun":
+            _check_torchrun_rank0()
+            port = pc.master_port  # torchrun started the other ranks already
+        else:
+            # The store's socket first, so the ranks get a port that is already taken.
+            listen = listen_socket(pc)
+            port = listen.getsockname()[1]
+            self.procs = spawn_ranks(config, [(r, r) for r in range(1, pc.ranks_per_node)],
+                                     port)
         self._finalizer = weakref.finalize(self, _kill_now, self.procs)
         cfg = rank_config(config, 0, 0)
         try:
-            self.state = init_parallel_state(pc, 0, 0, port, torch.device(cfg.device.device))
+            self.state = init_parallel_state(pc, 0, 0, port, torch.device(cfg.device.device),
+                                             listen)
             from kvflow.distributed.messages import Setup, broadcast_message
 
             broadcast_message(self.state.control, Setup(config))
