@@ -61,12 +61,13 @@ def test_tp4_equals_tp1(model):
 
 
 def test_smollm2_tp3_equals_tp1(smollm2):
-    """The real model: 9 heads and 3 KV heads over 3 ranks, GGUF weights narrowed."""
+    """The real model: 9 heads and 3 KV heads over 3 ranks, its GGUF weights dequantized
+    and narrowed (dense, like the fixture; test_tp_quantized.py keeps the blocks)."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     ref = [o.outputs[0].token_ids for o in smollm2.generate(prompts, params, use_tqdm=False)]
     with LLM("smollm2-135m", device="cpu", max_model_len=256, num_gpu_blocks_override=32,
-             tensor_parallel_size=3) as three:
+             quantization="none", tensor_parallel_size=3) as three:
         got = [o.outputs[0].token_ids for o in three.generate(prompts, params,
                                                                use_tqdm=False)]
     assert got == ref

@@ -62,6 +62,13 @@ class GroupCoordinator:
         dist.all_reduce(x, group=self.device_group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum of ``x`` over the group, in place (load-time statistics,
+        e.g. a quantization scale over a row split between the ranks)."""
+        if self.world_size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.device_group)
+        return x
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``x`` along ``dim``, in rank order."""
         if self.world_size == 1:

@@ -22,7 +22,7 @@ import torch
 
 from kvflow.config import EngineConfig
 from kvflow.core.sched_output import SchedulerOutput
-from kvflow.errors import DistributedError, InvalidParameterError
+from kvflow.errors import DistributedError, InvalidParameterError, KvflowError
 from kvflow.logger import init_logger
 from kvflow.worker.model_runner import ModelRunner, StepHandle
 
@@ -126,6 +126,12 @@ class Executor:
         except Exception as e:
             try:
                 self._fail(e)
+            except DistributedError:
+                if isinstance(e, KvflowError) and not isinstance(e, DistributedError):
+                    # Rank 0 refused the model itself (e.g. a split the quantized
+                    # weights do not allow): that, not the ranks it stopped, is the news.
+                    raise e from None
+                raise
             finally:
                 self.shutdown()
 

@@ -204,8 +204,10 @@ def _load_g_idx(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor) -> 
 
 def _check_shape(layer: LinearBase, shape: torch.Tensor, shard) -> None:
     """compressed-tensors' ``weight_shape`` [N, K] must be the shard's own."""
-    n = layer.output_sizes[layer.shard_ids.index(shard)] if shard is not None else (
-        layer.output_size)
-    if [int(v) for v in shape.reshape(-1)] != [n, layer.input_size]:
+    # A tensor-parallel layer holds a slice; the checkpoint describes the whole tensor.
+    sizes = getattr(layer, "full_output_sizes", layer.output_sizes)
+    k = getattr(layer, "full_input_size", layer.input_size)
+    n = sizes[layer.shard_ids.index(shard)] if shard is not None else sum(sizes)
+    if [int(v) for v in shape.reshape(-1)] != [n, k]:
         raise ModelLoadError(f"compressed-tensors: weight_shape {shape.tolist()} does not "
-                             f"match the layer's {[n, layer.input_size]}")
+                             f"match the layer's {[n, k]}")
