@@ -5,6 +5,8 @@ that would cut a quantization group or block is refused."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from test_quantization import tiny_gguf  # noqa: F401  (the tiny GGUF file fixture)
 
@@ -17,7 +19,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True
 
 
 def engine(model: str, quantization: str, **kw) -> LLM:
-    if not model.endswith(".gguf"):
+    if not os.path.exists(model):  # an architecture preset: random weights
         kw.setdefault("load_format", "dummy")
     return LLM(model, quantization=quantization, device="cpu", max_model_len=256,
                num_gpu_blocks_override=64, skip_tokenizer_init=True, seed=3,
@@ -95,3 +97,17 @@ def test_smollm2_gguf_tp3_equals_tp1():
             got.append([o.outputs[0].token_ids
                         for o in llm.generate(prompts, params, use_tqdm=False)])
     assert got[1] == got[0]
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
+def test_tp2_prequantized_checkpoint_equals_tp1(tmp_path, fmt):
+    """Packed int32 words along the input (GPTQ) or output (AWQ, zero points), per-group
+    scales, GPTQ's g_idx and compressed-tensors' weight_shape, cut per rank."""
+    from test_quantization import _write_prequantized
+
+    _write_prequantized(tmp_path, fmt, 4, 32, False)
+    with engine(str(tmp_path), "auto") as one:
+        ref = run(one)
+    with engine(str(tmp_path), "auto", tensor_parallel_size=2) as two:
+        assert two.engine.core.executor.runner.model.quant_config.method == fmt
+        assert_greedy_same(ref, run(two))
