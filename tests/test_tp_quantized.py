@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_quantization import tiny_gguf  # noqa: F401  (the tiny GGUF file fixture)
+from prequant_checkpoints import _write_prequantized
+from tiny_gguf import write_tiny_gguf
 
 from kvflow import LLM
 from kvflow.errors import ModelLoadError
@@ -43,6 +44,11 @@ def assert_greedy_same(ref, got) -> None:
                 break  # a tie broken the other way: the rest follows another prefix
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_tiny_gguf(str(tmp_path_factory.mktemp("gguf") / "tiny.gguf"))
+
+
 def weights_of_rank0(llm: LLM) -> int:
     return llm.engine.core.executor.runner.weight_bytes
 
@@ -59,7 +65,7 @@ def test_tp2_quantized_at_load_equals_tp1(model, quantization):
         assert weights_of_rank0(two) < 0.7 * full  # each rank holds its shard only
 
 
-def test_tp2_gguf_blocks_equal_tp1(tiny_gguf):  # noqa: F811
+def test_tp2_gguf_blocks_equal_tp1(tiny_gguf):
     """Mixed block types in merged layers, a dense (F32) shard, an untied Q4_0 head and
     a Q8_0 table, all cut along their rows, block columns or vocabulary."""
     with engine(tiny_gguf, "gguf") as one:
@@ -72,7 +78,7 @@ def test_tp2_gguf_blocks_equal_tp1(tiny_gguf):  # noqa: F811
         assert weights_of_rank0(two) < 0.7 * full
 
 
-def test_split_that_cuts_a_gguf_block_is_refused(tiny_gguf):  # noqa: F811
+def test_split_that_cuts_a_gguf_block_is_refused(tiny_gguf):
     # o_proj has 64 inputs: 16 per rank over 4 ranks, half a 32-element Q4_0 block.
     with pytest.raises(ModelLoadError, match="whole number of the checkpoint's 32-element"):
         engine(tiny_gguf, "gguf", tensor_parallel_size=4)
@@ -103,8 +109,6 @@ def test_smollm2_gguf_tp3_equals_tp1():
 def test_tp2_prequantized_checkpoint_equals_tp1(tmp_path, fmt):
     """Packed int32 words along the input (GPTQ) or output (AWQ, zero points), per-group
     scales, GPTQ's g_idx and compressed-tensors' weight_shape, cut per rank."""
-    from test_quantization import _write_prequantized
-
     _write_prequantized(tmp_path, fmt, 4, 32, False)
     with engine(str(tmp_path), "auto") as one:
         ref = run(one)
