@@ -58,7 +58,7 @@ def test_ranks_listen_on_loopback_only():
     before = listening(os.getpid())
     with LLM("tiny-llama", load_format="dummy", device="cpu", max_model_len=128,
              num_gpu_blocks_override=16, skip_tokenizer_init=True,
-             tensor_parallel_size=2) as llm:
+             tensor_parallel_size=2, distributed_timeout=120) as llm:
         rank1 = llm.engine.core.executor.procs[0].proc.pid
         mine = listening(os.getpid()) - before
         theirs = listening(rank1)
