@@ -36,19 +36,35 @@ def _sampling_params(ns: argparse.Namespace, **extra):
                           **extra)
 
 
+def _torchrun_worker(engine_args: EngineArgs) -> int | None:
+    """Under torchrun, a rank other than 0 runs rank 0's steps instead of the command;
+    returns its exit code (None: this process runs the command)."""
+    from kvflow.distributed.torchrun import run_worker, torchrun_rank
+
+    tr = torchrun_rank()
+    if tr is None or tr.rank == 0:
+        return None
+    return run_worker(engine_args.create_engine_config(), tr)
+
+
 def cmd_generate(ns: argparse.Namespace) -> int:
     from kvflow.llm import LLM
 
-    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
+    code = _torchrun_worker(EngineArgs.from_cli_args(ns))
+    if code is not None:
+        return code
     prompts = ns.prompt or EXAMPLE_PROMPTS
     params = _sampling_params(ns)
-    start = time.perf_counter()
-    if ns.no_chat_template or llm.get_tokenizer() is None \
-            or llm.get_tokenizer().chat_template is None:
-        outputs = llm.generate(prompts, params)
-    else:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-    elapsed = time.perf_counter() - start
+    # Shut down on the way out: other ranks (torchrun's among them) exit 0 only when
+    # rank 0 stops them.
+    with LLM(**vars(EngineArgs.from_cli_args(ns))) as llm:
+        start = time.perf_counter()
+        if ns.no_chat_template or llm.get_tokenizer() is None \
+                or llm.get_tokenizer().chat_template is None:
+            outputs = llm.generate(prompts, params)
+        else:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        elapsed = time.perf_counter() - start
     for prompt, out in zip(prompts, outputs):
         print(f"\n>>> {prompt}\n{out.outputs[0].text.strip()}")
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
@@ -64,6 +80,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from kvflow.entrypoints.openai.server_args import ServerArgs
 
     engine_args = EngineArgs.from_cli_args(ns)
+    code = _torchrun_worker(engine_args)
+    if code is not None:
+        return code
     if engine_args.node_rank > 0:  # a node other than node 0 runs ranks, not the server
         from kvflow.distributed.launch import run_node
 

@@ -397,6 +397,13 @@ class ParallelConfig:
     stage: int = 0
     """The pipeline stage of the process this config is for (the executor sets it per
     rank; it sizes that rank's KV cache to its layers)."""
+    launcher: str = "kvflow"
+    """Who starts the ranks: kvflow (each node's ``kvflow serve`` starts its ranks) or
+    torchrun (one process per rank, each told its rank by RANK and LOCAL_RANK)."""
+    pipeline_in_flight: int | None = None
+    """Scheduled batches in flight at once with pipeline parallelism (each its own
+    requests, like vLLM's virtual engines), so that no stage idles; None: one per stage;
+    1: one batch at a time (stages take turns)."""
 
     def __post_init__(self) -> None:
         require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
@@ -413,6 +420,18 @@ class ParallelConfig:
         require(self.timeout_s > 0, "timeout_s", "must be > 0 seconds")
         require(0 <= self.stage < self.pipeline_parallel_size, "stage",
                  f"must be in [0, pipeline_parallel_size={self.pipeline_parallel_size})")
+        require(self.launcher in ("kvflow", "torchrun"), "launcher",
+                f"must be kvflow or torchrun, got {self.launcher!r}")
+        require(self.pipeline_in_flight is None or self.pipeline_in_flight >= 1,
+                "pipeline_in_flight", "must be >= 1")
+
+    @property
+    def batches_in_flight(self) -> int:
+        """How many scheduled batches the engine keeps in flight (1 without pipeline
+        parallelism: overlapped steps are async_scheduling's business)."""
+        if self.pipeline_parallel_size == 1:
+            return 1
+        return self.pipeline_in_flight or self.pipeline_parallel_size
 
     @property
     def world_size(self) -> int:
@@ -468,6 +487,11 @@ class EngineConfig:
         # no step may be built while one is in flight.
         require(self.speculative is None or not self.scheduler.async_scheduling,
                 "async_scheduling", "cannot be combined with speculative decoding")
+        # Overlapped steps feed a request's in-flight token into its next step; batches
+        # in flight keep each request in one batch at a time instead.
+        require(self.parallel.batches_in_flight == 1 or not self.scheduler.async_scheduling,
+                "async_scheduling", "cannot be combined with several pipeline batches in "
+                "flight (--pipeline-in-flight 1 for stage-by-stage steps with overlap)")
         # Verification samples on every rank today; with several ranks it would have to
         # sample once and broadcast its verdicts, which is not built yet.
         require(self.speculative is None or self.parallel.world_size == 1,

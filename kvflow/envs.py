@@ -57,3 +57,26 @@ def fault_token() -> int | None:
     (kvflow.engine.faults)."""
     value = os.environ.get("KVFLOW_FAULT_TOKEN")
     return int(value) if value else None
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun() -> dict[str, str]:
+    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and
+    MASTER_PORT as torchrun sets them for each process it starts (those that are set);
+    kvflow.distributed.torchrun reads them as the multi-node flags."""
+    return {k: os.environ[k] for k in TORCHRUN_VARS if os.environ.get(k)}
+
+
+def torchrun_agent_store() -> bool:
+    """TORCHELASTIC_USE_AGENT_STORE=True: torchrun's agent hosts the rendezvous store at
+    MASTER_ADDR:MASTER_PORT and every rank connects to it as a client."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def torchrun_restart_count() -> int:
+    """TORCHELASTIC_RESTART_COUNT: how often torchrun restarted the ranks (keys of each
+    attempt are kept apart in the agent's store)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)

@@ -26,7 +26,8 @@ def test_server_with_tensor_parallel_ranks(smollm2):
     prompt = "The capital of France is"
     ref = smollm2.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
                                                     ignore_eos=True), use_tqdm=False)
-    srv = RemoteServer(["-tp", "3", "--distributed-timeout", "20"])
+    # Dense weights, as the fixture's (GGUF blocks over 3 ranks: test_tp_quantized.py).
+    srv = RemoteServer(["-tp", "3", "--distributed-timeout", "20", "--quantization", "none"])
     try:
         r = httpx.post(f"{srv.url}/v1/completions",
                        json={"prompt": prompt, "max_tokens": 8, "temperature": 0,

@@ -13,6 +13,7 @@ preempted by recompute: its blocks are freed and it goes back to the waiting que
 from __future__ import annotations
 
 import bisect
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from kvflow.config import SchedulerConfig, check_preemption_mode
@@ -199,7 +200,16 @@ class Scheduler:
             self._enqueue(child)
 
     # --- one step -------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: Collection[str] = (), max_reqs: int | None = None
+                 ) -> SchedulerOutput:
+        """The next step.
+
+        Pipeline parallelism keeps several steps (batches) in flight at once: ``busy``
+        holds the requests of the batches still in flight, which this one leaves out (a
+        request is in one batch at a time, and its next token is unknown until its batch
+        returns), and ``max_reqs`` caps the requests of this batch so that the batches
+        in flight share the running requests instead of the first one taking all.
+        """
         budget, seats = self.config.max_num_batched_tokens, self.config.max_num_seqs
         extra_running = extra_head = 0  # --target-ttft-ms: budget to save a first token
         if self.latency is not None:
@@ -209,13 +219,16 @@ class Scheduler:
                 extra_running, extra_head, seats = self._ttft_extra(budget, full, seats,
                                                                     max_seqs)
         step = _Step(budget + extra_running)
+        cap = max_reqs if max_reqs is not None else len(self.running) + len(self.waiting)
 
         # 1. Running requests first.
         i = 0
-        while i < len(self.running) and step.budget > 0:
+        while i < len(self.running) and step.budget > 0 and len(step.order) < cap:
             req = self.running[i]
-            if req.num_drafts_in_flight:
-                i += 1  # its token count is unknown until the verifying step returns
+            if req.num_drafts_in_flight or req.request_id in busy:
+                # Drafts: its token count is unknown until the verifying step returns;
+                # busy: it runs in another batch in flight.
+                i += 1
                 continue
             drafts = self._drafts_to_verify(req, step.budget)
             n = min(req.num_tokens_scheduled_for - req.num_computed_tokens + len(drafts),
@@ -243,10 +256,11 @@ class Scheduler:
         # Not after a preemption: what was just freed goes to the running requests.
         # Static batching (ablation): a batch forms only once the last one has finished.
         admit = not (self.config.batching == "static" and self.running)
-        while admit and not step.preempted and self.waiting and step.budget > 0:
+        while (admit and not step.preempted and self.waiting and step.budget > 0
+               and len(step.order) < cap):
             req = self.waiting[0]
-            if req.num_placeholders:
-                break  # preempted while its last token was in flight: wait for it
+            if req.num_placeholders or req.request_id in busy:
+                break  # preempted while its last token (or batch) was in flight: wait
             if len(self.running) >= seats and not self._make_room(req, step):
                 break
             if not self._admit(req, step):

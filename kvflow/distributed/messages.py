@@ -52,6 +52,30 @@ def decode(data: bytes | memoryview) -> ToRank:
     return _decoder.decode(data)
 
 
+def _chunks(msg: ToRank) -> list[torch.Tensor]:
+    """The tensors rank 0 broadcasts for ``msg``: the first chunk, and the rest if any."""
+    data = encode(msg)
+    n = len(data)
+    head = torch.zeros(CHUNK_BYTES, dtype=torch.uint8)
+    head[:_HEADER] = torch.frombuffer(bytearray(n.to_bytes(_HEADER, "little")),
+                                      dtype=torch.uint8)
+    first = min(n, CHUNK_BYTES - _HEADER)
+    if first:
+        head[_HEADER:_HEADER + first] = torch.frombuffer(bytearray(data[:first]),
+                                                         dtype=torch.uint8)
+    if n > first:
+        return [head, torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8)]
+    return [head]
+
+
+def broadcast_message_async(group, msg: ToRank) -> list:
+    """Rank 0 posts ``msg`` without waiting for the ranks to take it (pipeline
+    parallelism: a later stage still busy with an earlier batch takes the next step's
+    message when it gets there). Returns the works; each keeps its tensor alive."""
+    return [dist.broadcast(t, src=group.ranks[0], group=group.cpu_group, async_op=True)
+            for t in _chunks(msg)]
+
+
 def broadcast_message(group, msg: ToRank | None) -> ToRank:
     """Rank 0 passes ``msg`` and gets it back; the others pass None and receive it.
 
@@ -60,21 +84,11 @@ def broadcast_message(group, msg: ToRank | None) -> ToRank:
     """
     cpu = group.cpu_group
     src = group.ranks[0]
-    head = torch.zeros(CHUNK_BYTES, dtype=torch.uint8)
     if msg is not None:
-        data = encode(msg)
-        n = len(data)
-        head[:_HEADER] = torch.frombuffer(bytearray(n.to_bytes(_HEADER, "little")),
-                                          dtype=torch.uint8)
-        first = min(n, CHUNK_BYTES - _HEADER)
-        if first:
-            head[_HEADER:_HEADER + first] = torch.frombuffer(bytearray(data[:first]),
-                                                             dtype=torch.uint8)
-        dist.broadcast(head, src=src, group=cpu)
-        if n > first:
-            rest = torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8)
-            dist.broadcast(rest, src=src, group=cpu)
+        for t in _chunks(msg):
+            dist.broadcast(t, src=src, group=cpu)
         return msg
+    head = torch.zeros(CHUNK_BYTES, dtype=torch.uint8)
     dist.broadcast(head, src=src, group=cpu)
     raw = head.numpy().tobytes()
     n = int.from_bytes(raw[:_HEADER], "little")

@@ -11,6 +11,7 @@ torch.distributed at all.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from kvflow.config import ParallelConfig
+from kvflow.distributed.rendezvous import gloo_backend, listen_host, make_store, store_host
 from kvflow.errors import DistributedError
 
 # Ranks idle between steps wait on the control group for the next step, which may come
@@ -60,6 +62,13 @@ class GroupCoordinator:
         dist.all_reduce(x, group=self.device_group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum of ``x`` over the group, in place (load-time statistics,
+        e.g. a quantization scale over a row split between the ranks)."""
+        if self.world_size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.device_group)
+        return x
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``x`` along ``dim``, in rank order."""
         if self.world_size == 1:
@@ -82,14 +91,23 @@ class GroupCoordinator:
         dist.broadcast(x, src=self.ranks[src], group=self.device_group)
         return x
 
-    def send(self, x: torch.Tensor, dst: int) -> None:
+    def broadcast_async(self, x: torch.Tensor, src: int = 0):
+        """Post a broadcast into ``x``; the returned work's ``wait()`` ends it (pipeline
+        stages collect the sampled ids only when the step is collected)."""
+        return dist.broadcast(x, src=self.ranks[src], group=self.device_group, async_op=True)
+
+    def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Point-to-point send to group rank ``dst`` (pipeline stages)."""
-        dist.send(x.contiguous(), dst=self.ranks[dst], group=self.device_group)
+        dist.send(x.contiguous(), dst=self.ranks[dst], group=self.device_group, tag=tag)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(out, src=self.ranks[src], group=self.device_group)
         return out
+
+    def recv_async(self, out: torch.Tensor, src: int, tag: int = 0):
+        """Post a receive into ``out`` from group rank ``src``; ``wait()`` ends it."""
+        return dist.irecv(out, src=self.ranks[src], group=self.device_group, tag=tag)
 
     # --- control data on the CPU -------------------------------------------------
     def min_int(self, value: int) -> int:
@@ -133,11 +151,14 @@ class ParallelState:
 
 
 def init_parallel_state(config: ParallelConfig, rank: int, local_rank: int, port: int,
-                        device: torch.device) -> ParallelState:
-    """Join the rendezvous at ``master_addr:port`` as ``rank`` and build every group.
+                        device: torch.device, listen: socket.socket | None = None
+                        ) -> ParallelState:
+    """Join the rendezvous at ``port`` as ``rank`` and build every group.
 
     Every rank calls this with the same config; torch.distributed requires that all of
-    them create the same groups in the same order.
+    them create the same groups in the same order. Rank 0 hosts the store, on
+    ``listen`` when it bound the socket already. Sockets listen on loopback on one
+    machine, never on every interface (see rendezvous.py).
     """
     world_size = config.world_size
     timeout = timedelta(seconds=config.timeout_s)
@@ -147,15 +168,15 @@ def init_parallel_state(config: ParallelConfig, rank: int, local_rank: int, port
     if device.type == "cuda":
         # NCCL communicators, barriers and CUDA graph capture use the current device.
         torch.cuda.set_device(device)
+    gloo = gloo_backend(listen_host(config))
     try:
-        store = dist.TCPStore(config.master_addr, port, world_size, is_master=rank == 0,
-                              timeout=timeout, wait_for_workers=False)
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        store = make_store(config, rank, port, timeout, listen)
+        backend = "nccl" if device.type == "cuda" else gloo
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
     except (RuntimeError, ValueError) as e:  # DistStoreError and friends
         raise DistributedError(f"rank {rank} could not join the rendezvous at "
-                               f"{config.master_addr}:{port} within {config.timeout_s:g} s: "
+                               f"{store_host(config)}:{port} within {config.timeout_s:g} s: "
                                f"{e}") from None
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
 
@@ -163,7 +184,7 @@ def init_parallel_state(config: ParallelConfig, rank: int, local_rank: int, port
         mine = None
         for ranks in groups:  # every rank creates every group, in the same order
             dev = dist.new_group(ranks, timeout=timeout)
-            cpu = dist.new_group(ranks, backend="gloo",
+            cpu = dist.new_group(ranks, backend=gloo,
                                  timeout=CONTROL_TIMEOUT if long else timeout)
             if rank in ranks:
                 mine = GroupCoordinator(ranks, rank, dev, cpu, device)

@@ -114,6 +114,9 @@ class EngineArgs:
                                      aliases=["-tp"])
     pipeline_parallel_size: int = _arg(1, "split the layers into this many stages",
                                        aliases=["-pp"])
+    pipeline_in_flight: int | None = _arg(None, "scheduled batches in flight at once with "
+                                          "pipeline parallelism (default: one per stage; "
+                                          "1: one at a time)")
     nnodes: int = _arg(1, "machines the ranks span (each runs tp x pp / nnodes ranks)")
     node_rank: int = _arg(0, "this machine's index; node 0 runs the scheduler and serves")
     master_addr: str = _arg("127.0.0.1", "address of node 0 (rendezvous of the ranks)")
@@ -197,6 +200,16 @@ class EngineArgs:
                     "async_scheduling cannot be combined with speculative decoding; drop "
                     "--async-scheduling or --speculative-config", param="async_scheduling")
             async_scheduling = False
+        if self.pipeline_parallel_size > 1 and self.pipeline_in_flight != 1 \
+                and async_scheduling:
+            # Batches in flight overlap the stages; a request is in one batch at a time,
+            # so overlapping a request's consecutive steps does not apply.
+            if self.async_scheduling:
+                raise InvalidParameterError(
+                    "async_scheduling cannot be combined with several pipeline batches in "
+                    "flight; drop --async-scheduling or add --pipeline-in-flight 1",
+                    param="async_scheduling")
+            async_scheduling = False
         scheduler = SchedulerConfig(
             max_num_batched_tokens=batched,
             max_num_seqs=(256 if on_gpu else 128) if self.max_num_seqs is None
@@ -208,13 +221,40 @@ class EngineArgs:
             async_scheduling=async_scheduling)
         parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size, nnodes=self.nnodes,
-            node_rank=self.node_rank, master_addr=self.master_addr,
-            master_port=self.master_port, timeout_s=self.distributed_timeout)
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            timeout_s=self.distributed_timeout, pipeline_in_flight=self.pipeline_in_flight,
+            **self._placement())
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(device=device,
                                                 enforce_eager=self.enforce_eager),
                             speculative=speculative, parallel=parallel)
+
+    def _placement(self) -> dict:
+        """Nodes, this node and the rendezvous: the flags, or torchrun's environment
+        variables when torchrun started this process (a flag given as well must agree)."""
+        from kvflow.distributed.torchrun import torchrun_rank
+
+        flags = dict(nnodes=self.nnodes, node_rank=self.node_rank,
+                     master_addr=self.master_addr, master_port=self.master_port)
+        tr = torchrun_rank()
+        if tr is None:
+            return flags
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if tr.world_size != world:
+            raise InvalidParameterError(
+                f"torchrun started WORLD_SIZE={tr.world_size} processes but "
+                f"--tensor-parallel-size {self.tensor_parallel_size} x "
+                f"--pipeline-parallel-size {self.pipeline_parallel_size} needs {world}",
+                param="tensor_parallel_size")
+        env = dict(nnodes=tr.nnodes, node_rank=tr.node_rank, master_addr=tr.master_addr,
+                   master_port=tr.master_port)
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in flags}
+        for name, value in flags.items():
+            if value != defaults[name] and value != env[name]:
+                raise InvalidParameterError(
+                    f"--{name.replace('_', '-')} {value} disagrees with torchrun's "
+                    f"environment ({env[name]}); give one or the other", param=name)
+        return dict(env, launcher="torchrun")
 
     def _generation_defaults(self, resolved) -> tuple[dict, str]:
         choice = self.generation_config

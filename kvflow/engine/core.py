@@ -111,6 +111,11 @@ class EngineCore:
                                    contiguous_kv=config.cache.kv_layout == "contiguous")
         self.num_steps = 0
         self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet collected
+        # Pipeline parallelism: up to ``batches_in_flight`` batches launched and not yet
+        # collected, oldest first; each holds its own requests.
+        self._pipeline: collections.deque[tuple[SchedulerOutput, object]] = \
+            collections.deque()
+        self._depth = config.parallel.batches_in_flight
         # Fault isolation (see step()): requests of a failed step wait here to be run
         # alone, one at a time; the one being run alone is the probe.
         self._suspects: collections.deque[Request] = collections.deque()
@@ -133,14 +138,6 @@ class EngineCore:
             if not 0 <= t < vocab:
                 raise InvalidParameterError(f"prompt token ids must be in [0, {vocab}), "
                                             f"got {t}", param="prompt")
-        sp = params
-        if self.config.parallel.pipeline_parallel_size > 1 and (
-                sp.logprobs is not None or sp.prompt_logprobs is not None):
-            # The last stage samples; its logprobs do not travel back to rank 0 yet.
-            raise InvalidParameterError("logprobs and prompt_logprobs are not supported "
-                                        "with pipeline parallelism yet",
-                                        param="logprobs" if sp.logprobs is not None
-                                        else "prompt_logprobs")
         parent = self.scheduler.requests.get(req.fork_of) if req.fork_of else None
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, params,
@@ -206,6 +203,8 @@ class EngineCore:
         return outputs
 
     def _normal_step(self, launched: list[SchedulerOutput]) -> list[EngineCoreOutput]:
+        if self._depth > 1:
+            return self._pipelined_step(launched)
         if self._in_flight is not None:
             launched.append(self._in_flight[0])
         sched_out = self.scheduler.schedule()
@@ -228,9 +227,46 @@ class EngineCore:
         self._in_flight = (sched_out, handle) if handle is not None else None
         return outputs
 
+    def _pipelined_step(self, launched: list[SchedulerOutput]) -> list[EngineCoreOutput]:
+        """Pipeline parallelism with several batches in flight (virtual engines): launch
+        batches until ``batches_in_flight`` are out, then collect the oldest.
+
+        Each batch leaves out the requests of the batches still in flight (a request's
+        next token is unknown until its batch returns) and takes at most its share of
+        the running requests, so the batches stay about equal and every stage has one to
+        work on. Outputs come back in launch order.
+        """
+        sched = self.scheduler
+        launched.extend(so for so, _ in self._pipeline)
+        while len(self._pipeline) < self._depth:
+            busy = {rid for so, _ in self._pipeline for rid in so.num_scheduled_tokens}
+            live = min(self.config.scheduler.max_num_seqs,
+                       sched.num_running + len(sched.waiting))
+            so = sched.schedule(busy, max(1, -(-live // self._depth)))
+            if so.is_empty and not so.finished_req_ids:
+                break
+            launched.append(so)
+            handle = self.executor.execute_model_async(so)
+            if so.is_empty:  # only told the ranks what to forget: nothing to collect
+                launched.remove(so)
+                continue
+            self.num_steps += 1
+            self._pipeline.append((so, handle))
+        if not self._pipeline:
+            return []
+        so, handle = self._pipeline.popleft()
+        outputs = sched.update_from_output(so, handle.result())
+        launched.remove(so)
+        return outputs
+
     def _recover(self, error: Exception, launched: list[SchedulerOutput]
                  ) -> list[EngineCoreOutput]:
         """Reset after a failed normal step; the step's requests become suspects."""
+        if self._pipeline:
+            # The later stages may still hold batches launched before the failure; they
+            # cannot be taken back, so this is the engine's failure, not a request's.
+            self._pipeline.clear()
+            raise error
         outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None:  # async: a step launched earlier may be fine
             prev_out, prev_handle = self._in_flight
@@ -346,7 +382,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
-                or bool(self._failures))
+                or bool(self._pipeline) or bool(self._failures))
 
     def stats(self) -> CoreStats:
         """A snapshot of the scheduler for logs and /metrics (sent as is over IPC)."""

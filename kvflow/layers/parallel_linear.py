@@ -50,6 +50,41 @@ def _divide(n: int, k: int, what: str) -> int:
     return n // k
 
 
+def _narrow_own_loaders(layer: LinearBase) -> None:
+    """Parameters with a loader of their own (a quantization method's: GGUF block bytes,
+    a checkpoint's metadata) receive this rank's slice of each checkpoint tensor too:
+    the layer narrows it (``layer.narrow``) before their loader sees it. Parameters that
+    load through the layer's ``weight_loader`` narrow there."""
+    if layer.tp.world_size == 1:
+        return
+    for p in layer.parameters(recurse=False):
+        own = getattr(p, "weight_loader", None)
+        if own is None or isinstance(getattr(own, "__self__", None), nn.Module):
+            continue  # a layer's own loader (this one's, or a tied embedding's) narrows
+
+        def narrowed(param, loaded, shard_id=None, _own=own):
+            return _own(param, layer.narrow(param, loaded, shard_id), shard_id)
+
+        p.weight_loader = narrowed
+
+
+def _check_groups(local: int, full: int, tp: int, quant: dict) -> None:
+    """A row-parallel layer splits its inputs; quantization groups must not straddle the
+    split (each rank's scales cover whole groups of its own inputs)."""
+    config = quant.get("quant_config")
+    if tp == 1 or config is None:
+        return
+    kind = config.method_for(quant.get("prefix", ""))
+    group = config.group_size if kind in ("int4", "gptq", "awq", "compressed-tensors") \
+        else 1
+    if group > 0 and local % group:
+        raise ModelLoadError(
+            f"{quant.get('prefix') or 'a layer'}: {tp} tensor-parallel ranks would hold "
+            f"{local} of its {full} inputs each, which is not a whole number of "
+            f"{kind} groups of {group}; use a tensor-parallel size (or "
+            f"--quantization-group-size) whose shards hold whole groups")
+
+
 class ColumnParallelLinear(LinearBase):
     """Output features split over the TP ranks: rank r holds rows
     ``[shard_starts[i], shard_starts[i] + output_sizes[i])`` of every shard i."""
@@ -71,6 +106,29 @@ class ColumnParallelLinear(LinearBase):
         self.full_output_sizes = list(full_output_sizes)
         self.shard_starts = list(shard_starts)
         _set_default_dims(self)
+        _narrow_own_loaders(self)
+
+    def _shard_index(self, shard_id: str | int | None) -> int:
+        if shard_id is None:
+            if len(self.output_sizes) != 1:
+                raise ModelLoadError("a merged linear layer loads shard by shard")
+            return 0
+        if shard_id in self.shard_ids:
+            return self.shard_ids.index(shard_id)
+        raise ModelLoadError(f"unknown shard {shard_id!r} for a merged linear layer")
+
+    def narrow(self, param: nn.Parameter, loaded: torch.Tensor,
+               shard_id: str | int | None = None) -> torch.Tensor:
+        """This rank's rows of the full checkpoint tensor of one shard."""
+        dim = getattr(param, "output_dim", None)
+        if dim is None or loaded.dim() == 0:  # per-tensor values: the same on every rank
+            return loaded
+        idx = self._shard_index(shard_id)
+        pack = _packing(param, dim)
+        if loaded.shape[dim] * pack != self.full_output_sizes[idx]:
+            raise ModelLoadError(f"weight shape {tuple(loaded.shape)} does not match the "
+                                 f"model's output size {self.full_output_sizes[idx]}")
+        return loaded.narrow(dim, self.shard_starts[idx] // pack, self.output_sizes[idx] // pack)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
@@ -78,21 +136,10 @@ class ColumnParallelLinear(LinearBase):
         if dim is None:  # a per-tensor value (e.g. a scale): the same on every rank
             default_weight_loader(param, loaded)
             return
-        if shard_id is None:
-            if len(self.output_sizes) != 1:
-                raise ModelLoadError("a merged linear layer loads shard by shard")
-            idx = 0
-        elif shard_id in self.shard_ids:
-            idx = self.shard_ids.index(shard_id)
-        else:
-            raise ModelLoadError(f"unknown shard {shard_id!r} for a merged linear layer")
-        pack = _packing(param, dim)
-        size = self.output_sizes[idx] // pack
-        if loaded.shape[dim] * pack != self.full_output_sizes[idx]:
-            raise ModelLoadError(f"weight shape {tuple(loaded.shape)} does not match the "
-                                 f"model's output size {self.full_output_sizes[idx]}")
-        src = loaded.narrow(dim, self.shard_starts[idx] // pack, size)
-        dst = param.data.narrow(dim, sum(self.output_sizes[:idx]) // pack, size)
+        idx = self._shard_index(shard_id)
+        src = self.narrow(param, loaded, shard_id)
+        dst = param.data.narrow(dim, sum(self.output_sizes[:idx]) // _packing(param, dim),
+                                src.shape[dim])
         default_weight_loader(dst, src)
 
 
@@ -141,11 +188,35 @@ class RowParallelLinear(LinearBase):
                  quant_method: LinearMethod | None = None,
                  tp: GroupCoordinator | None = None, **quant) -> None:
         tp = tp or _single_group()
-        super().__init__(_divide(input_size, tp.world_size, "input size"), [output_size],
-                         bias, dtype, quant_method, **quant)
+        local = _divide(input_size, tp.world_size, "input size")
+        _check_groups(local, input_size, tp.world_size, quant)
+        super().__init__(local, [output_size], bias, dtype, quant_method, **quant)
         self.tp = tp
         self.full_input_size = input_size
         _set_default_dims(self)
+        _narrow_own_loaders(self)
+
+    def narrow(self, param: nn.Parameter, loaded: torch.Tensor,
+               shard_id: str | int | None = None) -> torch.Tensor:
+        """This rank's input columns of the full checkpoint tensor."""
+        dim = getattr(param, "input_dim", None)
+        if dim is None or loaded.dim() == 0:
+            return loaded
+        block = getattr(param, "input_block", 1)  # e.g. a GGUF block: never split
+        if self.input_size % block:
+            raise ModelLoadError(
+                f"{self.prefix or 'a layer'}: each of the {self.tp.world_size} "
+                f"tensor-parallel ranks would hold {self.input_size} of its "
+                f"{self.full_input_size} inputs, not a whole number of the checkpoint's "
+                f"{block}-element quantization blocks; use a tensor-parallel size that "
+                f"keeps the blocks whole")
+        pack = _packing(param, dim)
+        size = self.input_size / pack if pack != 1 else param.shape[dim]
+        if size != int(size) or loaded.shape[dim] != int(size) * self.tp.world_size:
+            raise ModelLoadError(f"weight shape {tuple(loaded.shape)} does not match the "
+                                 f"model's input size {self.full_input_size}")
+        size = int(size)
+        return loaded.narrow(dim, self.tp.rank_in_group * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
@@ -156,12 +227,12 @@ class RowParallelLinear(LinearBase):
                 return
             default_weight_loader(param, loaded)
             return
-        size = param.shape[dim]
-        if loaded.shape[dim] != size * self.tp.world_size:
-            raise ModelLoadError(f"weight shape {tuple(loaded.shape)} does not match the "
-                                 f"model's input size {self.full_input_size}")
-        default_weight_loader(param.data,
-                              loaded.narrow(dim, self.tp.rank_in_group * size, size))
+        default_weight_loader(param.data, self.narrow(param, loaded))
+
+    def row_max(self, local: torch.Tensor) -> torch.Tensor:
+        """A per-output-row maximum over this rank's inputs [out] -> over all the inputs
+        (so a per-channel quantization scale is the one of the whole row)."""
+        return self.tp.all_reduce_max(local.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [T, in / tp] -> partial [T, out] -> summed [T, out]

@@ -92,13 +92,6 @@ def load_model(config: ModelConfig, device: torch.device, backend: AttentionBack
     shard of them when ``tp`` spans several ranks, its stage's layers with ``pp``)."""
     dtype = torch_dtype(config.dtype)
     quant = quantization_config(config, device)
-    if (quant is not None and quant.method == "gguf" and config.quantization == "auto"
-            and tp is not None and tp.world_size > 1):
-        # Quantized layers are not tensor-parallel yet: the automatic choice falls back to
-        # the dense path instead of refusing the split (an explicit method is refused).
-        logger.info("GGUF weights dequantized to %s: quantized layers do not split over "
-                    "%d tensor-parallel ranks yet", config.dtype, tp.world_size)
-        quant = None
     max_position = max(config.max_model_len, config.arch.max_position_embeddings)
     with torch.device(device):
         model = model_class(config.arch.architecture)(config.arch, dtype, backend,

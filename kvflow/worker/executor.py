@@ -12,6 +12,7 @@ naming the rank.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import time
@@ -21,7 +22,7 @@ import torch
 
 from kvflow.config import EngineConfig
 from kvflow.core.sched_output import SchedulerOutput
-from kvflow.errors import DistributedError, InvalidParameterError
+from kvflow.errors import DistributedError, InvalidParameterError, KvflowError
 from kvflow.logger import init_logger
 from kvflow.worker.model_runner import ModelRunner, StepHandle
 
@@ -62,6 +63,17 @@ def initialize_rank(runner: ModelRunner) -> int:
     return num_blocks
 
 
+def _check_torchrun_rank0() -> None:
+    from kvflow.distributed.torchrun import torchrun_rank
+
+    tr = torchrun_rank()
+    if tr is not None and tr.rank != 0:
+        raise InvalidParameterError(
+            f"under torchrun only RANK 0 runs the engine; this is RANK {tr.rank}: start "
+            f"every rank with the kvflow command (kvflow serve or kvflow generate), which "
+            f"runs the other ranks' loop", param="RANK")
+
+
 def _kill_now(procs) -> None:
     for p in procs:
         if p.proc.poll() is None:
@@ -77,6 +89,9 @@ class Executor:
         self.procs = []
         self.state = None
         self.failed: str | None = None
+        # Pipeline batches in flight: step messages posted to the ranks, not yet taken by
+        # all of them (the oldest are waited for once more than that many are out).
+        self._posted: collections.deque[list] = collections.deque()
         pc = config.parallel
         if pc.world_size == 1:
             self.runner = ModelRunner(config)
@@ -85,15 +100,25 @@ class Executor:
             raise InvalidParameterError("the engine (scheduler and rank 0) runs on node 0; "
                                         "other nodes run their ranks only", param="node_rank")
         from kvflow.distributed import init_parallel_state
-        from kvflow.distributed.launch import free_port, spawn_ranks
+        from kvflow.distributed.launch import spawn_ranks
+        from kvflow.distributed.rendezvous import listen_socket
 
-        port = pc.master_port or free_port(pc.master_addr)
         set_rank_threads(config)
-        self.procs = spawn_ranks(config, [(r, r) for r in range(1, pc.ranks_per_node)], port)
+        listen = None
+        if pc.launcher == "torchrun":
+            _check_torchrun_rank0()
+            port = pc.master_port  # torchrun started the other ranks already
+        else:
+            # The store's socket first, so the ranks get a port that is already taken.
+            listen = listen_socket(pc)
+            port = listen.getsockname()[1]
+            self.procs = spawn_ranks(config, [(r, r) for r in range(1, pc.ranks_per_node)],
+                                     port)
         self._finalizer = weakref.finalize(self, _kill_now, self.procs)
         cfg = rank_config(config, 0, 0)
         try:
-            self.state = init_parallel_state(pc, 0, 0, port, torch.device(cfg.device.device))
+            self.state = init_parallel_state(pc, 0, 0, port, torch.device(cfg.device.device),
+                                             listen)
             from kvflow.distributed.messages import Setup, broadcast_message
 
             broadcast_message(self.state.control, Setup(config))
@@ -101,6 +126,12 @@ class Executor:
         except Exception as e:
             try:
                 self._fail(e)
+            except DistributedError:
+                if isinstance(e, KvflowError) and not isinstance(e, DistributedError):
+                    # Rank 0 refused the model itself (e.g. a split the quantized
+                    # weights do not allow): that, not the ranks it stopped, is the news.
+                    raise e from None
+                raise
             finally:
                 self.shutdown()
 
@@ -124,7 +155,8 @@ class Executor:
         if self.state is None:
             return self.runner.execute_model_async(so)
         from kvflow.distributed.launch import first_failure
-        from kvflow.distributed.messages import ExecuteStep, broadcast_message
+        from kvflow.distributed.messages import (ExecuteStep, broadcast_message,
+                                                 broadcast_message_async)
 
         if self.failed is not None:
             raise DistributedError(self.failed)
@@ -132,7 +164,17 @@ class Executor:
         if why is not None:
             self._fail(None, why)
         try:
-            broadcast_message(self.state.control, ExecuteStep(so))
+            depth = self.config.parallel.batches_in_flight
+            if depth > 1:
+                # A later stage takes this message when it is done with the batches
+                # before it; rank 0 goes on with its own stage of this one meanwhile.
+                self._posted.append(broadcast_message_async(self.state.control,
+                                                            ExecuteStep(so)))
+                while len(self._posted) > depth:
+                    for work in self._posted.popleft():
+                        work.wait()
+            else:
+                broadcast_message(self.state.control, ExecuteStep(so))
             return self.runner.execute_model_async(so)
         except Exception as e:
             self._fail(e)
@@ -168,6 +210,9 @@ class Executor:
             clean = self.failed is None and first_failure(self.procs) is None
             if clean:
                 try:
+                    while self._posted:
+                        for work in self._posted.popleft():
+                            work.wait()
                     broadcast_message(self.state.control, StopWorkers())
                 except Exception:
                     clean = False

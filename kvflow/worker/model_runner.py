@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,15 +36,21 @@ class StepHandle:
     for steps queued after it) and returns the sampled tokens as plain lists."""
 
     def __init__(self, builder: StepBuilder, inputs: StepInputs | None,
-                 host: StepHostOutputs, event: torch.cuda.Event | None) -> None:
+                 host: StepHostOutputs, event: torch.cuda.Event | None,
+                 collect: Callable[[], None] | None = None) -> None:
         self.builder = builder
         self.inputs = inputs
         self.host = host  # pinned copies of the step's outputs
         self.event = event
+        # Pipeline parallelism: waits for the results another rank sends and fills host.
+        self.collect = collect
         self._result: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
         if self._result is None:
+            if self.collect is not None:
+                self.collect()
+                self.collect = None
             if self.event is not None:
                 self.event.synchronize()
             self._result = self.builder.finish(self.inputs, self.host)
@@ -64,10 +71,13 @@ class ModelRunner:
                                 self.parallel.pp)
         # The forward pass: the whole model, or this rank's pipeline stage of it.
         self.forward_model = self.model
+        self.pipeline_results = None  # how a stage's step results reach the other ranks
         if self.parallel.pp.world_size > 1:
-            from kvflow.worker.pipeline_stage import PipelineStage
+            from kvflow.worker.pipeline_stage import PipelineResults, PipelineStage
 
             self.forward_model = PipelineStage(self.model, self.parallel.pp)
+            self.pipeline_results = PipelineResults(
+                self.parallel, defer=config.parallel.batches_in_flight > 1)
         use_kernels(self.model, self.use_kernels)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("loaded %s (%s, %s) on %s in %.1f s: %.2f GiB of weights, attention: %s",
@@ -200,7 +210,10 @@ class ModelRunner:
 
     def _launch_sampling(self, inputs: StepInputs, hidden: torch.Tensor) -> StepHandle:
         host = StepHostOutputs()
-        if inputs.sample.num_draft is not None:
+        collect = None
+        if self.pipeline_results is not None:  # speculative decoding is one-rank only
+            collect = self.pipeline_results.launch(self, inputs, hidden, host)
+        elif inputs.sample.num_draft is not None:
             sample, builder = inputs.sample, self.step_builder
             logits = self.model.compute_logits(hidden[sample.logits_indices])  # [N, V]
             tokens, logprobs = self.spec.verify(
@@ -219,15 +232,16 @@ class ModelRunner:
                 host.logprobs = tuple(to_host_async(t) for t in (
                     out.logprob_token_ids, out.logprobs, out.sampled_ranks))
             host.slots = self.step_builder.record_sampled(inputs, out.sampled)
-        if inputs.prompt_logprobs.indices and hidden is not None:
-            host.prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        if inputs.prompt_logprobs.indices and self.pipeline_results is None:
+            host.prompt_logprobs = (inputs.prompt_logprobs.spans, tuple(
+                to_host_async(t) for t in self.prompt_logprobs_tensors(inputs, hidden)))
         event = None
         if self.device.type == "cuda":
             if self.idle_meter is not None:
                 self.idle_meter.step_end()
             event = torch.cuda.Event()
             event.record()
-        return StepHandle(self.step_builder, inputs, host, event)
+        return StepHandle(self.step_builder, inputs, host, event, collect)
 
     def _sample(self, logits: torch.Tensor | None, inputs: StepInputs) -> SamplerOutput:
         """One rank samples (the first TP rank of the last pipeline stage: rank 0 without
@@ -242,13 +256,13 @@ class ModelRunner:
         sampled = torch.empty(inputs.sample.num_reqs, dtype=torch.int64, device=self.device)
         return SamplerOutput(sampled=p.world.broadcast(sampled, src=sampler))
 
-    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor):
+    def prompt_logprobs_tensors(self, inputs: StepInputs, hidden: torch.Tensor):
+        """(ids [P, 1 + k], logprobs [P, 1 + k], ranks [P]) of the plan's prompt rows."""
         dev, plan = self.device, inputs.prompt_logprobs
         logits = self.model.compute_logits(hidden[to_device(plan.indices, dev, torch.int64)])
         k_max = max(span.num_logprobs for span in plan.spans)
-        ids, lps, ranks = gather_logprobs(logits.log_softmax(dim=-1),
-                                          to_device(plan.targets, dev, torch.int64), k_max)
-        return plan.spans, tuple(to_host_async(t) for t in (ids, lps, ranks))
+        return gather_logprobs(logits.log_softmax(dim=-1),
+                               to_device(plan.targets, dev, torch.int64), k_max)
 
 
 def _kernels_available() -> bool:

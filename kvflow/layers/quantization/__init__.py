@@ -49,34 +49,27 @@ def embedding_method(config: QuantizationConfig | None, prefix: str):
     return UnquantizedEmbeddingMethod()
 
 
-def _check_tp(config: QuantizationConfig | None, tp) -> None:
-    if config is not None and tp is not None and tp.world_size > 1:
-        from kvflow.errors import ModelLoadError
-
-        raise ModelLoadError(f"{config.method} weights with tensor parallelism are not "
-                             f"supported yet; use --quantization none with -tp")
-
-
 def make_embedding(vocab_size: int, hidden_size: int, dtype, tp, config, prefix: str):
-    """The token embedding: the vocab-parallel dense table, or (quantized model, one rank)
-    the embedding whose storage its method picks."""
-    _check_tp(config, tp)
-    if config is None:
+    """The token embedding: vocabulary-parallel (dense, or stored as its method says when
+    split over several ranks), or on one rank the embedding whose storage its method
+    picks."""
+    if config is None or (tp is not None and tp.world_size > 1):
         from kvflow.layers.vocab_parallel import VocabParallelEmbedding
 
-        return VocabParallelEmbedding(vocab_size, hidden_size, dtype, tp)
+        return VocabParallelEmbedding(vocab_size, hidden_size, dtype, tp, config, prefix)
     from kvflow.layers.embedding import VocabEmbedding
 
     return VocabEmbedding(vocab_size, hidden_size, dtype, config, prefix)
 
 
 def make_lm_head(vocab_size: int, hidden_size: int, dtype, tied_to, tp, config):
-    """The lm_head, tied to ``tied_to`` when given; quantized as the config says."""
-    _check_tp(config, tp)
-    if config is None:
+    """The lm_head, tied to ``tied_to`` when given; quantized as the config says, and
+    vocabulary-parallel over several ranks."""
+    if config is None or (tp is not None and tp.world_size > 1):
         from kvflow.layers.vocab_parallel import ParallelLMHead
 
-        return ParallelLMHead(vocab_size, hidden_size, dtype, tied_to=tied_to, tp=tp)
+        return ParallelLMHead(vocab_size, hidden_size, dtype, tied_to=tied_to, tp=tp,
+                              quant_config=config)
     from kvflow.layers.embedding import LMHead
 
     return LMHead(vocab_size, hidden_size, dtype, tied_to=tied_to, quant_config=config)

@@ -46,6 +46,7 @@ def _record(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard) 
         ggml_type = int(loaded)
         elems, nbytes = gb.block_size(ggml_type)
         layer.qweight.pack_factor = Fraction(elems, nbytes)
+        layer.qweight.input_block = elems  # a tensor-parallel split keeps blocks whole
         entry["type"] = ggml_type
     else:
         if loaded.dtype != torch.uint8 or loaded.dim() != 2:
@@ -168,7 +169,9 @@ class GGUFEmbeddingMethod:
         _placeholders(layer, lambda p, w, shard=None: _record(layer, p, w, shard))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        part = _shard(layer, None, layer.vocab_size, layer.hidden_size)
+        # A vocabulary-parallel table holds its slice of the rows (num_rows, padded).
+        rows = getattr(layer, "num_rows", layer.vocab_size)
+        part = _shard(layer, None, rows, layer.hidden_size)
         weight, layer.gguf_types = _convert([part], layer.hidden_size)
         del layer.qweight, layer.qweight_type, layer._gguf_shards
         if isinstance(weight, torch.Tensor):

@@ -93,9 +93,14 @@ def quantize_int4(w: torch.Tensor, group: int, symmetric: bool) -> Int4Groups:
     return Int4Groups(v.to(torch.uint8).reshape(n, k), scale, zero, group)
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: (q int8 [N, K], scale float32 [N])."""
-    scale = (w.float().abs().amax(-1) / 127.0).clamp_min(1e-12)
+def quantize_int8(w: torch.Tensor, amax: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q int8 [N, K], scale float32 [N]). ``amax``
+    [N]: each row's largest magnitude when ``w`` holds only part of the row (a
+    tensor-parallel slice), so every slice uses the whole row's scale."""
+    if amax is None:
+        amax = w.float().abs().amax(-1)
+    scale = (amax.float() / 127.0).clamp_min(1e-12)
     q = torch.clamp(torch.round(w.float() / scale.unsqueeze(-1)), -127, 127).to(torch.int8)
     return q, scale
 

@@ -195,6 +195,11 @@ def _load_g_idx(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor) -> 
     if loaded.shape != param.shape:
         raise ModelLoadError(f"gptq: g_idx has shape {tuple(loaded.shape)}, the layer "
                              f"needs {tuple(param.shape)}")
+    if getattr(layer, "full_input_size", layer.input_size) != layer.input_size:
+        # A row-parallel rank's slice of an in-order g_idx names the groups of its own
+        # inputs from its first one on: count them from 0, as its scales do. (An
+        # activation-order g_idx spreads groups over every rank and stays refused.)
+        loaded = loaded - loaded.min()
     if layer._g_idx_loaded and not torch.equal(param.data, loaded.to(param.dtype)):
         raise ModelLoadError("gptq: merged shards have different g_idx (desc_act orders); "
                              "kvflow needs one order per merged layer")
@@ -204,8 +209,10 @@ def _load_g_idx(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor) -> 
 
 def _check_shape(layer: LinearBase, shape: torch.Tensor, shard) -> None:
     """compressed-tensors' ``weight_shape`` [N, K] must be the shard's own."""
-    n = layer.output_sizes[layer.shard_ids.index(shard)] if shard is not None else (
-        layer.output_size)
-    if [int(v) for v in shape.reshape(-1)] != [n, layer.input_size]:
+    # A tensor-parallel layer holds a slice; the checkpoint describes the whole tensor.
+    sizes = getattr(layer, "full_output_sizes", layer.output_sizes)
+    k = getattr(layer, "full_input_size", layer.input_size)
+    n = sizes[layer.shard_ids.index(shard)] if shard is not None else sum(sizes)
+    if [int(v) for v in shape.reshape(-1)] != [n, k]:
         raise ModelLoadError(f"compressed-tensors: weight_shape {shape.tolist()} does not "
-                             f"match the layer's {[n, layer.input_size]}")
+                             f"match the layer's {[n, k]}")

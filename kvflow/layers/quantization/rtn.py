@@ -45,7 +45,11 @@ class Int8LinearMethod(_QuantizeAfterLoad):
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         dtype = layer.weight.dtype
-        q, scale = quantize_int8(self._take_dense(layer))
+        w = self._take_dense(layer)
+        amax = w.float().abs().amax(-1)  # [N]
+        if hasattr(layer, "row_max"):  # a row split over tensor-parallel ranks
+            amax = layer.row_max(amax)
+        q, scale = quantize_int8(w, amax)
         if gpu.use_triton(q.device):
             self.triton = gpu.repack_int8_channel(layer, q, scale, dtype)
             return
