@@ -169,8 +169,8 @@ class ModelConfig:
     max_model_len (as in the OpenAI API)."""
     quantization: str = "auto"
     """Weight storage: auto (a GGUF file on CPU keeps its blocks; anything else is dense),
-    none (dense in ``dtype``), int8, int4 (quantized at load) or gguf. Resolved into a
-    QuantizationConfig once, at load (``kvflow.layers.quantization``)."""
+    none (dense in ``dtype``), int8, int4 (quantized at load), gguf, or fp8 (W8A8).
+    Resolved into a QuantizationConfig once, at load (``kvflow.layers.quantization``)."""
     quantization_group_size: int = 32
     """int4: input elements per scale / zero point (32, 64 or 128)."""
     quantization_symmetric: bool = False
@@ -179,8 +179,8 @@ class ModelConfig:
     """The user named ``dtype`` (so auto quantization keeps GGUF weights dense in it)."""
 
     def __post_init__(self) -> None:
-        require(self.quantization in ("auto", "none", "int8", "int4", "gguf"),
-                "quantization", f"must be auto, none, int8, int4 or gguf, got "
+        require(self.quantization in ("auto", "none", "int8", "int4", "gguf", "fp8"),
+                "quantization", f"must be auto, none, int8, int4, gguf or fp8, got "
                 f"{self.quantization!r}")
         require(self.quantization_group_size in (32, 64, 128), "quantization_group_size",
                 f"must be 32, 64 or 128, got {self.quantization_group_size}")
