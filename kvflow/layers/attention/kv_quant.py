@@ -80,10 +80,10 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype
                ) -> torch.Tensor:
-    """Stored values -> ``dtype``. int8 q [..., D] with scale [...] (one pass: int8 times
-    float32 promotes to float32); fp8 q with a float scale."""
+    """Stored values -> ``dtype``. int8 q [..., D] with scale [...]; fp8 q with a float
+    scale. (Widen, then scale in place: measured faster on CPU than one promoting mul.)"""
     if isinstance(scale, torch.Tensor):
-        out = torch.mul(q, scale.unsqueeze(-1))
+        out = q.float().mul_(scale.unsqueeze(-1))
     else:
         out = q.float() * scale
     return out if out.dtype == dtype else out.to(dtype)
