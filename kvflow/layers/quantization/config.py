@@ -138,8 +138,9 @@ def _prequantized(qc: dict, requested: str, device: str) -> QuantizationConfig:
         raise ModelLoadError(
             f"the checkpoint is pre-quantized with {method!r} (config.json "
             f"quantization_config), which kvflow does not load (supported: gptq 4/8-bit, "
-            f"awq 4-bit GEMM, compressed-tensors pack-quantized W4A16/W8A16; or a float "
-            f"checkpoint with --quantization int8|int4)")
+            f"awq 4-bit GEMM, compressed-tensors pack-quantized W4A16/W8A16 and "
+            f"float-quantized FP8, fp8 with per-tensor or per-channel scales; or a float "
+            f"checkpoint with --quantization int8|int4|fp8)")
     if requested not in ("auto", method):
         raise ModelLoadError(f"the checkpoint is already {method}-quantized; "
                              f"--quantization {requested} cannot apply to it (use auto)")
