@@ -17,6 +17,7 @@ GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 _TORCH_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                       "fp8": "float8_e4m3fn"}
 
@@ -168,8 +169,8 @@ class ModelConfig:
     max_model_len (as in the OpenAI API)."""
     quantization: str = "auto"
     """Weight storage: auto (a GGUF file on CPU keeps its blocks; anything else is dense),
-    none (dense in ``dtype``), int8, int4 (quantized at load) or gguf. Resolved into a
-    QuantizationConfig once, at load (``kvflow.layers.quantization``)."""
+    none (dense in ``dtype``), int8, int4 (quantized at load), gguf, or fp8 (W8A8).
+    Resolved into a QuantizationConfig once, at load (``kvflow.layers.quantization``)."""
     quantization_group_size: int = 32
     """int4: input elements per scale / zero point (32, 64 or 128)."""
     quantization_symmetric: bool = False
@@ -178,8 +179,8 @@ class ModelConfig:
     """The user named ``dtype`` (so auto quantization keeps GGUF weights dense in it)."""
 
     def __post_init__(self) -> None:
-        require(self.quantization in ("auto", "none", "int8", "int4", "gguf"),
-                "quantization", f"must be auto, none, int8, int4 or gguf, got "
+        require(self.quantization in ("auto", "none", "int8", "int4", "gguf", "fp8"),
+                "quantization", f"must be auto, none, int8, int4, gguf or fp8, got "
                 f"{self.quantization!r}")
         require(self.quantization_group_size in (32, 64, 128), "quantization_group_size",
                 f"must be 32, 64 or 128, got {self.quantization_group_size}")
@@ -229,8 +230,14 @@ class CacheConfig:
     """paged (blocks allocated as a sequence grows) or contiguous (each request reserves
     max_model_len of KV at admission, as an engine without paging must: the ablation
     baseline; no prefix sharing)."""
+    cache_dtype: str = "auto"
+    """KV cache storage: auto (the model dtype), int8 (a float32 scale per token and KV
+    head, stored beside the cache in the same block layout) or fp8 (E4M3, one scale per
+    layer for K and one for V: 1.0 or the checkpoint's k_scale/v_scale)."""
 
     def __post_init__(self) -> None:
+        require(self.cache_dtype in KV_CACHE_DTYPES, "cache_dtype",
+                f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}")
         require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
                  f"must be a power of two in [1, 256], got {self.block_size}")
         require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",

@@ -288,7 +288,7 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, caps
     (["--gpu-memory-gib", "80"], ["custom GPU needs --gpu-bandwidth-tbs, --gpu-tflops"]),
     (["--gpu", "h100", "--gpu-bandwidth-tbs", "-1"], ["must be > 0"]),
     (["--dtype", "fp8"], ["dtype must be bf16, fp16 or fp32"]),
-    (["--kv-dtype", "int3"], ["kv_dtype must be bf16, fp16, fp32 or fp8"]),
+    (["--kv-dtype", "int3"], ["kv_dtype must be bf16, fp16, fp32, fp8 or int8"]),
     (["--batch-sizes", "1,x"], ["--batch-sizes must be positive integers"]),
     (["--gpu-memory-utilization", "1.5"], ["gpu_memory_utilization must be in (0, 1]"]),
     (["--model", "no-such-model"], ["unknown model 'no-such-model'", "llama-3.1-8b"]),

@@ -125,8 +125,10 @@ def test_config_resolution_and_prefixes():
     gptq = resolve_quantization("auto", "hf", {"quant_method": "gptq", "bits": 8}, "cpu", False)
     assert (gptq.method, gptq.bits, gptq.zero_offset) == ("gptq", 8, 1)
     assert gptq.method_for("lm_head") == "none"
-    with pytest.raises(ModelLoadError, match="pre-quantized with 'fp8'"):
-        resolve_quantization("auto", "hf", {"quant_method": "fp8"}, "cpu", False)
+    fp8 = resolve_quantization("auto", "hf", {"quant_method": "fp8"}, "cpu", False)
+    assert (fp8.method, fp8.prequantized, fp8.method_for("lm_head")) == ("fp8", True, "none")
+    with pytest.raises(ModelLoadError, match="pre-quantized with 'hqq'"):
+        resolve_quantization("auto", "hf", {"quant_method": "hqq"}, "cpu", False)
     assert resolve_quantization("auto", "hf", {"quant_method": "awq"}, "cuda", False).method == (
         "awq")  # the GPU runs them on the Triton kernels
     with pytest.raises(ModelLoadError, match="cpu and cuda"):

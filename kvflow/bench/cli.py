@@ -18,6 +18,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantizations", default=None,
                    help="run kvflow once per listed --quantization value in the same run, "
                    "e.g. none,gguf,int8,int4 (int4 options as in bench quality: int4-g64)")
+    p.add_argument("--kv-cache-dtypes", default=None,
+                   help="run kvflow once per listed --kv-cache-dtype value in the same run, "
+                   "e.g. auto,int8,fp8 (ratios over auto)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature for both backends (0 = greedy)")
     p.add_argument("--save-result", default=None, help="write the result JSON here")

@@ -73,8 +73,15 @@ def _backends(ns) -> list[str]:
     out = [b for b in _PEERS if b in names]
     if "kvflow" in names:
         quants = getattr(ns, "quantizations", None)
-        out += ([f"kvflow-{q.strip()}" for q in quants.split(",") if q.strip()] if quants
-                else ["kvflow"])
+        kv_dtypes = getattr(ns, "kv_cache_dtypes", None)
+        if quants and kv_dtypes:
+            raise InvalidParameterError("--quantizations and --kv-cache-dtypes each compare "
+                                        "one axis: give one of them", param="kv_cache_dtypes")
+        if kv_dtypes:
+            out += [f"kvflow-kv-{d.strip()}" for d in kv_dtypes.split(",") if d.strip()]
+        else:
+            out += ([f"kvflow-{q.strip()}" for q in quants.split(",") if q.strip()] if quants
+                    else ["kvflow"])
     return out
 
 
@@ -90,6 +97,9 @@ def _kvflow_config(args: EngineArgs, label: str, config=None):
         return config if config is not None else args.create_engine_config()
     if label == "kvflow-eager":
         return _eager_config(config if config is not None else args.create_engine_config())
+    if label.startswith("kvflow-kv-"):  # --kv-cache-dtypes: the same engine, another cache
+        return dataclasses.replace(args, kv_cache_dtype=label.removeprefix(
+            "kvflow-kv-")).create_engine_config()
     from kvflow.bench.quality import method_args
 
     return method_args(args, label.removeprefix("kvflow-")).create_engine_config()
@@ -201,7 +211,7 @@ def _ratios(results: dict, key: str) -> None:
     for k, v in runs.items():
         if not k.startswith("kvflow-"):
             continue
-        for other in ("hf", "llamacpp", "kvflow-none"):
+        for other in ("hf", "llamacpp", "kvflow-none", "kvflow-kv-auto"):
             if other in runs and other != k:
                 out[f"{k}/{other}"] = v[key] / runs[other][key]
     if out:
@@ -218,6 +228,7 @@ def _config_summary(config) -> dict:
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
             "max_num_seqs": config.scheduler.max_num_seqs,
             "enforce_eager": config.device.enforce_eager,
+            "kv_cache_dtype": config.cache.cache_dtype,
             "speculative_config": dataclasses.asdict(config.speculative)
             if config.speculative is not None else None}
 
@@ -234,6 +245,8 @@ def _kvflow_throughput(args, config, requests, ns) -> tuple[float, dict]:
     meter = _attach_idle_meter(engine, ns)
     stats = _run_kvflow(engine, requests, ns, tag="bench")
     stats.update(_weights(engine))
+    stats.update(kv_cache_dtype=config.cache.cache_dtype,
+                 kv_cache_blocks=engine.core.scheduler.kv.num_blocks)
     if meter is not None:
         stats["gpu_idle"] = meter.report()
         print(f"[kvflow] GPU idle between steps: "

@@ -5,6 +5,9 @@ llama.cpp's perplexity tool does, only the second half of each window is scored 
 scored token has at least half a window of context). Per scored token we compare the
 next-token distribution of each method with the dense model's (``--quantization none``)
 on the same tokens: perplexity, KL(dense || method) mean / p99 / max, and top-1 agreement.
+A method ``kv-int8`` / ``kv-fp8`` keeps the dense weights and quantizes the KV cache
+instead (``--kv-cache-dtype``): every window's keys and values are stored quantized and
+attention reads them back, so the figures are what the cache's rounding costs.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="gguf,int8,int4",
                    help="comma-separated --quantization values to compare with the dense "
                    "model (none); int4 takes --quantization-group-size/-symmetric, or "
-                   "int4-g64, int4-g128-sym")
+                   "int4-g64, int4-g128-sym; kv-int8 and kv-fp8: dense weights with a "
+                   "quantized KV cache")
     p.add_argument("--text", default=DEFAULT_TEXT, help="UTF-8 text file to score "
                    "(default: the text shipped with kvflow)")
     p.add_argument("--context", type=int, default=256, help="tokens per window")
@@ -37,7 +41,11 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
 
 
 def method_args(base: EngineArgs, method: str) -> EngineArgs:
-    """'int4-g64-sym' -> EngineArgs with quantization=int4, group 64, symmetric."""
+    """'int4-g64-sym' -> EngineArgs with quantization=int4, group 64, symmetric;
+    'kv-int8' -> dense weights (the reference's) with an int8 KV cache."""
+    if method.startswith("kv-"):
+        return dataclasses.replace(base, quantization="none",
+                                   kv_cache_dtype=method.removeprefix("kv-"))
     name, *opts = method.split("-")
     changes: dict = {"quantization": name}
     for o in opts:
@@ -74,10 +82,18 @@ class _Scorer:
         self.builder = backend.metadata_builder(AttentionSpec(
             block_size=bs, num_kv_heads=arch.num_key_value_heads, dtype=dtype,
             device=self.device, rotary=model_rotary(self.model)))
+        kind = self.config.cache.cache_dtype
         for m in self.model.modules():
             if isinstance(m, Attention):  # [2, blocks, block_size, KVH, D]
-                m.kv_cache = torch.zeros(2, self.nblocks, bs, arch.num_key_value_heads,
-                                         arch.head_dim, dtype=dtype, device=self.device)
+                shape = (2, self.nblocks, bs, arch.num_key_value_heads, arch.head_dim)
+                if kind == "auto":
+                    m.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+                    continue
+                from kvflow.layers.attention.kv_quant import KVQuant, storage_dtype
+
+                m.kv_cache = torch.zeros(shape, dtype=storage_dtype(kind), device=self.device)
+                m.kv_quant = KVQuant(kind, torch.zeros(shape[:-1], device=self.device)
+                                     if kind == "int8" else None, m.k_scale, m.v_scale)
 
     def logprobs(self, ids: list[int]) -> torch.Tensor:
         """[T] token ids -> float32 [T, vocab] log-probabilities of the next token."""
@@ -167,7 +183,8 @@ def _figures(lp: torch.Tensor, ref: torch.Tensor | None, targets: torch.Tensor,
     nll = -lp.gather(1, targets[:, None]).squeeze(1)
     out = {"perplexity": float(torch.exp(nll.mean())),
            "weight_mib": scorer.weight_bytes / 2**20, "load_s": scorer.load_s,
-           "quantization": scorer.config.model.quantization}
+           "quantization": scorer.config.model.quantization,
+           "kv_cache_dtype": scorer.config.cache.cache_dtype}
     if ref is not None:
         kl = (ref.exp() * (ref - lp)).sum(-1)  # KL(dense || method) per token
         out.update(kl_mean=float(kl.mean()), kl_p99=float(np.percentile(kl.numpy(), 99)),

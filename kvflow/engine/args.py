@@ -52,7 +52,9 @@ class EngineArgs:
     quantization: str = _arg("auto", "weight storage: auto (GGUF files keep their quantized "
                              "blocks on CPU, other checkpoints stay dense), none (dense in "
                              "--dtype), int8 (per channel) or int4 (group-wise) quantized "
-                             "at load, gguf", choices=["auto", "none", "int8", "int4", "gguf"])
+                             "at load, gguf, fp8 (W8A8: FP8 weights per channel and "
+                             "activations per token; emulated on CPU)",
+                             choices=["auto", "none", "int8", "int4", "gguf", "fp8"])
     quantization_group_size: int = _arg(32, "int4: input elements per scale (32, 64, 128)",
                                         choices=[32, 64, 128])
     quantization_symmetric: bool = _arg(False, "int4: symmetric (scale only) instead of a "
@@ -76,6 +78,10 @@ class EngineArgs:
     kv_cache_memory: str | None = _arg(None, "KV cache size, e.g. 4GiB (CPU default 4GiB; "
                                        "on GPU overrides profiling)")
     num_gpu_blocks_override: int | None = _arg(None, "use exactly this many KV blocks")
+    kv_cache_dtype: str = _arg("auto", "KV cache storage: auto (= --dtype), int8 (per-token "
+                               "and head scales) or fp8 (E4M3, per-tensor scales); int8 and "
+                               "fp8 hold twice the tokens of a bf16 cache, 4x fp32",
+                               choices=["auto", "int8", "fp8"])
     enable_prefix_caching: bool = _arg(True, "reuse KV blocks of shared prompt prefixes")
     preemption_mode: str = _arg("recompute", "when blocks run out: recompute the preempted "
                                 "request later, swap its KV to host memory, or auto (per "
@@ -184,7 +190,8 @@ class EngineArgs:
             num_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             preemption_mode=self.preemption_mode,
-            swap_space=parse_bytes(self.swap_space, "swap_space"), kv_layout=self.kv_layout)
+            swap_space=parse_bytes(self.swap_space, "swap_space"), kv_layout=self.kv_layout,
+            cache_dtype=self.kv_cache_dtype)
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = 8192 if on_gpu else 2048

@@ -73,10 +73,16 @@ _MAX_SPLITS = 64
 
 @triton.jit
 def _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos, offs_n, offs_d,
-               stride_kb, stride_kt, qk_scale,
+               stride_kb, stride_kt, qk_scale, q_ptr, ks_base, vs_base, stride_sb, stride_st,
                BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-               MASKED: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """One BLOCK_N tile of keys [start, start + BLOCK_N): online-softmax update."""
+               MASKED: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+               QUANT: tl.constexpr):
+    """One BLOCK_N tile of keys [start, start + BLOCK_N): online-softmax update.
+
+    QUANT 1 (int8 cache): K/V tiles are widened to the model dtype (exact) and their
+    per-token scales applied to the scores (K) and to P before P @ V (V); QUANT 2
+    (fp8): widened the same way, the per-tensor scales are folded into qk_scale and
+    the output scale by the caller."""
     n = start + offs_n  # [BLOCK_N] key positions
     if MASKED:
         n_ok = n < hi
@@ -98,6 +104,12 @@ def _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos, offs_n,
     else:
         k = tl.load(k_base + ptr_off)
         v = tl.load(v_base + ptr_off)
+    if QUANT != 0 and UPCAST:  # the interpreter's int8/fp8 -> bf16 casts are wrong
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    elif QUANT != 0:  # exact: int8 and E4M3 values are all bf16/fp16 values
+        k = k.to(q_ptr.dtype.element_ty)
+        v = v.to(q_ptr.dtype.element_ty)
 
     if UPCAST:  # CPU interpreter: its tl.dot multiplies bf16 as raw uint16
         k = k.to(tl.float32)
@@ -105,6 +117,15 @@ def _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos, offs_n,
     else:
         v_dot = v
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if QUANT == 1:
+        s_off = blk.to(tl.int64) * stride_sb + (n % BLOCK_SIZE) * stride_st  # [BLOCK_N]
+        if MASKED:
+            ks = tl.load(ks_base + s_off, mask=n_ok, other=0.0)
+            vs = tl.load(vs_base + s_off, mask=n_ok, other=0.0)
+        else:
+            ks = tl.load(ks_base + s_off)
+            vs = tl.load(vs_base + s_off)
+        s = s * ks[None, :]
     if MASKED:
         visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -113,6 +134,8 @@ def _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos, offs_n,
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if QUANT == 1:
+        p = p * vs[None, :]  # V's per-token scales, applied to its rows of P
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(v_dot.dtype), v_dot,
                                         input_precision=DOT_PREC)
     return acc, l_i, m_new
@@ -122,11 +145,12 @@ def _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos, offs_n,
 def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
         req_offset, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_bt, stride_kb, stride_kt, stride_kh,
+        stride_bt, stride_kb, stride_kt, stride_kh, ks_ptr, vs_ptr, out_scale,
+        stride_sb, stride_st, stride_sh,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr):
+        UPCAST: tl.constexpr, QUANT: tl.constexpr):
     num_qb = tl.num_programs(0)
     qb = num_qb - 1 - tl.program_id(0)  # longest causal range first
     req = tl.program_id(1) + req_offset
@@ -174,17 +198,21 @@ def _paged_attn_kernel(
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_kh
+    ks_base = ks_ptr + kvh * stride_sh
+    vs_base = vs_ptr + kvh * stride_sh
     for start in range(lo, full_end, BLOCK_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos,
-                                   offs_n, offs_d, stride_kb, stride_kt, qk_scale,
-                                   BLOCK_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, UPCAST)
+                                   offs_n, offs_d, stride_kb, stride_kt, qk_scale, q_ptr,
+                                   ks_base, vs_base, stride_sb, stride_st,
+                                   BLOCK_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, UPCAST, QUANT)
     for start in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos,
-                                   offs_n, offs_d, stride_kb, stride_kt, qk_scale,
-                                   BLOCK_SIZE, HEAD_DIM, D_PAD, True, DOT_PREC, UPCAST)
+                                   offs_n, offs_d, stride_kb, stride_kt, qk_scale, q_ptr,
+                                   ks_base, vs_base, stride_sb, stride_st,
+                                   BLOCK_SIZE, HEAD_DIM, D_PAD, True, DOT_PREC, UPCAST, QUANT)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty split or empty context -> zeros
-    o = acc / l_safe[:, None]
+    o = acc * (out_scale / l_safe)[:, None]  # out_scale: fp8's V scale, else 1
     if SPLIT:
         # Partial results of decode request `req`: [num_decodes, H, S, D_PAD] and [.., S].
         num_heads = tl.num_programs(2) // num_splits * GROUP
@@ -312,7 +340,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     num_decodes: int, max_query_len: int, max_seq_len: int,
                     num_kv_splits: int = 1, out: torch.Tensor | None = None,
                     decode_config: TileConfig | None = None,
-                    prefill_config: TileConfig | None = None) -> torch.Tensor:
+                    prefill_config: TileConfig | None = None, kv_quant=None) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each request's paged context -> [T, H, D].
 
     R = seq_lens.shape[0] requests; requests [0, num_decodes) have exactly one query
@@ -321,6 +349,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     across programs (flash-decoding). ``max_seq_len`` does not size any grid; it is kept
     for callers' heuristics. Output rows past ``query_start_loc[R]`` are left unwritten.
     ``decode_config`` / ``prefill_config`` override the default tiles (benchmarks).
+    ``kv_quant`` (a ``KVQuant``): the cache holds int8 (with per-token-and-head scales
+    [2, NB, BS, KVH]) or fp8 values (per-tensor scales), dequantized in registers.
     """
     t, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -341,13 +371,26 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     dec_cfg = decode_config or dec_cfg
     pre_cfg = prefill_config or pre_cfg
     k_cache, v_cache = kv_cache[0], kv_cache[1]  # [NB, BS, KVH, D] each
-    common = (scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-              block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    quant, scales, qk_scale, out_scale = 0, k_cache, scale * _LOG2E, 1.0
+    if kv_quant is not None and kv_quant.kind == "int8":
+        quant, scales = 1, kv_quant.scales  # [2, NB, BS, KVH] float32
+        assert kv_cache.dtype == torch.int8 and scales.shape == kv_cache.shape[:-1]
+    elif kv_quant is not None:
+        quant, out_scale = 2, float(kv_quant.v_scale)
+        qk_scale *= float(kv_quant.k_scale)
+        assert kv_cache.dtype == torch.float8_e4m3fn
+    else:
+        assert kv_cache.dtype == q.dtype, "an unquantized cache holds the model dtype"
+    common = (qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+              block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+              scales[0], scales[1], out_scale,
+              *((scales.stride(1), scales.stride(2), scales.stride(3)) if quant == 1
+                else (0, 0, 0)))
     # The CPU interpreter's tl.dot is wrong for bf16 (it multiplies the raw uint16 bits):
     # there, dot operands are widened to float32 after the same roundings.
     consts = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
                   DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                  UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16)
+                  UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16, QUANT=quant)
 
     if num_decodes > 0:
         splits = max(1, int(num_kv_splits))

@@ -12,6 +12,12 @@ way, writes ``q_rot`` and ``k_rot``, and, when ``slot_mapping[t] >= 0``, stores 
 and ``v`` into ``kv_cache[0|1].view(-1, KVH, D)[slot]``. Rows of q/k/v beyond
 ``slot_mapping.shape[0]`` (CUDA-graph padding) are rotated but not cached.
 
+Quantized caches (``kv_quant``, reference ``kvflow.layers.attention.kv_quant``): int8
+stores ``round(x / s)`` with ``s = max|x| / 127`` per token and KV head (the head's
+max comes from the two rotated halves already in registers) and writes ``s`` to the
+scale tensor at the same slot; fp8 stores ``x / scale`` saturated to +-448 and rounded
+to nearest even (one per-tensor scale each for K and V).
+
 Traffic (memory-bound), per token with elem = 2 bytes:
 ``(2*H*D + 2*KVH*D) * elem`` (q, k read + write) ``+ KVH*D*elem`` (v read)
 ``+ 2*KVH*D*elem`` (cache write) ``+ 4*D`` (cos/sin) ``+ 8`` (position) ``+ 8`` (slot).
@@ -45,11 +51,58 @@ def _rotate_heads(src_ptr, dst_ptr, src_stride_h, n_heads, cos, sin, half,
 
 
 @triton.jit
+def _fp8_grid(y):
+    """Round float32 y (|y| <= 448) to the nearest E4M3 value, in exact float32 steps:
+    normals keep 4 significant bits (Veltkamp split), subnormals step 2^-9. Only for
+    the CPU interpreter, whose float8 cast drops the carry when rounding up across a
+    power of two; a GPU's cvt rounds correctly (and would contract these steps into FMAs)."""
+    c = y * 1048577.0  # 2^20 + 1
+    hi = c - (c - y)
+    magic = 12582912.0  # 1.5 * 2^23: adding it rounds to an integer
+    sub = ((y * 512.0 + magic) - magic) / 512.0
+    return tl.where(tl.abs(y) < 0.015625, sub, hi)
+
+
+@triton.jit
+def _store_kv(dst, sc_ptr, x1, x2, mask, half, inv_scale, QUANT: tl.constexpr,
+              HEADS: tl.constexpr, EMULATED: tl.constexpr):
+    """Store one token's rotated/plain halves x1, x2 [KVH_PAD, HALF] (float32) at dst
+    (+half): as is (QUANT 0), int8 with a scale per head at sc_ptr (1), fp8 (2)."""
+    if QUANT == 1:
+        amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
+        sc = amax / 127.0  # [KVH_PAD]
+        h = tl.arange(0, HEADS)
+        tl.store(sc_ptr + h, sc, mask=tl.max(mask.to(tl.int32), axis=1) > 0)
+        sc = tl.where(sc > 0.0, sc, 1.0)[:, None]  # all-zero head: stays 0
+        y1 = x1 / sc
+        y2 = x2 / sc
+        # round half away from zero (the interpreter has no rint)
+        y1 = tl.where(y1 >= 0, tl.floor(y1 + 0.5), tl.ceil(y1 - 0.5))
+        y2 = tl.where(y2 >= 0, tl.floor(y2 + 0.5), tl.ceil(y2 - 0.5))
+        tl.store(dst, y1.to(tl.int8), mask=mask)
+        tl.store(dst + half, y2.to(tl.int8), mask=mask)
+    elif QUANT == 2:
+        y1 = tl.minimum(tl.maximum(x1 * inv_scale, -448.0), 448.0)
+        y2 = tl.minimum(tl.maximum(x2 * inv_scale, -448.0), 448.0)
+        if EMULATED:
+            y1 = _fp8_grid(y1)
+            y2 = _fp8_grid(y2)
+        tl.store(dst, y1.to(dst.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(dst + half, y2.to(dst.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=mask)
+    else:
+        tl.store(dst, x1.to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst + half, x2.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotary_cache_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
-                         q_out_ptr, k_out_ptr, n_slots, num_heads, num_kv_heads, half,
+                         q_out_ptr, k_out_ptr, ks_ptr, vs_ptr, k_inv_scale, v_inv_scale,
+                         n_slots, num_heads, num_kv_heads, half,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                         stride_cs, stride_c_slot, stride_c_head,
-                         H_PAD: tl.constexpr, KVH_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+                         stride_cs, stride_c_slot, stride_c_head, stride_s_slot,
+                         H_PAD: tl.constexpr, KVH_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+                         QUANT: tl.constexpr, EMULATED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c = tl.arange(0, HALF_PAD)
@@ -67,28 +120,33 @@ def _rotary_cache_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, kc_ptr, vc_ptr, s
     if slot >= 0:
         h = tl.arange(0, KVH_PAD)
         kc = kc_ptr + slot * stride_c_slot + h[:, None] * stride_c_head + c[None, :]
-        tl.store(kc, k1.to(kc_ptr.dtype.element_ty), mask=kmask)
-        tl.store(kc + half, k2.to(kc_ptr.dtype.element_ty), mask=kmask)
+        if QUANT == 0:  # unquantized: k rounds once, from the float32 rotation
+            _store_kv(kc, ks_ptr, k1, k2, kmask, half, k_inv_scale, QUANT, KVH_PAD, EMULATED)
+        else:  # quantized from k_rot as rounded to the model dtype (the reference's input)
+            _store_kv(kc, ks_ptr + slot * stride_s_slot, k1.to(k_out_ptr.dtype.element_ty)
+                      .to(tl.float32), k2.to(k_out_ptr.dtype.element_ty).to(tl.float32),
+                      kmask, half, k_inv_scale, QUANT, KVH_PAD, EMULATED)
         vsrc = v_ptr + t * stride_vt + h[:, None] * stride_vh + c[None, :]
         vc = vc_ptr + slot * stride_c_slot + h[:, None] * stride_c_head + c[None, :]
-        v1 = tl.load(vsrc, mask=kmask, other=0.0)
-        v2 = tl.load(vsrc + half, mask=kmask, other=0.0)
-        tl.store(vc, v1.to(vc_ptr.dtype.element_ty), mask=kmask)
-        tl.store(vc + half, v2.to(vc_ptr.dtype.element_ty), mask=kmask)
+        v1 = tl.load(vsrc, mask=kmask, other=0.0).to(tl.float32)
+        v2 = tl.load(vsrc + half, mask=kmask, other=0.0).to(tl.float32)
+        _store_kv(vc, vs_ptr + slot * stride_s_slot, v1, v2, kmask, half, v_inv_scale,
+                  QUANT, KVH_PAD, EMULATED)
 
 
 def rotary_and_cache_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor, cos_sin_cache: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                            q_out: torch.Tensor | None = None,
-                           k_out: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           k_out: torch.Tensor | None = None,
+                           kv_quant=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, H, D] and k [T, KVH, D] at ``positions`` [T]; store k_rot and v
     [T, KVH, D] into kv_cache [2, NB, BS, KVH, D] at ``slot_mapping`` [<=T] (-1 skips).
 
     ``cos_sin_cache`` is float32 [max_pos, D] = [cos | sin]. Returns (q_rot, k_rot),
     contiguous; ``q_out`` / ``k_out`` are written when given (they may be q / k if those
-    are contiguous).
+    are contiguous). ``kv_quant`` (a ``KVQuant``): the cache is int8 (scales
+    [2, NB, BS, KVH] float32 written beside it) or fp8 (per-tensor scales).
     """
     t, num_heads, d = q.shape
     num_kv_heads = k.shape[1]
@@ -108,12 +166,23 @@ def rotary_and_cache_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Te
         return q_out, k_out
     half = d // 2
     heads_pad = triton.next_power_of_2(num_heads)
+    quant, scales, k_inv, v_inv = 0, kv_cache, 1.0, 1.0  # scales: unused unless int8
+    if kv_quant is not None and kv_quant.kind == "int8":
+        quant, scales = 1, kv_quant.scales
+        assert kv_cache.dtype == torch.int8 and scales.dtype == torch.float32
+        assert scales.shape == kv_cache.shape[:-1] and scales.is_contiguous()
+    elif kv_quant is not None:
+        quant, k_inv, v_inv = 2, 1.0 / kv_quant.k_scale, 1.0 / kv_quant.v_scale
+        assert kv_cache.dtype == torch.float8_e4m3fn
     _rotary_cache_kernel[(t,)](
         positions, q, k, v, cos_sin_cache, kv_cache[0], kv_cache[1], slot_mapping,
-        q_out, k_out, slot_mapping.shape[0], num_heads, num_kv_heads, half,
+        q_out, k_out, scales[0], scales[1], k_inv, v_inv, slot_mapping.shape[0], num_heads,
+        num_kv_heads, half,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+        scales.stride(2) if quant == 1 else 0,
         H_PAD=heads_pad, KVH_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF_PAD=triton.next_power_of_2(half),
+        HALF_PAD=triton.next_power_of_2(half), QUANT=quant,
+        EMULATED=q.device.type == "cpu",
         num_warps=4 if heads_pad * d <= 4096 else 8)
     return q_out, k_out

@@ -109,7 +109,9 @@ def load_model(config: ModelConfig, device: torch.device, backend: AttentionBack
         keep = quant is not None and quant.method == "gguf"
         model.load_weights(iter_gguf_weights(config.path, config.arch, keep_quantized=keep))
     else:
-        model.load_weights(iter_hf_weights(config.path))
+        kv_scales: dict[str, float] = {}
+        model.load_weights(_take_kv_scales(iter_hf_weights(config.path), kv_scales))
+        _set_kv_scales(model, kv_scales)
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
@@ -117,6 +119,48 @@ def load_model(config: ModelConfig, device: torch.device, backend: AttentionBack
     model.quant_config = quant
     logger.info("weights: %s, %.1f MiB", _describe(model, quant), weight_bytes(model) / 2**20)
     return model.eval()
+
+
+# Per-tensor KV cache scales of FP8 checkpoints (compressed-tensors kv_cache_scheme,
+# or the older k_proj/v_proj output_scale names), read by --kv-cache-dtype fp8.
+_KV_SCALE_SUFFIXES = {".k_scale": "k_scale", ".v_scale": "v_scale",
+                      ".k_proj.output_scale": "k_scale", ".v_proj.output_scale": "v_scale"}
+
+
+def _take_kv_scales(weights: Iterator[tuple[str, torch.Tensor]], out: dict[str, float]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors without its KV cache scales, which go to ``out`` as
+    ``{"model.layers.3.self_attn:k_scale": 0.02}``."""
+    for name, tensor in weights:
+        suffix = next((s for s in _KV_SCALE_SUFFIXES if name.endswith(s)), None)
+        if suffix is None:
+            yield name, tensor
+            continue
+        if tensor.numel() != 1:
+            raise ModelLoadError(f"{name} has shape {tuple(tensor.shape)}; a KV cache scale "
+                                 f"must be one number (per-tensor)")
+        out[f"{name[: -len(suffix)]}:{_KV_SCALE_SUFFIXES[suffix]}"] = float(tensor)
+
+
+def _set_kv_scales(model: torch.nn.Module, scales: dict[str, float]) -> None:
+    """Give each attention layer its checkpoint k_scale / v_scale (fp8 KV cache)."""
+    if not scales:
+        return
+    from kvflow.layers.attention import Attention
+
+    for name, module in model.named_modules():
+        if not isinstance(module, Attention):
+            continue
+        parent = name.rsplit(".", 1)[0]  # model.layers.3.self_attn(.attn)
+        for key in ("k_scale", "v_scale"):
+            value = scales.get(f"{parent}:{key}")
+            if value is not None:
+                if not value > 0:
+                    raise ModelLoadError(f"{parent}.{key} = {value}: KV cache scales must "
+                                         f"be positive")
+                setattr(module, key, value)
+    logger.info("KV cache scales from the checkpoint for %d tensors (used by "
+                "--kv-cache-dtype fp8)", len(scales))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -18,7 +18,7 @@ def add_plan_parser(sub) -> None:
                    f"file (default: {DEFAULT_PLAN_MODEL})")
     p.add_argument("--dtype", default="bf16", help="weights: bf16, fp16 or fp32")
     p.add_argument("--kv-dtype", default="auto", help="KV cache: auto (= --dtype), bf16, "
-                   "fp16, fp32 or fp8")
+                   "fp16, fp32, fp8 or int8 (the engine's --kv-cache-dtype)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="GPUs one replica is split over (default: 1)")
     p.add_argument("--gpu", default=None, help="h200 (default), h100, a100-80g, l40s, or "

@@ -26,14 +26,25 @@ from kvflow.utils import cdiv
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "float": "float32",
                  "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                  "float16": "float16", "half": "float16", "fp8": "fp8", "fp8_e4m3": "fp8",
-                 "fp8_e5m2": "fp8"}
+                 "fp8_e5m2": "fp8", "int8": "int8"}
+KV_ONLY_DTYPES = ("fp8", "int8")  # KV cache storage, not weights
+# An int8 KV cache (--kv-cache-dtype int8) keeps a float32 scale per token, KV head,
+# K and V beside its one-byte values (kvflow/worker/kv_cache.py).
+INT8_KV_SCALE_BYTES = 4
+
+
+def kv_bytes_per_head(kv_dtype: str, head_dim: int) -> int:
+    """Bytes of one token's K (or V) of one KV head in a cache of ``kv_dtype``."""
+    if kv_dtype == "int8":
+        return head_dim + INT8_KV_SCALE_BYTES
+    return head_dim * DTYPE_BYTES[kv_dtype]
 
 
 def canonical_dtype(name: str, param: str, allow_fp8: bool) -> str:
-    """'bf16' -> 'bfloat16' etc.; fp8 only where allowed (the KV cache)."""
+    """'bf16' -> 'bfloat16' etc.; fp8 and int8 only where allowed (the KV cache)."""
     dtype = DTYPE_ALIASES.get(str(name).strip().lower())
-    allowed = "bf16, fp16, fp32 or fp8" if allow_fp8 else "bf16, fp16 or fp32"
-    if dtype is None or (dtype == "fp8" and not allow_fp8):
+    allowed = "bf16, fp16, fp32, fp8 or int8" if allow_fp8 else "bf16, fp16 or fp32"
+    if dtype is None or (dtype in KV_ONLY_DTYPES and not allow_fp8):
         raise InvalidParameterError(f"{param} must be {allowed}, got {name!r}", param=param)
     return dtype
 
@@ -70,7 +81,8 @@ class ShardedModel:
                 f"{param}={tp} does not divide intermediate_size={a.intermediate_size}",
                 param=param)
         for name in ("dtype", "kv_dtype"):
-            if getattr(self, name) not in DTYPE_BYTES:
+            if getattr(self, name) not in DTYPE_BYTES and not (
+                    name == "kv_dtype" and self.kv_dtype == "int8"):
                 raise InvalidParameterError(f"unknown {name} {getattr(self, name)!r}",
                                             param=name)
 
@@ -137,15 +149,15 @@ class ShardedModel:
     @property
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes of one token on one GPU."""
-        return (2 * self.arch.num_hidden_layers * self.kv_heads * self.arch.head_dim
-                * DTYPE_BYTES[self.kv_dtype])
+        return (2 * self.arch.num_hidden_layers * self.kv_heads
+                * kv_bytes_per_head(self.kv_dtype, self.arch.head_dim))
 
     @property
     def model_kv_bytes_per_token(self) -> int:
         """2 * layers * kv_heads * head_dim * bytes: one token of the whole model."""
         a = self.arch
-        return (2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim
-                * DTYPE_BYTES[self.kv_dtype])
+        return (2 * a.num_hidden_layers * a.num_key_value_heads
+                * kv_bytes_per_head(self.kv_dtype, a.head_dim))
 
     @property
     def layer_elementwise_bytes_per_token(self) -> int:
@@ -154,7 +166,7 @@ class ShardedModel:
         a, b = self.arch, self.dtype_bytes
         q, kv = self.q_heads * a.head_dim, self.kv_heads * a.head_dim
         return (b * (8 * a.hidden_size + 2 * q + 3 * kv + 3 * self.intermediate)
-                + 2 * kv * DTYPE_BYTES[self.kv_dtype])
+                + 2 * self.kv_heads * kv_bytes_per_head(self.kv_dtype, a.head_dim))
 
 
 @dataclass(frozen=True)

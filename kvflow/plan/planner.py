@@ -57,8 +57,9 @@ class PlanInputs:
     def __post_init__(self) -> None:
         require(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
                  f"must be bf16, fp16 or fp32, got {self.dtype!r}")
-        require(self.kv_dtype is None or self.kv_dtype in DTYPE_BYTES, "kv_dtype",
-                 f"must be bf16, fp16, fp32 or fp8, got {self.kv_dtype!r}")
+        require(self.kv_dtype is None or self.kv_dtype in DTYPE_BYTES
+                or self.kv_dtype == "int8", "kv_dtype",
+                f"must be bf16, fp16, fp32, fp8 or int8, got {self.kv_dtype!r}")
         require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                  f"must be in (0, 1], got {self.gpu_memory_utilization}")
         require(self.input_len >= 1, "input_len", f"must be >= 1, got {self.input_len}")
@@ -219,9 +220,9 @@ def _notes(inputs: PlanInputs, m: ShardedModel, mem: MemoryPlan) -> list[str]:
         notes.append(f"batch sizes above --max-num-seqs {inputs.max_num_seqs} "
                      f"({', '.join(map(str, sorted(set(over))))}) need the engine started "
                      "with a larger --max-num-seqs")
-    if m.kv_dtype != m.dtype:
+    if m.kv_dtype != m.dtype and m.kv_dtype not in ("fp8", "int8"):
         notes.append(f"KV cache in {m.kv_dtype} is a what-if: kvflow's engine stores KV in "
-                     "the model dtype today")
+                     "the model dtype, int8 or fp8 (--kv-cache-dtype)")
     if m.tp > 1:
         notes.append("tensor-parallel figures model kvflow's Megatron layout; all-reduce "
                      "times use the datasheet link bandwidth and an assumed latency "

@@ -9,7 +9,8 @@ from kvflow.errors import InvalidParameterError
 from kvflow.plan.model import DTYPE_BYTES, StepCost, decode_step
 from kvflow.plan.planner import Plan
 
-_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp8": "fp8"}
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp8": "fp8",
+          "int8": "int8"}
 
 
 def _gib(n: float) -> str:
@@ -20,7 +21,8 @@ def format_table(plan: Plan) -> str:
     """The terminal report."""
     i, m, mem, gpu = plan.inputs, plan.model, plan.memory, plan.inputs.gpu
     a = m.arch
-    kvb = DTYPE_BYTES[m.kv_dtype]
+    kvb = (f"{DTYPE_BYTES[m.kv_dtype]} B" if m.kv_dtype != "int8"
+           else "(1 B + a 4 B scale per head)")
     seq = i.input_len + i.output_len
     lines = [
         f"kvflow plan: {i.model} on {m.tp} x {gpu.name} ({_SHORT[m.dtype]} weights, "
@@ -34,7 +36,7 @@ def format_table(plan: Plan) -> str:
         "Memory per GPU",
         f"  KV cache per token       {m.model_kv_bytes_per_token / 1024:.1f} KiB  (2 x "
         f"{a.num_hidden_layers} layers x {a.num_key_value_heads} KV heads x {a.head_dim} x "
-        f"{kvb} B)" + (f"; {m.kv_bytes_per_token / 1024:.1f} KiB on each GPU "
+        f"{kvb})" + (f"; {m.kv_bytes_per_token / 1024:.1f} KiB on each GPU "
                        f"({m.kv_heads} KV head{'s' if m.kv_heads > 1 else ''})"
                        if m.tp > 1 else ""),
         f"  usable                   {_gib(mem.usable_bytes)}  ({i.gpu_memory_utilization:g} "

@@ -107,6 +107,9 @@ class ModelRunner:
             config.model.arch.vocab_size, device_block_table, spec=self.spec)
         self.kv_caches: torch.Tensor | None = None  # [L, 2, NB, BS, KVH, D]
         self.host_cache: torch.Tensor | None = None  # [NH, L, 2, BS, KVH, D] swap space
+        # An int8 cache's scales: [L, 2, NB, BS, KVH] and [NH, L, 2, BS, KVH] in swap.
+        self.kv_scales: torch.Tensor | None = None
+        self.host_scales: torch.Tensor | None = None
         self.graphs: CudaGraphRunner | CpuCompiledStep | None = None  # once captured
         self.idle_meter = None  # a GpuIdleMeter while a benchmark measures GPU idle time
 
@@ -128,13 +131,16 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         kv_cache.check_capacity(self.config, num_blocks)
         self.kv_caches = kv_cache.allocate_kv_cache(self.config, num_blocks, self.device)
-        kv_cache.bind_kv_cache(self.model, self.kv_caches)
+        self.kv_scales = kv_cache.allocate_kv_scales(self.config, num_blocks, self.device)
+        kv_cache.bind_kv_cache(self.model, self.kv_caches, self.kv_scales,
+                               kv_cache.kv_quant_kind(self.config))
         kv_cache.log_kv_cache(self.config, num_blocks)
         host_blocks = kv_cache.num_host_blocks(self.config)
         if host_blocks:
-            self.host_cache = kv_cache.allocate_host_cache(self.config, host_blocks, self.device)
+            self.host_cache, self.host_scales = kv_cache.allocate_host_cache(
+                self.config, host_blocks, self.device)
             logger.info("swap space: %d blocks, %.2f GiB of %s host memory", host_blocks,
-                        self.host_cache.numel() * self.host_cache.element_size() / GiB,
+                        host_blocks * kv_cache.block_bytes(self.config) / GiB,
                         "pinned" if self.device.type == "cuda" else "plain")
 
     def warmup(self) -> None:
@@ -178,9 +184,15 @@ class ModelRunner:
         for dev_block, host_block in so.blocks_to_swap_out:
             self.host_cache[host_block].copy_(self.kv_caches[:, :, dev_block],
                                               non_blocking=True)
+            if self.kv_scales is not None:
+                self.host_scales[host_block].copy_(self.kv_scales[:, :, dev_block],
+                                                   non_blocking=True)
         for host_block, dev_block in so.blocks_to_swap_in:
             self.kv_caches[:, :, dev_block].copy_(
                 self.host_cache[host_block].to(self.device, non_blocking=True))
+            if self.kv_scales is not None:
+                self.kv_scales[:, :, dev_block].copy_(
+                    self.host_scales[host_block].to(self.device, non_blocking=True))
         if so.blocks_to_copy:
             self._copy_blocks(so.blocks_to_copy)
         if so.total_num_scheduled_tokens == 0:
@@ -200,13 +212,15 @@ class ModelRunner:
         """Copy-on-write: block dst := block src in every layer, before the step runs."""
         idx = to_device(pairs, self.device, torch.int64)
         if self.use_kernels:
-            from kvflow.kernels.copy_blocks import copy_blocks
-
-            copy_blocks(self.kv_caches, idx)
+            from kvflow.kernels.copy_blocks import copy_blocks as copy
         else:
-            from kvflow.kernels.copy_blocks import copy_blocks_ref
-
-            copy_blocks_ref(self.kv_caches, idx)
+            from kvflow.kernels.copy_blocks import copy_blocks_ref as copy
+        # One-byte caches copy as bytes (fp8 lacks CPU indexing ops); an int8 cache's
+        # scales are blocks of their own tensor.
+        caches = self.kv_caches
+        copy(caches.view(torch.uint8) if caches.element_size() == 1 else caches, idx)
+        if self.kv_scales is not None:
+            copy(self.kv_scales, idx)
 
     def _launch_sampling(self, inputs: StepInputs, hidden: torch.Tensor) -> StepHandle:
         host = StepHostOutputs()

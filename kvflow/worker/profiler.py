@@ -45,8 +45,9 @@ def profile_kv_budget(cfg: EngineConfig, model: nn.Module, device: torch.device,
     bs = cfg.cache.block_size
     num_blocks = sum(cdiv(n, bs) for n in lengths)
     scratch = kv_cache.allocate_kv_cache(cfg, num_blocks, device)
-    scratch_bytes = scratch.numel() * scratch.element_size()
-    kv_cache.bind_kv_cache(model, scratch)
+    scratch_scales = kv_cache.allocate_kv_scales(cfg, num_blocks, device)
+    scratch_bytes = num_blocks * kv_cache.block_bytes(cfg)
+    kv_cache.bind_kv_cache(model, scratch, scratch_scales, kv_cache.kv_quant_kind(cfg))
 
     # A throw-away step through the real input path: prefill chunks of random tokens.
     rng = np.random.default_rng(0)
@@ -89,7 +90,7 @@ def profile_kv_budget(cfg: EngineConfig, model: nn.Module, device: torch.device,
             finished_req_ids={r.req_id for r in new_reqs}))
     peak = torch.cuda.max_memory_allocated(device)
     activations = peak - weights - scratch_bytes
-    del scratch
+    del scratch, scratch_scales
     kv_cache.bind_kv_cache(model, [None] * kv_cache.local_num_layers(cfg))
     torch.cuda.empty_cache()
     # CUDA context, cuBLAS workspaces, other processes: used memory torch did not reserve.

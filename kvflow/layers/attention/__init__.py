@@ -7,6 +7,7 @@ from torch import nn
 
 from kvflow.layers.attention.backend import (AttentionBackend, AttentionMetadataBuilder,
                                             get_attention_backend)
+from kvflow.layers.attention.kv_quant import KVQuant
 from kvflow.layers.attention.metadata import AttentionMetadata, AttentionSpec
 from kvflow.layers.rotary import RotaryEmbedding
 
@@ -27,6 +28,11 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
+        # Set with a quantized cache (--kv-cache-dtype int8/fp8); fp8's per-tensor
+        # k_scale/v_scale come from the checkpoint when it has them (else 1.0).
+        self.kv_quant: KVQuant | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -36,7 +42,7 @@ class Attention(nn.Module):
             positions, q.view(t, self.num_heads, self.head_dim),
             k.view(t, self.num_kv_heads, self.head_dim),
             v.view(t, self.num_kv_heads, self.head_dim),
-            self.kv_cache, self.rotary, self.scale, meta)
+            self.kv_cache, self.rotary, self.scale, meta, kv_quant=self.kv_quant)
         return out.reshape(t, self.num_heads * self.head_dim)
 
 
@@ -50,5 +56,5 @@ def model_rotary(model: nn.Module) -> RotaryEmbedding:
     return next(iter(tables.values()))
 
 
-__all__ = ["Attention", "AttentionBackend", "AttentionMetadata", "AttentionMetadataBuilder",
+__all__ = ["Attention", "AttentionBackend", "KVQuant", "AttentionMetadata", "AttentionMetadataBuilder",
            "AttentionSpec", "get_attention_backend", "model_rotary"]

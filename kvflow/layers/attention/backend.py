@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from kvflow.layers.attention.kv_quant import KVQuant
 from kvflow.layers.attention.metadata import AttentionMetadata, AttentionSpec
 from kvflow.layers.rotary import RotaryEmbedding
 
@@ -34,9 +35,12 @@ class AttentionBackend(Protocol):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, kv_cache: torch.Tensor, rotary: RotaryEmbedding,
-                scale: float, meta: AttentionMetadata) -> torch.Tensor:
+                scale: float, meta: AttentionMetadata, *,
+                kv_quant: KVQuant | None = None) -> torch.Tensor:
         """Apply rotary to q and k, store k and v at ``meta.slot_mapping`` in
         ``kv_cache`` [2, num_blocks, block_size, KVH, D], and return attention output.
+        With ``kv_quant`` the cache is int8/fp8: values are quantized as they are stored
+        and dequantized as attention reads them (``kv_quant.py``).
 
         q [T, H, D], k and v [T, KVH, D] -> [T, H, D]. ``meta.backend`` was built by
         this backend's metadata builder.

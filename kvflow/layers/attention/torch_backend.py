@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvflow.layers.attention.kv_quant import (KVQuant, gather_blocks, read_flat,
+                                             write_kv_quant)
 from kvflow.layers.attention.metadata import AttentionMetadata, AttentionSpec
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary_ref
 from kvflow.utils import cdiv
@@ -55,6 +57,15 @@ def write_kv_op(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     flat = kv_cache.view(2, nb * bs, kvh, d)
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)
+
+
+@torch.library.custom_op("kvflow::write_kv_quant", mutates_args=("kv_cache", "scales"))
+def write_kv_quant_op(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      scales: torch.Tensor | None, slot_mapping: torch.Tensor, kind: str,
+                      k_scale: float, v_scale: float) -> None:
+    """``write_kv_op`` for a quantized cache (int8: ``scales`` [2, NB, BS, KVH] too)."""
+    write_kv_quant(k, v, kv_cache, KVQuant(kind, scales, k_scale, v_scale), slot_mapping,
+                   k.dtype)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int):
@@ -102,10 +113,17 @@ def _context(block_size: int, block_ids: list[int], length: int, device):
     return ("gather", torch.tensor(block_ids, device=device), length)
 
 
-def _read(kv_cache: torch.Tensor, how) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [L, KVH, D] of one request from its plan."""
+def _read(kv_cache: torch.Tensor, how, quant: KVQuant | None = None,
+          dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [L, KVH, D] of one request from its plan (a quantized cache's values are
+    dequantized to ``dtype``)."""
     _, nb, bs, kvh, d = kv_cache.shape
     kind, where, length = how
+    if quant is not None:
+        if kind == "view":
+            return read_flat(kv_cache, quant, where, length, dtype)
+        k, v = gather_blocks(kv_cache, quant, where, dtype)
+        return k[:length], v[:length]
     if kind == "view":
         flat = kv_cache.view(2, nb * bs, kvh, d)
         return flat[0, where: where + length], flat[1, where: where + length]
@@ -236,16 +254,20 @@ class TorchAttentionBackend:
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, kv_cache: torch.Tensor, rotary: RotaryEmbedding,
-                scale: float, meta: AttentionMetadata) -> torch.Tensor:
+                scale: float, meta: AttentionMetadata, *,
+                kv_quant: KVQuant | None = None) -> torch.Tensor:
         plan = meta.backend
         if isinstance(plan, PaddedDecodePlan):
-            return self._padded_decode(q, k, v, kv_cache, plan, scale)
+            return self._padded_decode(q, k, v, kv_cache, plan, scale, kv_quant)
         if not isinstance(plan, TorchAttentionPlan):
             raise RuntimeError("attention metadata was not built by the torch backend's "
                                "metadata builder")
         cos, sin = plan.cos_sin
         q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
-        write_kv_ref(k, v, kv_cache, meta.slot_mapping, plan.write)
+        if kv_quant is None:
+            write_kv_ref(k, v, kv_cache, meta.slot_mapping, plan.write)
+        else:
+            k, v = self._write_quant(k, v, kv_cache, kv_quant, meta.slot_mapping, plan.write)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -253,7 +275,7 @@ class TorchAttentionBackend:
             qd = q[:nd] if order is None else q[:nd].index_select(0, order)
             od = torch.empty_like(qd)
             for g, how, mask in plan.decodes:
-                od[g] = self._decode(qd[g], kv_cache, how, mask, scale)
+                od[g] = self._decode(qd[g], kv_cache, how, mask, scale, kv_quant)
             if order is None:
                 out[:nd] = od
             else:
@@ -262,7 +284,7 @@ class TorchAttentionBackend:
             if how is None:  # nothing cached before this chunk: attend to it directly
                 ki, vi = k[s:e], v[s:e]
             else:
-                ki, vi = _read(kv_cache, how)
+                ki, vi = _read(kv_cache, how, kv_quant, q.dtype)
             # 4-D [1, heads, len, D]: with 3-D inputs the CPU takes SDPA's slow math path.
             o = F.scaled_dot_product_attention(
                 q[s:e].transpose(0, 1)[None], ki.transpose(0, 1)[None],
@@ -272,19 +294,46 @@ class TorchAttentionBackend:
         return out
 
     @staticmethod
+    def _write_quant(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                     quant: KVQuant, slot_mapping: torch.Tensor, index
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantized cache write; returns k, v [T', KVH, D] with the written rows replaced
+        by the values the cache now holds (fresh prefill chunks attend to those)."""
+        t = slot_mapping.shape[0]
+        slots, keep = index
+        rows_k, rows_v = k[:t], v[:t]
+        if keep is not None:
+            rows_k, rows_v = rows_k[keep], rows_v[keep]
+        kd, vd = write_kv_quant(rows_k, rows_v, kv_cache, quant, slots, k.dtype)
+        if keep is None and t == k.shape[0]:
+            return kd, vd
+        k, v = k.clone(), v.clone()
+        if keep is None:
+            k[:t], v[:t] = kd, vd
+        else:
+            k[:t][keep], v[:t][keep] = kd, vd
+        return k, v
+
+    @staticmethod
     def _padded_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_cache: torch.Tensor, plan: PaddedDecodePlan,
-                       scale: float) -> torch.Tensor:
+                       scale: float, quant: KVQuant | None = None) -> torch.Tensor:
         """Rotary, cache write and attention of one new token per row, the whole batch in
         one SDPA call over full table rows. q [B, H, D] -> [B, H, D]."""
         cos, sin = plan.cos_sin
         q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
-        write_kv_op(k, v, kv_cache, plan.slots)
         _, nb, _, kvh, d = kv_cache.shape
         b, h = q.shape[0], q.shape[1]
         length = plan.mask.shape[-1]
-        kc = kv_cache[0].view(nb, -1).index_select(0, plan.gather).view(b, length, kvh, d)
-        vc = kv_cache[1].view(nb, -1).index_select(0, plan.gather).view(b, length, kvh, d)
+        if quant is None:
+            write_kv_op(k, v, kv_cache, plan.slots)
+            kc = kv_cache[0].view(nb, -1).index_select(0, plan.gather).view(b, length, kvh, d)
+            vc = kv_cache[1].view(nb, -1).index_select(0, plan.gather).view(b, length, kvh, d)
+        else:
+            write_kv_quant_op(k, v, kv_cache, quant.scales, plan.slots, quant.kind,
+                              quant.k_scale, quant.v_scale)
+            kc, vc = (x.view(b, length, kvh, d)
+                      for x in gather_blocks(kv_cache, quant, plan.gather, q.dtype))
         o = F.scaled_dot_product_attention(
             q.reshape(b, kvh, h // kvh, d), kc.transpose(1, 2), vc.transpose(1, 2),
             attn_mask=plan.mask, scale=scale)  # [B, KVH, H / KVH, D]
@@ -292,7 +341,7 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, how, mask,
-                scale: float) -> torch.Tensor:
+                scale: float, quant: KVQuant | None = None) -> torch.Tensor:
         """One new token per request, the group in one SDPA call. q [B, H, D] -> [B, H, D].
 
         The query heads that share a KV head become that head's query rows
@@ -300,12 +349,16 @@ class TorchAttentionBackend:
         """
         _, nb, _, kvh, d = kv_cache.shape
         b, h = q.shape[0], q.shape[1]
-        if how[0] == "batch":  # whole blocks are rows of a [num_blocks, BS * KVH * D] view
+        if how[0] == "batch" and quant is not None:
+            _, gather, length = how
+            k, v = (x.view(b, length, kvh, d)
+                    for x in gather_blocks(kv_cache, quant, gather, q.dtype))
+        elif how[0] == "batch":  # whole blocks are rows of a [num_blocks, BS * KVH * D] view
             _, gather, length = how
             k = kv_cache[0].view(nb, -1).index_select(0, gather).view(b, length, kvh, d)
             v = kv_cache[1].view(nb, -1).index_select(0, gather).view(b, length, kvh, d)
         else:
-            k, v = (x.unsqueeze(0) for x in _read(kv_cache, how))
+            k, v = (x.unsqueeze(0) for x in _read(kv_cache, how, quant, q.dtype))
         o = F.scaled_dot_product_attention(
             q.reshape(b, kvh, h // kvh, d), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=mask, scale=scale)  # [B, KVH, H / KVH, D]

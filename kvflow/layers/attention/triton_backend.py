@@ -10,6 +10,7 @@ import torch
 
 from kvflow.kernels.paged_attention import choose_num_kv_splits, paged_attention
 from kvflow.kernels.rotary_kv import rotary_and_cache_write
+from kvflow.layers.attention.kv_quant import KVQuant
 from kvflow.layers.attention.metadata import AttentionMetadata, AttentionSpec
 from kvflow.layers.rotary import RotaryEmbedding
 
@@ -42,10 +43,12 @@ class TritonAttentionBackend:
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, kv_cache: torch.Tensor, rotary: RotaryEmbedding,
-                scale: float, meta: AttentionMetadata) -> torch.Tensor:
+                scale: float, meta: AttentionMetadata, *,
+                kv_quant: KVQuant | None = None) -> torch.Tensor:
         q, _ = rotary_and_cache_write(positions, q, k, v, rotary.cos_sin_cache, kv_cache,
-                                      meta.slot_mapping)
+                                      meta.slot_mapping, kv_quant=kv_quant)
         return paged_attention(
             q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
             num_decodes=meta.num_decodes, max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len, num_kv_splits=meta.backend.num_kv_splits)
+            max_seq_len=meta.max_seq_len, num_kv_splits=meta.backend.num_kv_splits,
+            kv_quant=kv_quant)

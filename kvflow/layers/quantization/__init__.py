@@ -30,6 +30,10 @@ def linear_method(config: QuantizationConfig | None, prefix: str, tied_to=None):
 
         return PrequantizedLinearMethod(kind, config.bits, config.group_size,
                                         config.zero_offset, config.symmetric)
+    if kind == "fp8":
+        from kvflow.layers.quantization.fp8 import Fp8CheckpointLinearMethod, Fp8LinearMethod
+
+        return Fp8CheckpointLinearMethod() if config.prequantized else Fp8LinearMethod()
     from kvflow.layers.quantization.rtn import Int4LinearMethod, Int8LinearMethod
 
     if kind == "int8":

@@ -15,9 +15,12 @@ from kvflow.errors import ModelLoadError, require
 
 # Pre-quantized checkpoint formats (config.json quant_method).
 PREQUANTIZED = ("gptq", "awq", "compressed-tensors")
+# config.json quant_method of FP8 checkpoints (compressed-tensors float-quantized is
+# recognized by its format).
+FP8_CHECKPOINT = "fp8"
 
 # Methods a user may name with --quantization ("auto" picks from the checkpoint).
-USER_METHODS = ("auto", "none", "int8", "int4", "gguf")
+USER_METHODS = ("auto", "none", "int8", "int4", "gguf", "fp8")
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,13 @@ class QuantizationConfig:
     is a fifth of the small models' weights) or none (model dtype)."""
     skip_modules: tuple[str, ...] = ()
     """Module prefixes kept in the model dtype (e.g. ``model.layers.0.mlp``)."""
+    prequantized: bool = False
+    """fp8: the checkpoint holds FP8 weights and scales (else: quantized at load)."""
 
     def __post_init__(self) -> None:
-        require(self.method in ("int8", "int4", "gguf") + PREQUANTIZED, "quantization",
-                f"must be int8, int4, gguf or one of {PREQUANTIZED}, got {self.method!r}")
+        require(self.method in ("int8", "int4", "gguf", "fp8") + PREQUANTIZED, "quantization",
+                f"must be int8, int4, gguf, fp8 or one of {PREQUANTIZED}, got "
+                f"{self.method!r}")
         if self.method == "int4":
             require(self.group_size in (32, 64, 128), "quantization_group_size",
                     f"must be 32, 64 or 128, got {self.group_size}")
@@ -61,7 +67,7 @@ class QuantizationConfig:
             return "none"
         if self.method == "gguf":
             return "gguf"
-        if self.method in PREQUANTIZED:  # checkpoints quantize the decoder layers only
+        if self.method in PREQUANTIZED or self.prequantized:  # decoder layers only
             return "none" if prefix == "lm_head" or prefix.endswith("embed_tokens") else (
                 self.method)
         if prefix == "lm_head":
@@ -78,6 +84,10 @@ class QuantizationConfig:
             return f"int8 (per channel, lm_head {self.lm_head})"
         if self.method in PREQUANTIZED:
             return f"{self.method} ({self.bits}-bit, group {self.group_size})"
+        if self.method == "fp8":
+            src = "checkpoint" if self.prequantized else "quantized at load"
+            return (f"fp8 W8A8 ({src}; weights per channel, activations per token, "
+                    f"lm_head {self.lm_head})")
         return "gguf (blocks kept quantized)"
 
 
@@ -93,6 +103,9 @@ def resolve_quantization(requested: str, load_format: str, hf_quant_config: dict
         return _prequantized(hf_quant_config, requested, device)
     if requested == "none":
         return None
+    if requested == "fp8":  # W8A8: _scaled_mm on FP8 GPUs, an emulation elsewhere
+        # (a GGUF file is dequantized first, then quantized again, as for int8)
+        return QuantizationConfig("fp8", lm_head="none")
     if requested == "auto":
         # GGUF runs on its own blocks on CPU unless a dtype was asked for (which means the
         # dense path in that dtype). On the GPU it stays dense unless asked for
@@ -118,12 +131,16 @@ def _check_device(device: str, what: str) -> None:
 def _prequantized(qc: dict, requested: str, device: str) -> QuantizationConfig:
     """A config.json ``quantization_config`` -> QuantizationConfig, or a clear refusal."""
     method = str(qc.get("quant_method", "?")).lower()
+    if method == FP8_CHECKPOINT or (method == "compressed-tensors"
+                                    and qc.get("format") == "float-quantized"):
+        return _fp8_checkpoint(qc, method, requested)
     if method not in PREQUANTIZED:
         raise ModelLoadError(
             f"the checkpoint is pre-quantized with {method!r} (config.json "
             f"quantization_config), which kvflow does not load (supported: gptq 4/8-bit, "
-            f"awq 4-bit GEMM, compressed-tensors pack-quantized W4A16/W8A16; or a float "
-            f"checkpoint with --quantization int8|int4)")
+            f"awq 4-bit GEMM, compressed-tensors pack-quantized W4A16/W8A16 and "
+            f"float-quantized FP8, fp8 with per-tensor or per-channel scales; or a float "
+            f"checkpoint with --quantization int8|int4|fp8)")
     if requested not in ("auto", method):
         raise ModelLoadError(f"the checkpoint is already {method}-quantized; "
                              f"--quantization {requested} cannot apply to it (use auto)")
@@ -144,6 +161,32 @@ def _prequantized(qc: dict, requested: str, device: str) -> QuantizationConfig:
         offset = 1 if fmt == "gptq" else 0
     return QuantizationConfig(method, group_size=group, bits=bits, zero_offset=offset,
                               lm_head="none")
+
+
+def _fp8_checkpoint(qc: dict, method: str, requested: str) -> QuantizationConfig:
+    """compressed-tensors float-quantized (FP8 W8A8 / W8A16) or the ``fp8`` layout."""
+    if requested not in ("auto", "fp8"):
+        raise ModelLoadError(f"the checkpoint is already fp8-quantized; --quantization "
+                             f"{requested} cannot apply to it (use auto or fp8)")
+    skip: tuple[str, ...] = ()
+    if method == FP8_CHECKPOINT:
+        if qc.get("weight_block_size"):
+            raise ModelLoadError(f"fp8 checkpoints with block-wise scales (weight_block_size "
+                                 f"{qc['weight_block_size']}) are not supported yet "
+                                 f"(supported: per-tensor or per-channel weight scales)")
+        skip = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
+    else:
+        groups = list((qc.get("config_groups") or {}).values())
+        w = (groups[0].get("weights") or {}) if len(groups) == 1 else {}
+        if (len(groups) != 1 or w.get("type") != "float" or int(w.get("num_bits", 0)) != 8
+                or w.get("strategy", "tensor") not in ("tensor", "channel")):
+            raise ModelLoadError(f"compressed-tensors float-quantized scheme {groups} is not "
+                                 f"supported (supported: one group of 8-bit float weights, "
+                                 f"tensor or channel strategy)")
+        skip = tuple(m for m in qc.get("ignore") or () if not m.startswith("re:"))
+    # Static activation scales (input_scale) are not used: activations are quantized
+    # dynamically per token, at least as accurate as one scale per tensor.
+    return QuantizationConfig("fp8", lm_head="none", skip_modules=skip, prequantized=True)
 
 
 def _compressed_tensors(qc: dict) -> QuantizationConfig:

@@ -1,0 +1,165 @@
+"""FP8 (E4M3) W8A8: weights with one scale per output channel, activations quantized
+dynamically with one scale per token, multiplied as FP8 with float32 accumulation.
+
+Two sources of weights, one layer format (``weight`` float8_e4m3fn [N, K] and
+``weight_scale`` float32 [N], ``w = weight * weight_scale[:, None]``):
+
+* ``--quantization fp8`` on a float checkpoint: each dense weight is loaded as usual,
+  then quantized once (``s = max|w_row| / 448``);
+* a pre-quantized checkpoint: compressed-tensors ``float-quantized`` (8-bit float
+  weights, channel or tensor strategy) or the ``fp8`` quantization_config layout
+  (per-tensor ``weight_scale``). A per-tensor scale of a merged layer's shard (q, k, v;
+  gate, up) fills that shard's rows of the per-channel scale, so merged layers need no
+  re-quantization.
+
+The product: ``y = (xq @ wq^T) * sx[:, None] * sw[None, :]``. On a GPU with FP8 (compute
+capability 8.9+) it is one ``torch._scaled_mm`` with row-wise scales; elsewhere
+``fp8_mm_ref`` computes the same numbers in float32 (each fp8 x fp8 product is exact in
+float32; only the summation order differs), logged as emulated: there is no fast FP8
+matmul on CPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvflow.errors import ModelLoadError
+from kvflow.layers.linear import LinearBase, LinearMethod
+from kvflow.layers.quantization.packed import flatten_tokens
+from kvflow.layers.quantization.rtn import _QuantizeAfterLoad, set_param
+from kvflow.logger import init_logger
+
+logger = init_logger(__name__)
+
+FP8_MAX = 448.0
+_warned_emulated = False
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M]): one scale per row (a weight's
+    output channel, an activation's token), saturated, round to nearest even."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / FP8_MAX  # [M]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero row -> 0s
+    q = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_mm_ref(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """The reference W8A8 product: xq [M, K], wq [N, K] fp8, sx [M], sw [N] -> [M, N]."""
+    acc = xq.float() @ wq.float().t()  # [M, N], exact products, float32 sums
+    return (acc * sx[:, None] * sw[None, :]).to(out_dtype)
+
+
+def has_fp8_matmul(device: torch.device) -> bool:
+    """``torch._scaled_mm`` with FP8 inputs: CUDA compute capability 8.9 (Ada) or newer."""
+    return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_mm_ref``, on the GPU's FP8 tensor cores where there are some."""
+    if has_fp8_matmul(xq.device) and xq.shape[1] % 16 == 0 and wq.shape[0] % 16 == 0:
+        # Row-wise scales: scale_a [M, 1], scale_b [1, N]; b column-major (wq^T of a
+        # row-major [N, K]). Row-wise scaling takes bf16 output.
+        y = torch._scaled_mm(xq, wq.t(), scale_a=sx[:, None].contiguous(),
+                             scale_b=sw[None, :].contiguous(), out_dtype=torch.bfloat16)
+        return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
+    global _warned_emulated
+    if not _warned_emulated:
+        _warned_emulated = True
+        logger.info("fp8 W8A8 matmuls are emulated on %s (float32 products of the FP8 "
+                    "values: the same numbers, without FP8 speed)", xq.device)
+    return fp8_mm_ref(xq, sx, wq, sw, out_dtype)
+
+
+def _check_device(layer: LinearBase, w: torch.Tensor) -> None:
+    if w.device.type == "cuda" and not has_fp8_matmul(w.device):
+        major, minor = torch.cuda.get_device_capability(w.device)
+        raise ModelLoadError(
+            f"fp8 weights ({layer.prefix or 'a layer'}) need a GPU with FP8 support (compute "
+            f"capability 8.9 or newer); this one is {major}.{minor}: use --quantization "
+            f"none (or int8 weight-only)")
+
+
+def _apply(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    x2, lead = flatten_tokens(x)
+    xq, sx = quantize_fp8_rows(x2)  # dynamic, per token
+    y = fp8_mm(xq, sx, layer.weight, layer.weight_scale, x.dtype)
+    if layer.bias is not None:
+        y = y + layer.bias
+    return y.view(*lead, -1)
+
+
+class Fp8LinearMethod(_QuantizeAfterLoad):
+    """``--quantization fp8``: the float weight quantized per output channel at load."""
+
+    name = "fp8"
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        w = self._take_dense(layer)  # [N, K]
+        _check_device(layer, w)
+        q, scale = quantize_fp8_rows(w)
+        set_param(layer, "weight", q)
+        set_param(layer, "weight_scale", scale)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        return _apply(layer, x)
+
+
+class Fp8CheckpointLinearMethod(LinearMethod):
+    """Pre-quantized FP8 weights: ``weight`` float8_e4m3fn [N, K] and ``weight_scale``
+    per output channel ([N] or [N, 1]) or per tensor (one number per loaded shard)."""
+
+    name = "fp8"
+
+    def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
+        n, k = layer.output_size, layer.input_size
+        w = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn), requires_grad=False)
+        w.weight_loader = lambda p, t, shard=None: self._load_weight(layer, p, t, shard)
+        w.output_dim, w.input_dim = 0, 1
+        layer.register_parameter("weight", w)
+        s = nn.Parameter(torch.empty(n, dtype=torch.float32), requires_grad=False)
+        s.weight_loader = lambda p, t, shard=None: self._load_scale(layer, p, t, shard)
+        s.output_dim = 0
+        layer.register_parameter("weight_scale", s)
+
+    @staticmethod
+    def _rows(layer: LinearBase, shard) -> tuple[int, int]:
+        if shard is None:
+            return 0, layer.output_size
+        idx = layer.shard_ids.index(shard)
+        return sum(layer.output_sizes[:idx]), layer.output_sizes[idx]
+
+    def _load_weight(self, layer, param, t: torch.Tensor, shard) -> None:
+        if t.dtype != torch.float8_e4m3fn:
+            raise ModelLoadError(f"{layer.prefix}: fp8 checkpoint weight has dtype {t.dtype} "
+                                 f"(supported: float8_e4m3fn)")
+        start, size = self._rows(layer, shard)
+        if tuple(t.shape) != (size, layer.input_size):
+            raise ModelLoadError(f"{layer.prefix}: fp8 weight shape {tuple(t.shape)} does not "
+                                 f"match the layer's {(size, layer.input_size)}")
+        # Bytes: CPU copies of float8 tensors into a narrowed view are not all implemented.
+        param.data.view(torch.uint8).narrow(0, start, size).copy_(t.view(torch.uint8))
+
+    def _load_scale(self, layer, param, t: torch.Tensor, shard) -> None:
+        start, size = self._rows(layer, shard)
+        t = t.float().reshape(-1)
+        if t.numel() not in (1, size):
+            raise ModelLoadError(
+                f"{layer.prefix}: weight_scale has {t.numel()} values; an fp8 layer takes one "
+                f"per output channel ({size}) or one per tensor (block-wise scales are not "
+                f"supported)")
+        param.data.narrow(0, start, size).copy_(t.expand(size))
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        _check_device(layer, layer.weight)
+        if not bool(torch.isfinite(layer.weight_scale).all()) or bool(
+                (layer.weight_scale <= 0).any()):
+            raise ModelLoadError(f"{layer.prefix}: weight_scale must be positive and finite")
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        return _apply(layer, x)
