@@ -211,10 +211,15 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size, nnodes=self.nnodes,
             node_rank=self.node_rank, master_addr=self.master_addr,
             master_port=self.master_port, timeout_s=self.distributed_timeout)
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            from kvflow.spec_decode.draft_config import resolve_draft_model
+
+            draft = resolve_draft_model(speculative, model)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(device=device,
                                                 enforce_eager=self.enforce_eager),
-                            speculative=speculative, parallel=parallel)
+                            speculative=speculative, parallel=parallel, draft_model=draft)
 
     def _generation_defaults(self, resolved) -> tuple[dict, str]:
         choice = self.generation_config

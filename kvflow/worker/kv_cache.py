@@ -31,11 +31,17 @@ def local_num_layers(config: EngineConfig) -> int:
 
 
 def block_bytes(config: EngineConfig) -> int:
-    """Bytes of one KV block across this rank's layers (K and V) and KV heads."""
+    """Bytes of one KV block across this rank's layers (K and V) and KV heads, plus the
+    same block of a draft model's cache (speculative decoding keeps one per target
+    block, so the budget pays for both)."""
     arch = config.model.arch
-    return (config.cache.block_size * arch.kv_bytes_per_token(config.model.dtype)
-            * local_kv_heads(config) * local_num_layers(config)
-            // (arch.num_key_value_heads * arch.num_hidden_layers))
+    target = (config.cache.block_size * arch.kv_bytes_per_token(config.model.dtype)
+              * local_kv_heads(config) * local_num_layers(config)
+              // (arch.num_key_value_heads * arch.num_hidden_layers))
+    draft = config.draft_model
+    if draft is not None:
+        target += config.cache.block_size * draft.arch.kv_bytes_per_token(draft.dtype)
+    return target
 
 
 def num_blocks_for_budget(config: EngineConfig, budget_bytes: int) -> int:

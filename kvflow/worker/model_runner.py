@@ -90,7 +90,7 @@ class ModelRunner:
         if config.speculative is not None:
             from kvflow.spec_decode.verify import SpecDecoder
 
-            self.spec = SpecDecoder(config.speculative, self.device)
+            self.spec = SpecDecoder(config, self.device, backend, self.use_kernels)
         self.step_builder = StepBuilder(
             InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len, max_blocks),
             self.block_size, self.device, backend.metadata_builder(self.attn_spec),
@@ -120,6 +120,8 @@ class ModelRunner:
         self.kv_caches = kv_cache.allocate_kv_cache(self.config, num_blocks, self.device)
         kv_cache.bind_kv_cache(self.model, self.kv_caches)
         kv_cache.log_kv_cache(self.config, num_blocks)
+        if self.spec is not None:
+            self.spec.init_cache(num_blocks)  # a draft model's own cache, block for block
         host_blocks = kv_cache.num_host_blocks(self.config)
         if host_blocks:
             self.host_cache = kv_cache.allocate_host_cache(self.config, host_blocks, self.device)
@@ -205,7 +207,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[sample.logits_indices])  # [N, V]
             tokens, logprobs = self.spec.verify(
                 logits, builder.sampling_metadata(inputs), sample.num_draft,
-                sample.draft_token_ids, builder.min_tokens_left(inputs))
+                sample.draft_token_ids, builder.min_tokens_left(inputs),
+                [inputs.req_ids[i] for i in sample.req_indices])
             host.sampled = to_host_async(tokens)
             if logprobs is not None:
                 host.logprobs = tuple(to_host_async(t) for t in logprobs)

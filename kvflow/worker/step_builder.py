@@ -68,9 +68,13 @@ class StepBuilder:
             b.remove(rid)
             self.extras.pop(rid, None)
             self.pending.drop(rid)
+            if self.spec is not None:
+                self.spec.release(rid)
         for rid in so.preempted_req_ids:
             b.remove(rid)  # extras (seeded generator) survive the preemption
             self.pending.drop(rid)
+            if self.spec is not None:
+                self.spec.release(rid)  # a draft model catches up when it resumes
         for new in so.new_reqs:
             b.add(new)
             if new.req_id not in self.extras:
