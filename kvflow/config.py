@@ -312,7 +312,7 @@ class DeviceConfig:
         return self.device.startswith("cuda")
 
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "medusa")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -323,7 +323,8 @@ class SpeculativeConfig:
     method: str
     """How drafts are proposed: ngram (prompt lookup: continue the longest recent n-gram
     that occurred earlier in the request's own tokens; no extra model) or draft_model (a
-    smaller model with the same vocabulary runs k steps ahead of the target)."""
+    smaller model with the same vocabulary runs k steps ahead of the target) or medusa
+    (heads on the target's last hidden state guess the next k tokens at once)."""
     num_speculative_tokens: int
     """Draft tokens proposed per request per step (k); a step yields 1 to k + 1 tokens."""
     prompt_lookup_min: int = 1
@@ -337,7 +338,8 @@ class SpeculativeConfig:
     model: str | None = None
     """draft_model: the draft (a preset name, Hugging Face directory or GGUF file, like
     ``--model``) with the target's vocabulary. Omitted together with ``draft_num_layers``:
-    the target model itself, cut to its first layers."""
+    the target model itself, cut to its first layers. medusa: the heads' directory
+    (config.json and medusa_lm_head.safetensors)."""
     draft_load_format: str = "auto"
     """draft_model: how to load the draft (auto, hf, gguf, dummy), like --load-format."""
     draft_num_layers: int | None = None
@@ -386,6 +388,13 @@ class SpeculativeConfig:
                 require(isinstance(self.draft_num_layers, int) and self.draft_num_layers >= 1,
                         "speculative_config.draft_num_layers",
                         f"must be an integer >= 1, got {self.draft_num_layers!r}")
+        elif self.method == "medusa":
+            require(isinstance(self.model, str) and bool(self.model),
+                    "speculative_config.model", "is needed for method medusa: the directory "
+                    "of the heads (config.json and medusa_lm_head.safetensors)")
+            for name in ("draft_num_layers", "draft_quantization"):
+                require(getattr(self, name) is None, f"speculative_config.{name}",
+                        "is an option of method draft_model, not medusa")
         else:
             for name in ("model", "draft_num_layers", "draft_quantization"):
                 require(getattr(self, name) is None, f"speculative_config.{name}",

@@ -216,6 +216,12 @@ class EngineArgs:
             from kvflow.spec_decode.draft_config import resolve_draft_model
 
             draft = resolve_draft_model(speculative, model)
+        if speculative is not None and speculative.method == "medusa":
+            from kvflow.spec_decode.heads_config import MedusaHeadsConfig
+
+            MedusaHeadsConfig.read(speculative.model).check(
+                resolved.arch.hidden_size, resolved.arch.vocab_size,
+                speculative.num_speculative_tokens)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(device=device,
                                                 enforce_eager=self.enforce_eager),

@@ -28,6 +28,9 @@ class Proposer:
     """
 
     num_speculative_tokens: int
+    # The proposer drafts from the target's hidden state at each request's last token
+    # (Medusa): the runner keeps the sample rows' hidden states for it.
+    wants_hidden: bool = False
 
     def propose(self, token_ids: list[np.ndarray], max_drafts: list[int],
                 req_ids: list[str] | None = None,
@@ -46,9 +49,11 @@ class Proposer:
 
 
 def make_proposer(spec: "SpeculativeConfig", engine: "EngineConfig | None" = None,
-                  device=None, backend=None, kernels: bool = False) -> Proposer:
+                  device=None, backend=None, kernels: bool = False, target=None,
+                  dtype=None) -> Proposer:
     """The proposer of ``spec.method``; a draft model needs the engine config (its
-    resolved draft), the device and the attention backend to load and run it."""
+    resolved draft), the device and the attention backend to load and run it; Medusa
+    heads need the target model (its lm_head) and dtype."""
     if spec.method == "ngram":
         from kvflow.spec_decode.ngram import NgramProposer
 
@@ -58,4 +63,8 @@ def make_proposer(spec: "SpeculativeConfig", engine: "EngineConfig | None" = Non
         from kvflow.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(engine, device, backend, kernels)
+    if spec.method == "medusa":
+        from kvflow.spec_decode.medusa import MedusaProposer
+
+        return MedusaProposer(spec.model, spec.num_speculative_tokens, target, dtype, device)
     raise ValueError(f"unknown speculative method {spec.method!r}")  # config validated it

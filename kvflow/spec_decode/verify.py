@@ -26,10 +26,14 @@ class SpecDecoder:
     decoding is on."""
 
     def __init__(self, config: EngineConfig, device: torch.device, backend,
-                 kernels: bool = False) -> None:
+                 kernels: bool = False, target: torch.nn.Module | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.config = config.speculative
         self.device = device
-        self.proposer = make_proposer(config.speculative, config, device, backend, kernels)
+        self.proposer = make_proposer(config.speculative, config, device, backend, kernels,
+                                      target, dtype)
+        # Keep each step's sample-row hidden states for the proposer (Medusa heads).
+        self.wants_hidden = self.proposer.wants_hidden
         self.rejection_sampler = RejectionSampler()
 
     def init_cache(self, num_blocks: int) -> None:
@@ -105,9 +109,13 @@ class SpecDecoder:
         return torch.cat(parts) if any_sampled else None
 
     # --- after the step -------------------------------------------------------------
-    def propose(self, batch, req_ids: list[str], sampled: list[list[int]]) -> list[list[int]]:
+    def propose(self, batch, req_ids: list[str], sampled: list[list[int]],
+                hidden: torch.Tensor | None = None,
+                hidden_rows: dict[int, int] | None = None) -> list[list[int]]:
         """Next drafts for every request that got new tokens; none while the batch is
-        larger than ``disable_by_batch_size`` (there verification would only add work)."""
+        larger than ``disable_by_batch_size`` (there verification would only add work).
+        ``hidden`` [N, H]: the step's sample-row hidden states, ``hidden_rows[i]`` the row
+        that gave request i's last token (proposers that want them)."""
         limit = self.config.disable_by_batch_size
         out: list[list[int]] = [[] for _ in req_ids]
         if limit is not None and batch.num_reqs > limit:
@@ -118,10 +126,18 @@ class SpecDecoder:
             return out
         seqs = [batch.token_ids[row, : int(batch.num_tokens[row])] for _, row in todo]
         k = self.config.num_speculative_tokens
+        extra = {}
+        if self.wants_hidden:
+            todo = [(i, row) for i, row in todo if hidden_rows and i in hidden_rows]
+            if not todo or hidden is None:
+                return out
+            seqs = [batch.token_ids[row, : int(batch.num_tokens[row])] for _, row in todo]
+            extra["hidden"] = hidden[to_device([hidden_rows[i] for i, _ in todo],
+                                               self.device, torch.int64)]
         with torch.inference_mode():
             proposed = self.proposer.propose(seqs, [k] * len(todo),
                                              [req_ids[i] for i, _ in todo],
-                                             [batch.params[row] for _, row in todo])
+                                             [batch.params[row] for _, row in todo], **extra)
         for (i, _), drafts in zip(todo, proposed):
             out[i] = drafts
         return out

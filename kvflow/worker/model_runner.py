@@ -90,7 +90,8 @@ class ModelRunner:
         if config.speculative is not None:
             from kvflow.spec_decode.verify import SpecDecoder
 
-            self.spec = SpecDecoder(config, self.device, backend, self.use_kernels)
+            self.spec = SpecDecoder(config, self.device, backend, self.use_kernels,
+                                    self.model, torch_dtype(config.model.dtype))
         self.step_builder = StepBuilder(
             InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len, max_blocks),
             self.block_size, self.device, backend.metadata_builder(self.attn_spec),
@@ -202,6 +203,8 @@ class ModelRunner:
 
     def _launch_sampling(self, inputs: StepInputs, hidden: torch.Tensor) -> StepHandle:
         host = StepHostOutputs()
+        if self.spec is not None and self.spec.wants_hidden and hidden is not None:
+            host.sample_hidden = hidden[inputs.sample.logits_indices]  # [N, H] (Medusa)
         if inputs.sample.num_draft is not None:
             sample, builder = inputs.sample, self.step_builder
             logits = self.model.compute_logits(hidden[sample.logits_indices])  # [N, V]
