@@ -26,3 +26,13 @@ bench --dataset chat --num-prompts 64 --output-len 24 --max-num-seqs 64 \
 # GGUF copy (the only real model on CPU is the embedded one), against the dense target.
 bench --quantization none --dataset chat --num-prompts 3 --output-len 48 --max-num-seqs 1 \
   --speculative-config "$DRAFT" --spec-baseline --save-result "$OUT/spec-draft-chat-bs1-cpu.json"
+# medusa: heads trained here (kvflow train-medusa, ~15 min on 2 busy cores; the answers
+# are cached so a retrain skips generation), chat bs1 and bs64 against plain decoding.
+HEADS=${HEADS:-heads/smollm2-medusa3}
+[ -f "$HEADS/config.json" ] || nice -n 19 "$PY" -m kvflow.cli train-medusa --output "$HEADS" \
+  --max-tokens 64 --data-cache "$HEADS.answers.json"
+MEDUSA="{\"method\": \"medusa\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 2}"
+bench --dataset chat --num-prompts 3 --output-len 48 --max-num-seqs 1 \
+  --speculative-config "$MEDUSA" --spec-baseline --save-result "$OUT/spec-medusa-chat-bs1-cpu.json"
+bench --dataset chat --num-prompts 64 --output-len 24 --max-num-seqs 64 \
+  --speculative-config "$MEDUSA" --spec-baseline --save-result "$OUT/spec-medusa-chat-bs64-cpu.json"

@@ -126,3 +126,28 @@ def test_training_examples_look_k_plus_2_ahead():
     assert x[:, 0].tolist() == [5.0, 6.0, 7.0]
     assert y[:, 0].tolist() == [107, 108, 109]
     assert y[:, 1].tolist() == [108, 109, -100]
+
+
+@pytest.mark.slow
+def test_train_medusa_cli_writes_heads_medusa_loads(tmp_path, smollm2):
+    """kvflow train-medusa end to end at a toy size (10 prompts, 12 tokens, 1 epoch) on
+    the embedded model; the checkpoint then serves as medusa heads, greedy output equal
+    to plain greedy."""
+    from kvflow.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"Name {n} animals that live in the sea." for n in
+                                 range(2, 12)) + "\n")
+    out = tmp_path / "heads"
+    assert main(["train-medusa", "--output", str(out), "--prompts", str(prompts),
+                 "--max-tokens", "12", "--epochs", "1", "--num-heads", "2"]) == 0
+    report = json.loads((out / "config.json").read_text())["kvflow_train_medusa"]
+    assert report["prompts"] == 10 and report["heldout_positions"] > 0
+    assert [h["head"] for h in report["heldout"]] == [0, 1]
+    chat = [{"role": "user", "content": "Name three colours."}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = smollm2.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM("smollm2-135m", device="cpu", max_model_len=512, kv_cache_memory="64MiB",
+              quantization="none", speculative_config={
+                  "method": "medusa", "model": str(out), "num_speculative_tokens": 2})
+    assert llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids == want
