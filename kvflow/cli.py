@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.plan.cli import add_plan_parser
 
     add_plan_parser(sub)
+    from kvflow.spec_decode.train_cli import add_train_medusa_parser
+
+    add_train_medusa_parser(sub)
     return parser
 
 

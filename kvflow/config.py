@@ -319,7 +319,7 @@ class DeviceConfig:
         return self.device.startswith("cuda")
 
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model", "medusa")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -329,7 +329,9 @@ class SpeculativeConfig:
 
     method: str
     """How drafts are proposed: ngram (prompt lookup: continue the longest recent n-gram
-    that occurred earlier in the request's own tokens; no extra model)."""
+    that occurred earlier in the request's own tokens; no extra model) or draft_model (a
+    smaller model with the same vocabulary runs k steps ahead of the target) or medusa
+    (heads on the target's last hidden state guess the next k tokens at once)."""
     num_speculative_tokens: int
     """Draft tokens proposed per request per step (k); a step yields 1 to k + 1 tokens."""
     prompt_lookup_min: int = 1
@@ -340,6 +342,20 @@ class SpeculativeConfig:
     """No drafts while more than this many requests run: a large batch already reads the
     weights once for many tokens, and verifying drafts would only add compute. None:
     always speculate."""
+    model: str | None = None
+    """draft_model: the draft (a preset name, Hugging Face directory or GGUF file, like
+    ``--model``) with the target's vocabulary. Omitted together with ``draft_num_layers``:
+    the target model itself, cut to its first layers. medusa: the heads' directory
+    (config.json and medusa_lm_head.safetensors)."""
+    draft_load_format: str = "auto"
+    """draft_model: how to load the draft (auto, hf, gguf, dummy), like --load-format."""
+    draft_num_layers: int | None = None
+    """draft_model: keep only the draft's first N decoder layers (a layer-truncated copy;
+    the final norm and lm_head are kept). None: all of them."""
+    draft_quantization: str | None = None
+    """draft_model: the draft's weight storage, like --quantization (auto, none, int8, int4,
+    gguf). None: none when the target runs dense (--quantization none), else auto. A
+    quantized copy of the target is a cheap, well-matched draft."""
 
     def __post_init__(self) -> None:
         require(self.method in SPEC_METHODS, "speculative_config.method",
@@ -362,6 +378,34 @@ class SpeculativeConfig:
                     and self.disable_by_batch_size >= 1,
                     "speculative_config.disable_by_batch_size",
                     f"must be an integer >= 1 or null, got {self.disable_by_batch_size!r}")
+        if self.method == "draft_model":
+            require(self.model is not None or self.draft_num_layers is not None,
+                    "speculative_config.model", "is needed for method draft_model (or give "
+                    "draft_num_layers to draft with the target's own first layers)")
+            require(self.model is None or (isinstance(self.model, str) and self.model),
+                    "speculative_config.model", f"must be a model name or path, got "
+                    f"{self.model!r}")
+            require(self.draft_load_format in ("auto", "hf", "gguf", "dummy"),
+                    "speculative_config.draft_load_format",
+                    f"must be auto, hf, gguf or dummy, got {self.draft_load_format!r}")
+            require(self.draft_quantization in (None, "auto", "none", "int8", "int4", "gguf"),
+                    "speculative_config.draft_quantization",
+                    f"must be auto, none, int8, int4 or gguf, got {self.draft_quantization!r}")
+            if self.draft_num_layers is not None:
+                require(isinstance(self.draft_num_layers, int) and self.draft_num_layers >= 1,
+                        "speculative_config.draft_num_layers",
+                        f"must be an integer >= 1, got {self.draft_num_layers!r}")
+        elif self.method == "medusa":
+            require(isinstance(self.model, str) and bool(self.model),
+                    "speculative_config.model", "is needed for method medusa: the directory "
+                    "of the heads (config.json and medusa_lm_head.safetensors)")
+            for name in ("draft_num_layers", "draft_quantization"):
+                require(getattr(self, name) is None, f"speculative_config.{name}",
+                        "is an option of method draft_model, not medusa")
+        else:
+            for name in ("model", "draft_num_layers", "draft_quantization"):
+                require(getattr(self, name) is None, f"speculative_config.{name}",
+                        f"is an option of method draft_model, not {self.method}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "SpeculativeConfig":
@@ -487,6 +531,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     """Speculative decoding; None: off."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    draft_model: ModelConfig | None = None
+    """The draft model of ``speculative`` method draft_model, resolved (EngineArgs makes
+    it from speculative_config.model and checks its vocabulary); None otherwise."""
 
     def __post_init__(self) -> None:
         self.parallel.check_model(self.model.arch)
@@ -504,3 +551,13 @@ class EngineConfig:
         require(self.speculative is None or self.parallel.world_size == 1,
                 "speculative_config", "cannot be combined with tensor or pipeline "
                 "parallelism yet (use one rank)")
+        needs_draft = self.speculative is not None and self.speculative.method == "draft_model"
+        require(needs_draft == (self.draft_model is not None), "speculative_config.model",
+                "a draft model config goes with method draft_model and only with it")
+        if self.draft_model is not None:
+            require(self.draft_model.arch.vocab_size == self.model.arch.vocab_size,
+                    "speculative_config.model",
+                    f"{self.draft_model.model!r} has a vocabulary of "
+                    f"{self.draft_model.arch.vocab_size} tokens but the target "
+                    f"{self.model.model!r} has {self.model.arch.vocab_size}: the draft must "
+                    "share the target's tokenizer")

@@ -7,6 +7,7 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT:-benchmarks/results}
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 NGRAM_ALWAYS='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "disable_by_batch_size": null}'
+DRAFT='{"method": "draft_model", "model": "smollm2-135m", "draft_quantization": "gguf", "num_speculative_tokens": 3}'
 COMMON=(--max-model-len 1024 --kv-cache-memory 512MiB)
 bench() { flock /tmp/kvflow-bench.lock "$PY" -m kvflow.cli bench throughput "${COMMON[@]}" "$@"; }
 # Batch 1 (one request at a time): free chat, then copy-with-edits.
@@ -21,3 +22,17 @@ bench --dataset chat --num-prompts 64 --output-len 24 --max-num-seqs 64 \
 bench --dataset chat --num-prompts 64 --output-len 24 --max-num-seqs 64 \
   --speculative-config "$NGRAM_ALWAYS" --spec-baseline \
   --save-result "$OUT/spec-ngram-always-chat-bs64-cpu.json"
+# draft_model: the dense target (--quantization none) verifying drafts of its own 4-bit
+# GGUF copy (the only real model on CPU is the embedded one), against the dense target.
+bench --quantization none --dataset chat --num-prompts 3 --output-len 48 --max-num-seqs 1 \
+  --speculative-config "$DRAFT" --spec-baseline --save-result "$OUT/spec-draft-chat-bs1-cpu.json"
+# medusa: heads trained here (kvflow train-medusa, ~15 min on 2 busy cores; the answers
+# are cached so a retrain skips generation), chat bs1 and bs64 against plain decoding.
+HEADS=${HEADS:-heads/smollm2-medusa3}
+[ -f "$HEADS/config.json" ] || nice -n 19 "$PY" -m kvflow.cli train-medusa --output "$HEADS" \
+  --max-tokens 64 --data-cache "$HEADS.answers.json"
+MEDUSA="{\"method\": \"medusa\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 2}"
+bench --dataset chat --num-prompts 3 --output-len 48 --max-num-seqs 1 \
+  --speculative-config "$MEDUSA" --spec-baseline --save-result "$OUT/spec-medusa-chat-bs1-cpu.json"
+bench --dataset chat --num-prompts 64 --output-len 24 --max-num-seqs 64 \
+  --speculative-config "$MEDUSA" --spec-baseline --save-result "$OUT/spec-medusa-chat-bs64-cpu.json"

@@ -37,7 +37,7 @@ def test_no_match_and_limits():
 def test_make_proposer_from_config():
     cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2, '
                                    '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
-    p = make_proposer(cfg)
+    p = make_proposer(cfg)  # ngram needs nothing but its options
     assert (p.num_speculative_tokens, p.min_n, p.max_n) == (2, 2, 5)
 
 

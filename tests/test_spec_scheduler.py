@@ -56,13 +56,14 @@ def test_drafts_get_slots_and_rejected_blocks_are_freed():
     assert s.kv.ref_counts()[2] == 0
     assert s.spec_stats.num_draft_tokens == 4 and s.spec_stats.num_accepted_tokens == 1
     assert s.spec_stats.accepted_per_position == [1, 0, 0, 0]
-    # The worker hears about the cut with the next step; block 2 went to the back of the
-    # free queue, so the new block is 3.
+    # The worker hears about the cut with the next step; block 2 (it held nothing worth
+    # caching) went to the head of the free queue, so the request gets it back and its
+    # blocks stay in order.
     so, _ = step(s, {"a": [31]})
     assert so.scheduled_spec_decode_tokens == {}
     assert so.num_scheduled_tokens == {"a": 1}
     assert so.cached_reqs[0].num_kept_blocks == 2
-    assert so.cached_reqs[0].new_block_ids == [3]
+    assert so.cached_reqs[0].new_block_ids == [2]
     assert so.cached_reqs[0].num_computed_tokens == 8
 
 

@@ -150,7 +150,8 @@ def run_throughput(ns: argparse.Namespace) -> int:
     for backend in backends:
         if backend == "kvflow-no-spec":
             elapsed, extra = _kvflow_throughput(
-                args, dataclasses.replace(config, speculative=None), requests, ns)
+                args, dataclasses.replace(config, speculative=None, draft_model=None), requests,
+                ns)
         elif backend.startswith("kvflow"):
             elapsed, extra = _kvflow_throughput(args, _kvflow_config(args, backend, config),
                                                 requests, ns)

@@ -62,6 +62,15 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free += 1
 
+    def appendleft(self, block: KVBlock) -> None:
+        first = self._head.next_free
+        assert first is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
+        self.num_free += 1
+
     def __iter__(self):
         block = self._head.next_free
         while block is not None and block is not self._tail:
@@ -122,3 +131,19 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+
+    def release_unused(self, blocks: list[KVBlock]) -> None:
+        """``release`` for blocks whose content nobody will look for (rejected draft
+        tokens): those reaching zero go to the head of the free queue, so the next
+        allocation takes them back. A request that drafts then keeps its blocks in
+        order (contiguous reads on CPU) instead of scattering over the pool, and cached
+        prefixes are not evicted in their place. Pass them tail first, like ``release``;
+        the block given last is reused first."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)

@@ -157,7 +157,9 @@ class KVCacheManager:
         rid = request.request_id
         if self._num_registered.get(rid, 0) > keep:
             self._num_registered[rid] = keep
-        self.pool.release(list(reversed(dropped)))
+        # Newest first, so the oldest dropped block (the next one the request will need)
+        # ends at the head of the free queue and is handed back to it first.
+        self.pool.release_unused(list(reversed(dropped)))
         return True
 
     def _copy_on_write(self, request: Request, index: int) -> None:

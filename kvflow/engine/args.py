@@ -231,10 +231,21 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             timeout_s=self.distributed_timeout, pipeline_in_flight=self.pipeline_in_flight,
             **self._placement())
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            from kvflow.spec_decode.draft_config import resolve_draft_model
+
+            draft = resolve_draft_model(speculative, model)
+        if speculative is not None and speculative.method == "medusa":
+            from kvflow.spec_decode.heads_config import MedusaHeadsConfig
+
+            MedusaHeadsConfig.read(speculative.model).check(
+                resolved.arch.hidden_size, resolved.arch.vocab_size,
+                speculative.num_speculative_tokens)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(device=device,
                                                 enforce_eager=self.enforce_eager),
-                            speculative=speculative, parallel=parallel)
+                            speculative=speculative, parallel=parallel, draft_model=draft)
 
     def _placement(self) -> dict:
         """Nodes, this node and the rendezvous: the flags, or torchrun's environment

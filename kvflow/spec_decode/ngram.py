@@ -12,14 +12,17 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from kvflow.spec_decode.proposer import Proposer
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int) -> None:
         self.num_speculative_tokens = num_speculative_tokens
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: list[np.ndarray], max_drafts: list[int]) -> list[list[int]]:
+    def propose(self, token_ids: list[np.ndarray], max_drafts: list[int],
+                req_ids: list[str] | None = None, params=None) -> list[list[int]]:
         return [self.propose_one(t, min(m, self.num_speculative_tokens))
                 for t, m in zip(token_ids, max_drafts)]
 

@@ -2,32 +2,69 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvflow.config import SpeculativeConfig
+if TYPE_CHECKING:
+    import torch
+
+    from kvflow.config import EngineConfig, SpeculativeConfig
+    from kvflow.sampling_params import SamplingParams
 
 
-class Proposer(Protocol):
+class Proposer:
     """Proposes up to ``k`` draft tokens to follow each request's known tokens.
 
-    ``token_ids[i]`` holds request i's prompt and output tokens so far (a host array);
-    ``max_drafts[i]`` caps its proposal (0: propose nothing). Returns one list per request,
-    possibly empty. Proposers without draft probabilities are verified with the one-hot
-    rule (layers/rejection_sampler.py).
+    ``propose``: ``token_ids[i]`` holds request i's prompt and output tokens so far (a
+    host array); ``max_drafts[i]`` caps its proposal (0: propose nothing); ``req_ids`` and
+    ``params`` name the requests and their sampling parameters (for proposers with state
+    per request). Returns one list per request, possibly empty.
+
+    Proposers without draft probabilities (``draft_probs`` returns None) are verified
+    with the one-hot rule (layers/rejection_sampler.py); those that sample their drafts
+    return the distribution each was drawn from. Proposers with a KV cache of their own
+    get it in ``init_cache`` and free a request's part in ``release``.
     """
 
     num_speculative_tokens: int
+    # The proposer drafts from the target's hidden state at each request's last token
+    # (Medusa): the runner keeps the sample rows' hidden states for it.
+    wants_hidden: bool = False
 
-    def propose(self, token_ids: list[np.ndarray], max_drafts: list[int]) -> list[list[int]]:
-        ...
+    def propose(self, token_ids: list[np.ndarray], max_drafts: list[int],
+                req_ids: list[str] | None = None,
+                params: list["SamplingParams"] | None = None) -> list[list[int]]:
+        raise NotImplementedError
+
+    def draft_probs(self, req_id: str, drafts: list[int]) -> "torch.Tensor | None":
+        """q [len(drafts), V] the request's scheduled drafts were drawn from, or None."""
+        return None
+
+    def init_cache(self, num_blocks: int) -> None:
+        """The target's KV cache has ``num_blocks`` blocks (allocate one's own now)."""
+
+    def release(self, req_id: str) -> None:
+        """The request left the batch (finished or preempted)."""
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    if config.method == "ngram":
+def make_proposer(spec: "SpeculativeConfig", engine: "EngineConfig | None" = None,
+                  device=None, backend=None, kernels: bool = False, target=None,
+                  dtype=None) -> Proposer:
+    """The proposer of ``spec.method``; a draft model needs the engine config (its
+    resolved draft), the device and the attention backend to load and run it; Medusa
+    heads need the target model (its lm_head) and dtype."""
+    if spec.method == "ngram":
         from kvflow.spec_decode.ngram import NgramProposer
 
-        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                             config.prompt_lookup_max)
-    raise ValueError(f"unknown speculative method {config.method!r}")  # config validated it
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max)
+    if spec.method == "draft_model":
+        from kvflow.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(engine, device, backend, kernels)
+    if spec.method == "medusa":
+        from kvflow.spec_decode.medusa import MedusaProposer
+
+        return MedusaProposer(spec.model, spec.num_speculative_tokens, target, dtype, device)
+    raise ValueError(f"unknown speculative method {spec.method!r}")  # config validated it

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvflow.config import SpeculativeConfig
+from kvflow.config import EngineConfig
 from kvflow.core.sched_output import SchedulerOutput
 from kvflow.layers.rejection_sampler import RejectionSampler
 from kvflow.layers.sampler import SamplingMetadata, gather_logprobs
@@ -25,11 +25,24 @@ class SpecDecoder:
     """Owned by the model runner (and handed to its step builder) when speculative
     decoding is on."""
 
-    def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, device: torch.device, backend,
+                 kernels: bool = False, target: torch.nn.Module | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        self.config = config.speculative
         self.device = device
-        self.proposer = make_proposer(config)
+        self.proposer = make_proposer(config.speculative, config, device, backend, kernels,
+                                      target, dtype)
+        # Keep each step's sample-row hidden states for the proposer (Medusa heads).
+        self.wants_hidden = self.proposer.wants_hidden
         self.rejection_sampler = RejectionSampler()
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.proposer.init_cache(num_blocks)
+
+    def release(self, req_id: str) -> None:
+        """A request left the batch: the proposer's state for it (a draft model's blocks)
+        goes."""
+        self.proposer.release(req_id)
 
     # --- before the step --------------------------------------------------------------
     @staticmethod
@@ -63,12 +76,15 @@ class SpecDecoder:
 
     # --- sampling -------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, meta: SamplingMetadata, num_draft: list[int],
-               draft_token_ids: list[int], min_tokens_left: list[int]):
-        """logits [N, V] (N = sum(d_i + 1)), ``meta`` with one row per request ->
-        (token emitted at each sample row [N], INVALID_TOKEN past a request's last;
-        logprobs of those tokens (ids, logprobs, ranks) or None)."""
+               draft_token_ids: list[int], min_tokens_left: list[int],
+               req_ids: list[str] | None = None):
+        """logits [N, V] (N = sum(d_i + 1)), ``meta`` with one row per request (named
+        ``req_ids``) -> (token emitted at each sample row [N], INVALID_TOKEN past a
+        request's last; logprobs of those tokens (ids, logprobs, ranks) or None)."""
         drafts = to_device(draft_token_ids, self.device, torch.int64)
-        out = self.rejection_sampler(logits, drafts, num_draft, meta,
+        draft_probs = None if req_ids is None else self._draft_probs(
+            req_ids, num_draft, draft_token_ids, drafts, logits.shape[-1])
+        out = self.rejection_sampler(logits, drafts, num_draft, meta, draft_probs=draft_probs,
                                      min_tokens_left=min_tokens_left)
         logprobs = None
         if meta.max_num_logprobs is not None:
@@ -77,10 +93,29 @@ class SpecDecoder:
                                        out.row_token_ids.clamp(min=0), meta.max_num_logprobs)
         return out.row_token_ids, logprobs
 
+    def _draft_probs(self, req_ids: list[str], num_draft: list[int], draft_ids: list[int],
+                     drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """[D, V] distributions the drafts were drawn from (one-hot rows for requests whose
+        drafts are deterministic), or None when no request's drafts were sampled."""
+        parts, any_sampled, start = [], False, 0
+        for rid, d in zip(req_ids, num_draft):
+            q = self.proposer.draft_probs(rid, draft_ids[start: start + d]) if d else None
+            if q is None:
+                q = torch.nn.functional.one_hot(drafts[start: start + d], vocab).float()
+            else:
+                any_sampled = True
+            parts.append(q)
+            start += d
+        return torch.cat(parts) if any_sampled else None
+
     # --- after the step -------------------------------------------------------------
-    def propose(self, batch, req_ids: list[str], sampled: list[list[int]]) -> list[list[int]]:
+    def propose(self, batch, req_ids: list[str], sampled: list[list[int]],
+                hidden: torch.Tensor | None = None,
+                hidden_rows: dict[int, int] | None = None) -> list[list[int]]:
         """Next drafts for every request that got new tokens; none while the batch is
-        larger than ``disable_by_batch_size`` (there verification would only add work)."""
+        larger than ``disable_by_batch_size`` (there verification would only add work).
+        ``hidden`` [N, H]: the step's sample-row hidden states, ``hidden_rows[i]`` the row
+        that gave request i's last token (proposers that want them)."""
         limit = self.config.disable_by_batch_size
         out: list[list[int]] = [[] for _ in req_ids]
         if limit is not None and batch.num_reqs > limit:
@@ -91,6 +126,18 @@ class SpecDecoder:
             return out
         seqs = [batch.token_ids[row, : int(batch.num_tokens[row])] for _, row in todo]
         k = self.config.num_speculative_tokens
-        for (i, _), drafts in zip(todo, self.proposer.propose(seqs, [k] * len(todo))):
+        extra = {}
+        if self.wants_hidden:
+            todo = [(i, row) for i, row in todo if hidden_rows and i in hidden_rows]
+            if not todo or hidden is None:
+                return out
+            seqs = [batch.token_ids[row, : int(batch.num_tokens[row])] for _, row in todo]
+            extra["hidden"] = hidden[to_device([hidden_rows[i] for i, _ in todo],
+                                               self.device, torch.int64)]
+        with torch.inference_mode():
+            proposed = self.proposer.propose(seqs, [k] * len(todo),
+                                             [req_ids[i] for i, _ in todo],
+                                             [batch.params[row] for _, row in todo], **extra)
+        for (i, _), drafts in zip(todo, proposed):
             out[i] = drafts
         return out

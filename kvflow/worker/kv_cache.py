@@ -54,8 +54,14 @@ def kv_bytes_per_token(config: EngineConfig) -> int:
 
 
 def block_bytes(config: EngineConfig) -> int:
-    """Bytes of one KV block across this rank's layers (K and V) and KV heads."""
-    return config.cache.block_size * kv_bytes_per_token(config)
+    """Bytes of one KV block across this rank's layers (K and V) and KV heads, plus the
+    same block of a draft model's cache (speculative decoding keeps one per target
+    block, so the budget pays for both)."""
+    target = config.cache.block_size * kv_bytes_per_token(config)
+    draft = config.draft_model
+    if draft is not None:
+        target += config.cache.block_size * draft.arch.kv_bytes_per_token(draft.dtype)
+    return target
 
 
 def num_blocks_for_budget(config: EngineConfig, budget_bytes: int) -> int:

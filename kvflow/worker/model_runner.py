@@ -100,7 +100,8 @@ class ModelRunner:
         if config.speculative is not None:
             from kvflow.spec_decode.verify import SpecDecoder
 
-            self.spec = SpecDecoder(config.speculative, self.device)
+            self.spec = SpecDecoder(config, self.device, backend, self.use_kernels,
+                                    self.model, torch_dtype(config.model.dtype))
         self.step_builder = StepBuilder(
             InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len, max_blocks),
             self.block_size, self.device, backend.metadata_builder(self.attn_spec),
@@ -135,6 +136,8 @@ class ModelRunner:
         kv_cache.bind_kv_cache(self.model, self.kv_caches, self.kv_scales,
                                kv_cache.kv_quant_kind(self.config))
         kv_cache.log_kv_cache(self.config, num_blocks)
+        if self.spec is not None:
+            self.spec.init_cache(num_blocks)  # a draft model's own cache, block for block
         host_blocks = kv_cache.num_host_blocks(self.config)
         if host_blocks:
             self.host_cache, self.host_scales = kv_cache.allocate_host_cache(
@@ -225,6 +228,8 @@ class ModelRunner:
     def _launch_sampling(self, inputs: StepInputs, hidden: torch.Tensor) -> StepHandle:
         host = StepHostOutputs()
         collect = None
+        if self.spec is not None and self.spec.wants_hidden and hidden is not None:
+            host.sample_hidden = hidden[inputs.sample.logits_indices]  # [N, H] (Medusa)
         if self.pipeline_results is not None:  # speculative decoding is one-rank only
             collect = self.pipeline_results.launch(self, inputs, hidden, host)
         elif inputs.sample.num_draft is not None:
@@ -232,7 +237,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[sample.logits_indices])  # [N, V]
             tokens, logprobs = self.spec.verify(
                 logits, builder.sampling_metadata(inputs), sample.num_draft,
-                sample.draft_token_ids, builder.min_tokens_left(inputs))
+                sample.draft_token_ids, builder.min_tokens_left(inputs),
+                [inputs.req_ids[i] for i in sample.req_indices])
             host.sampled = to_host_async(tokens)
             if logprobs is not None:
                 host.logprobs = tuple(to_host_async(t) for t in logprobs)

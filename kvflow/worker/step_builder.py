@@ -68,9 +68,13 @@ class StepBuilder:
             b.remove(rid)
             self.extras.pop(rid, None)
             self.pending.drop(rid)
+            if self.spec is not None:
+                self.spec.release(rid)
         for rid in so.preempted_req_ids:
             b.remove(rid)  # extras (seeded generator) survive the preemption
             self.pending.drop(rid)
+            if self.spec is not None:
+                self.spec.release(rid)  # a draft model catches up when it resumes
         for new in so.new_reqs:
             b.add(new)
             if new.req_id not in self.extras:
@@ -251,6 +255,7 @@ class StepBuilder:
         num_reqs = len(inputs.req_ids)
         sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
         logprob_lists: list[list[LogprobsEntry] | None] = [None] * num_reqs
+        last_rows: dict[int, int] = {}  # request index -> sample row of its last token
         if host.sampled is not None:
             sampled = host.sampled.tolist()
             lp = [t.tolist() for t in host.logprobs] if host.logprobs is not None else None
@@ -264,6 +269,8 @@ class StepBuilder:
                         for token in tokens:
                             b.append_token(row, token)
                 sampled_lists[s.req_index] = tokens
+                if tokens:
+                    last_rows[s.req_index] = s.first_row + len(tokens) - 1
                 if row is not None and not s.verified:  # fill in its placeholders
                     for pos, token in enumerate(tokens, start=s.position):
                         if b.token_ids[row, pos] == PLACEHOLDER:
@@ -275,7 +282,8 @@ class StepBuilder:
                         for r in range(s.first_row, s.first_row + len(tokens))]
         spec_tokens = None
         if self.spec is not None:
-            spec_tokens = self.spec.propose(b, inputs.req_ids, sampled_lists)
+            spec_tokens = self.spec.propose(b, inputs.req_ids, sampled_lists,
+                                            host.sample_hidden, last_rows)
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_lists,
                                  logprobs=logprob_lists,
                                  prompt_logprobs=_prompt_logprobs_lists(host.prompt_logprobs),

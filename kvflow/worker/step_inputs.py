@@ -128,6 +128,9 @@ class StepHostOutputs:
     # (token ids [N, 1 + k], logprobs [N, 1 + k], ranks [N]) when any request asked.
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     slots: list[SampleSlot] = field(default_factory=list)
+    # The sample rows' hidden states [N, H] (on the device), kept for proposers that
+    # draft from them (Medusa heads); None otherwise.
+    sample_hidden: torch.Tensor | None = None
     # Prompt logprobs: the plan's spans and (ids, logprobs, ranks) over its rows.
     prompt_logprobs: tuple[list[PromptLogprobsSpan],
                            tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None

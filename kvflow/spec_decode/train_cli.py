@@ -1,0 +1,35 @@
+"""The ``kvflow train-medusa`` command line (torch-free: the CLI builds every parser at
+start; the training itself is kvflow/spec_decode/train_medusa.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _run(ns: argparse.Namespace) -> int:
+    from kvflow.spec_decode.train_medusa import train
+
+    train(ns)
+    return 0
+
+
+def add_train_medusa_parser(sub) -> None:
+    p = sub.add_parser("train-medusa", help="train Medusa heads for a frozen base model by "
+                       "self-distillation (CPU)")
+    p.add_argument("--model", default="smollm2-135m", help="the base model")
+    p.add_argument("--output", required=True, help="directory for the heads checkpoint")
+    p.add_argument("--prompts", default=None, help="prompt file, one per line (default: "
+                   "200 instructions shipped with kvflow)")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=96, help="answer length per prompt")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--num-heads", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-cache", default=None, help="JSON file of the generated answers: "
+                   "written by the first run, read (skipping generation) by later ones")
+    p.add_argument("--quantization", default="auto", help="the base model's weights while "
+                   "training (auto: as served)")
+    p.set_defaults(func=_run)
