@@ -33,13 +33,6 @@ def cpu_threads() -> int | None:
     return int(value) if value else None
 
 
-def cpu_adaptive_threads() -> bool:
-    """KVFLOW_CPU_ADAPTIVE_THREADS=0 keeps every CPU step on all torch threads; by default
-    small steps run on one thread or all of them, whichever measures faster
-    (kvflow/worker/cpu_threads.py)."""
-    return os.environ.get("KVFLOW_CPU_ADAPTIVE_THREADS", "1") != "0"
-
-
 def cpu_compile() -> bool:
     """KVFLOW_CPU_COMPILE=1 turns on the compiled CPU decode step (off by default: it adds
     a compile to every engine start and no speed-up over eager is measured yet;

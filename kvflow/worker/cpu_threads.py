@@ -25,6 +25,9 @@ MAX_TOKENS = 16
 WARMUP_STEPS = 3
 # How often (seconds) the slower thread count of a size class is tried again.
 RETRY_SECONDS = 5.0
+# A thread count this many times slower than the other after one step needs no more
+# warm-up steps (on a loaded machine a two-thread step can cost 200x a one-thread step).
+CLEAR_FACTOR = 2.0
 # Weight of the newest measurement in a thread count's running estimate.
 ALPHA = 0.3
 
@@ -64,10 +67,15 @@ class StepThreadPolicy:
         cls = self.classes.get(key)
         if cls is None:
             cls = self.classes[key] = _SizeClass(self.candidates)
-        for n in self.candidates:  # warm-up: measure each thread count a few times
-            if cls.samples[n] < WARMUP_STEPS:
+        for n in self.candidates:  # warm-up: every thread count once ...
+            if cls.samples[n] == 0:
                 return n
         best = min(self.candidates, key=cls.estimate.__getitem__)
+        worst = max(self.candidates, key=cls.estimate.__getitem__)
+        if cls.estimate[worst] < CLEAR_FACTOR * cls.estimate[best]:
+            for n in self.candidates:  # ... and a few times while they are close
+                if cls.samples[n] < WARMUP_STEPS:
+                    return n
         now = self.clock()
         for n in self.candidates:
             if n != best and now - cls.last_tried[n] >= RETRY_SECONDS:

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvflow import envs
 from kvflow.config import GiB, EngineConfig, torch_dtype
 from kvflow.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kvflow.distributed.parallel_state import ParallelState
@@ -119,7 +118,8 @@ class ModelRunner:
         # (worker/cpu_threads.py); made at the first step, when the thread count is set.
         self.thread_policy: StepThreadPolicy | None = None
         # Ranks of a parallel group keep the thread count set_rank_threads gave them.
-        self._adaptive_threads = (self.device.type == "cpu" and envs.cpu_adaptive_threads()
+        self._adaptive_threads = (self.device.type == "cpu"
+                                  and config.device.cpu_step_threads == "adaptive"
                                   and self.parallel.world.world_size == 1)
 
     # --- KV cache ---------------------------------------------------------------
@@ -302,8 +302,7 @@ class ModelRunner:
 
 
 def _kernels_available() -> bool:
-    from kvflow import envs
-
+    
     if envs.disable_triton():
         return False
     try:
