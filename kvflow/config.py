@@ -309,10 +309,16 @@ class DeviceConfig:
     """cpu or cuda (cuda:N for a given GPU)."""
     enforce_eager: bool = False
     """Never capture CUDA graphs."""
+    cpu_step_threads: str = "adaptive"
+    """CPU: adaptive (steps of up to 16 tokens run on one torch thread or all of them,
+    whichever measures faster; kvflow/worker/cpu_threads.py) or all (every step on all
+    threads)."""
 
     def __post_init__(self) -> None:
         require(self.device == "cpu" or self.device.startswith("cuda"), "device",
                  f"must be cpu or cuda[:N], got {self.device!r}")
+        require(self.cpu_step_threads in ("adaptive", "all"), "cpu_step_threads",
+                f"must be adaptive or all, got {self.cpu_step_threads!r}")
 
     @property
     def is_cuda(self) -> bool:

@@ -14,7 +14,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "llamacpp (llama-cpp-python on the same GGUF file), both (hf and kvflow), "
                    "or a comma-separated list, all in the same run; eager-vs-compiled: "
                    "kvflow with --enforce-eager, then kvflow with CUDA graphs / the "
-                   "compiled CPU step, in the same run")
+                   "compiled CPU step, in the same run; threads-all-vs-adaptive: kvflow "
+                   "with --cpu-step-threads all, then kvflow (CPU thread policy)")
     p.add_argument("--quantizations", default=None,
                    help="run kvflow once per listed --quantization value in the same run, "
                    "e.g. none,gguf,int8,int4 (int4 options as in bench quality: int4-g64)")

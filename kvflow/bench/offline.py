@@ -60,16 +60,19 @@ _PEERS = ("hf", "llamacpp")
 def _backends(ns) -> list[str]:
     """Labels to run: peers first (kvflow sizes its KV cache from the memory left free),
     then kvflow, or ``kvflow-<quantization>`` per ``--quantizations`` entry;
-    eager-vs-compiled: kvflow with --enforce-eager, then kvflow."""
+    eager-vs-compiled: kvflow with --enforce-eager, then kvflow; threads-all-vs-adaptive:
+    kvflow with --cpu-step-threads all, then kvflow (as configured)."""
     if ns.backend == "eager-vs-compiled":
         return ["kvflow-eager", "kvflow"]
+    if ns.backend == "threads-all-vs-adaptive":
+        return ["kvflow-allthreads", "kvflow"]
     names = ["hf", "kvflow"] if ns.backend == "both" else [
         b.strip() for b in ns.backend.split(",") if b.strip()]
     bad = [b for b in names if b not in ("kvflow", *_PEERS)]
     if bad or not names:
         raise InvalidParameterError(f"--backend: unknown backend {bad or ns.backend!r} "
-                                    "(kvflow, hf, llamacpp, both, eager-vs-compiled, or a "
-                                    "comma list)", param="backend")
+                                    "(kvflow, hf, llamacpp, both, eager-vs-compiled, "
+                                    "threads-all-vs-adaptive, or a comma list)", param="backend")
     out = [b for b in _PEERS if b in names]
     if "kvflow" in names:
         quants = getattr(ns, "quantizations", None)
@@ -100,6 +103,10 @@ def _kvflow_config(args: EngineArgs, label: str, config=None):
     if label.startswith("kvflow-kv-"):  # --kv-cache-dtypes: the same engine, another cache
         return dataclasses.replace(args, kv_cache_dtype=label.removeprefix(
             "kvflow-kv-")).create_engine_config()
+    if label == "kvflow-allthreads":
+        base = config if config is not None else args.create_engine_config()
+        return dataclasses.replace(base, device=dataclasses.replace(
+            base.device, cpu_step_threads="all"))
     from kvflow.bench.quality import method_args
 
     return method_args(args, label.removeprefix("kvflow-")).create_engine_config()
@@ -215,6 +222,8 @@ def _ratios(results: dict, key: str) -> None:
         for other in ("hf", "llamacpp", "kvflow-none", "kvflow-kv-auto"):
             if other in runs and other != k:
                 out[f"{k}/{other}"] = v[key] / runs[other][key]
+    if "kvflow" in runs and "kvflow-allthreads" in runs:
+        out["kvflow/kvflow-allthreads"] = runs["kvflow"][key] / runs["kvflow-allthreads"][key]
     if out:
         results["ratios"] = out
         for k, r in out.items():
@@ -431,6 +440,10 @@ def _host_profile(run, prompts, ns, tag: str) -> dict:
         run(prompts, short)
         return run.last_steps
     report["ops"] = profile_ops(profiled)
+    policy = engine.core.executor.runner.thread_policy
+    if policy is not None:  # what the CPU thread policy measured (ms per step)
+        report["step_threads"] = policy.describe()
+        print(f"[{tag}] step threads (ms per step by thread count): {report['step_threads']}")
     print_report(tag, report)
     return report
 

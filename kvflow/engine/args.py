@@ -109,6 +109,9 @@ class EngineArgs:
                                         "can still make it) is admitted with the prefill "
                                         "chunk it needs, even over the TPOT plan")
     enforce_eager: bool = _arg(False, "never use CUDA graphs")
+    cpu_step_threads: str = _arg("adaptive", "CPU: adaptive (steps of up to 16 tokens run "
+                                 "on one torch thread or all of them, whichever measures "
+                                 "faster) or all", choices=["adaptive", "all"])
     async_scheduling: bool | None = _arg(None, "prepare and launch step N+1 while step N runs "
                                          "(default: on for GPU, off for CPU)")
     speculative_config: str | dict | None = _arg(
@@ -244,7 +247,8 @@ class EngineArgs:
                 speculative.num_speculative_tokens)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(device=device,
-                                                enforce_eager=self.enforce_eager),
+                                                enforce_eager=self.enforce_eager,
+                                                cpu_step_threads=self.cpu_step_threads),
                             speculative=speculative, parallel=parallel, draft_model=draft)
 
     def _placement(self) -> dict:

@@ -51,6 +51,24 @@ def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, D/2] -> full-width tables [T, 1, D] for ``apply_rotary``: (cos, cos)
+    and (-sin, sin), built once per step so each layer's rotation is four ops."""
+    return (torch.cat((cos, cos), dim=-1).unsqueeze(1),
+            torch.cat((-sin, sin), dim=-1).unsqueeze(1))
+
+
+def apply_rotary(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``apply_rotary_ref`` from ``rotary_tables``: x * cos + rotate_half(x) * sin, where
+    rotate_half swaps the halves (a roll by D/2; the sign lives in the sin table). The
+    same float32 products and sums as the reference, so bit for bit the same result."""
+    cos, sin = tables
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = xf * cos
+    out += xf.roll(x.shape[-1] // 2, dims=-1) * sin
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float,
                  scaling: dict | None = None) -> None:

@@ -19,6 +19,7 @@ from kvflow.models.loader import load_model
 from kvflow.utils import cdiv
 from kvflow.worker import kv_cache
 from kvflow.worker.block_table import DeviceBlockTable
+from kvflow.worker.cpu_threads import StepThreadPolicy
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.step_builder import StepBuilder
 from kvflow.worker.step_inputs import StepHostOutputs, StepInputs
@@ -113,6 +114,13 @@ class ModelRunner:
         self.host_scales: torch.Tensor | None = None
         self.graphs: CudaGraphRunner | CpuCompiledStep | None = None  # once captured
         self.idle_meter = None  # a GpuIdleMeter while a benchmark measures GPU idle time
+        # CPU: small steps run on one thread or all of them, whichever measures faster
+        # (worker/cpu_threads.py); made at the first step, when the thread count is set.
+        self.thread_policy: StepThreadPolicy | None = None
+        # Ranks of a parallel group keep the thread count set_rank_threads gave them.
+        self._adaptive_threads = (self.device.type == "cpu"
+                                  and config.device.cpu_step_threads == "adaptive"
+                                  and self.parallel.world.world_size == 1)
 
     # --- KV cache ---------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -182,6 +190,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
         """Queue a step's GPU work and return at once (CPU: runs it)."""
+        if self._adaptive_threads and so.total_num_scheduled_tokens:
+            if self.thread_policy is None:
+                self.thread_policy = StepThreadPolicy(torch.get_num_threads())
+            return self.thread_policy.run(so.total_num_scheduled_tokens,
+                                          lambda: self._execute(so))
+        return self._execute(so)
+
+    def _execute(self, so: SchedulerOutput) -> StepHandle:
         self.step_builder.update(so)
         # Order matters: a block swapped out may be reused by a swap-in or a copy.
         for dev_block, host_block in so.blocks_to_swap_out:
@@ -286,8 +302,7 @@ class ModelRunner:
 
 
 def _kernels_available() -> bool:
-    from kvflow import envs
-
+    
     if envs.disable_triton():
         return False
     try:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kvflow.layers.attention.kv_quant import (KVQuant, gather_blocks, read_flat,
                                              write_kv_quant)
 from kvflow.layers.attention.metadata import AttentionMetadata, AttentionSpec
-from kvflow.layers.rotary import RotaryEmbedding, apply_rotary_ref
+from kvflow.layers.rotary import RotaryEmbedding, apply_rotary, rotary_tables
 from kvflow.utils import cdiv
 
 
@@ -40,7 +40,8 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     flat = kv_cache.view(2, nb * bs, kvh, d)
     t = slot_mapping.shape[0]  # rows of k/v beyond it are CUDA-graph padding
     slots, keep = kv_write_index(slot_mapping) if index is None else index
-    k, v = k[:t], v[:t]
+    if k.shape[0] != t:
+        k, v = k[:t], v[:t]
     if keep is not None:
         k, v = k[keep], v[keep]
     flat[0].index_copy_(0, slots, k)
@@ -136,7 +137,7 @@ def _read(kv_cache: torch.Tensor, how, quant: KVQuant | None = None,
 class TorchAttentionPlan:
     """What the torch backend derives once per step and reuses in every layer."""
 
-    cos_sin: tuple[torch.Tensor, torch.Tensor]  # [T, D/2] float32 each
+    rot: tuple[torch.Tensor, torch.Tensor]  # rotary_tables: [T, 1, D] float32 each
     write: tuple[torch.Tensor, torch.Tensor | None]  # kv_write_index(slot_mapping)
     # Decodes sorted by context length (None: already sorted), then grouped:
     # (rows of the sorted decodes, how to read their contexts, additive mask or None).
@@ -155,7 +156,7 @@ class PaddedDecodePlan:
     for any batch size and context length. Same math as the grouped decode path.
     """
 
-    cos_sin: tuple[torch.Tensor, torch.Tensor]  # [B, D/2] float32 each
+    rot: tuple[torch.Tensor, torch.Tensor]  # rotary_tables: [B, 1, D] float32 each
     slots: torch.Tensor  # [B] int64, all valid
     gather: torch.Tensor  # [B * W] int64 block ids, row by row
     mask: torch.Tensor  # [B, 1, 1, W * BS] additive: -inf past each context
@@ -175,7 +176,7 @@ class PaddedDecodePlan:
         mask = torch.zeros(pad.shape[0], 1, 1, length, dtype=spec.dtype,
                            device=positions.device).masked_fill_(pad[:, None, None, :],
                                                                  float("-inf"))
-        return cls(cos_sin=spec.rotary.cos_sin(positions), slots=meta.slot_mapping,
+        return cls(rot=rotary_tables(*spec.rotary.cos_sin(positions)), slots=meta.slot_mapping,
                    gather=tables.reshape(-1).long(), mask=mask)
 
 
@@ -198,7 +199,7 @@ class TorchMetadataBuilder:
         dev = positions.device
         bs, dtype = self.spec.block_size, self.spec.dtype
         t = meta.slot_mapping.shape[0]
-        cos_sin = self.spec.rotary.cos_sin(positions[:t])
+        rot = rotary_tables(*self.spec.rotary.cos_sin(positions[:t]))
         write = kv_write_index(meta.slot_mapping)
         tables = meta.block_tables.tolist()
         lens, qsl = meta.seq_lens_cpu, meta.query_start_loc_cpu
@@ -237,7 +238,7 @@ class TorchMetadataBuilder:
             mask = torch.zeros(n, seq_len, dtype=dtype, device=dev).masked_fill_(
                 future, float("-inf"))
             prefills.append((s, e, how, mask, False))
-        meta.backend = TorchAttentionPlan(cos_sin=cos_sin, write=write,
+        meta.backend = TorchAttentionPlan(rot=rot, write=write,
                                           decode_order=decode_order, decodes=decodes,
                                           prefills=prefills)
         return meta
@@ -262,8 +263,7 @@ class TorchAttentionBackend:
         if not isinstance(plan, TorchAttentionPlan):
             raise RuntimeError("attention metadata was not built by the torch backend's "
                                "metadata builder")
-        cos, sin = plan.cos_sin
-        q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
+        q, k = apply_rotary(q, plan.rot), apply_rotary(k, plan.rot)
         if kv_quant is None:
             write_kv_ref(k, v, kv_cache, meta.slot_mapping, plan.write)
         else:
@@ -320,8 +320,7 @@ class TorchAttentionBackend:
                        scale: float, quant: KVQuant | None = None) -> torch.Tensor:
         """Rotary, cache write and attention of one new token per row, the whole batch in
         one SDPA call over full table rows. q [B, H, D] -> [B, H, D]."""
-        cos, sin = plan.cos_sin
-        q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
+        q, k = apply_rotary(q, plan.rot), apply_rotary(k, plan.rot)
         _, nb, _, kvh, d = kv_cache.shape
         b, h = q.shape[0], q.shape[1]
         length = plan.mask.shape[-1]

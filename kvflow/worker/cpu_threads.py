@@ -1,0 +1,114 @@
+"""How many torch threads a small CPU step runs on, chosen by measuring.
+
+A decode step of a small batch is thousands of tiny ops. With two or more intra-op
+threads each op that goes parallel ends in a barrier, and on a shared machine the other
+thread is often descheduled: measured on the 2-core development machine at load ~9, the
+30-layer hidden-64 model's decode forward took 151 ms on two threads and 8.4 ms on one.
+On a quiet machine the answer depends on the model: the same tiny model is no faster on
+two threads, while the dense 135M model decodes one stream faster on two (32 vs 51 ms per
+token). No fixed rule fits both, so the policy measures: per size class of step (by
+scheduled tokens, up to ``MAX_TOKENS``), it times steps on one thread and on all of them
+and runs the faster, trying the slower one again now and then (the load changes).
+Larger steps always use every thread: their GEMMs are big enough to split.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+# Steps with more scheduled tokens than this always run on every thread.
+MAX_TOKENS = 16
+# Measured steps per thread count before the policy trusts its estimate.
+WARMUP_STEPS = 3
+# How often (seconds) the slower thread count of a size class is tried again.
+RETRY_SECONDS = 5.0
+# A thread count this many times slower than the other after one step needs no more
+# warm-up steps (on a loaded machine a two-thread step can cost 200x a one-thread step).
+CLEAR_FACTOR = 2.0
+# Weight of the newest measurement in a thread count's running estimate.
+ALPHA = 0.3
+
+
+class _SizeClass:
+    """Running step-time estimates (seconds) of one size class, per thread count."""
+
+    def __init__(self, candidates: tuple[int, ...]) -> None:
+        self.estimate: dict[int, float] = {}
+        self.samples: dict[int, int] = dict.fromkeys(candidates, 0)
+        self.last_tried: dict[int, float] = dict.fromkeys(candidates, 0.0)
+
+
+class StepThreadPolicy:
+    """``choose(num_tokens)`` picks a step's thread count, ``record`` learns from its
+    time; ``run(num_tokens, fn)`` does both around ``fn`` and restores the count."""
+
+    def __init__(self, max_threads: int, clock: Callable[[], float] = time.perf_counter,
+                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+        self.max_threads = max_threads
+        self.candidates = (1, max_threads) if max_threads > 1 else (1,)
+        self.clock = clock
+        self.set_threads = set_threads
+        self.classes: dict[int, _SizeClass] = {}
+
+    @staticmethod
+    def size_class(num_tokens: int) -> int | None:
+        """1, 2, 3-4, 5-8, 9-16 tokens -> 0..4; None above MAX_TOKENS."""
+        if num_tokens > MAX_TOKENS:
+            return None
+        return (num_tokens - 1).bit_length()
+
+    def choose(self, num_tokens: int) -> int:
+        key = self.size_class(num_tokens)
+        if key is None or len(self.candidates) == 1:
+            return self.max_threads
+        cls = self.classes.get(key)
+        if cls is None:
+            cls = self.classes[key] = _SizeClass(self.candidates)
+        for n in self.candidates:  # warm-up: every thread count once ...
+            if cls.samples[n] == 0:
+                return n
+        best = min(self.candidates, key=cls.estimate.__getitem__)
+        worst = max(self.candidates, key=cls.estimate.__getitem__)
+        if cls.estimate[worst] < CLEAR_FACTOR * cls.estimate[best]:
+            for n in self.candidates:  # ... and a few times while they are close
+                if cls.samples[n] < WARMUP_STEPS:
+                    return n
+        now = self.clock()
+        for n in self.candidates:
+            if n != best and now - cls.last_tried[n] >= RETRY_SECONDS:
+                return n  # has the load changed? try the slower one once
+        return best
+
+    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+        key = self.size_class(num_tokens)
+        if key is None or key not in self.classes:
+            return
+        cls = self.classes[key]
+        old = cls.estimate.get(threads)
+        cls.estimate[threads] = seconds if old is None else old + ALPHA * (seconds - old)
+        cls.samples[threads] += 1
+        cls.last_tried[threads] = self.clock()
+
+    def run(self, num_tokens: int, fn: Callable[[], object]):
+        threads = self.choose(num_tokens)
+        if threads == self.max_threads:
+            if self.size_class(num_tokens) is None or len(self.candidates) == 1:
+                return fn()
+        else:
+            self.set_threads(threads)
+        start = self.clock()
+        try:
+            return fn()
+        finally:
+            self.record(num_tokens, threads, self.clock() - start)
+            if threads != self.max_threads:
+                self.set_threads(self.max_threads)
+
+    def describe(self) -> dict[str, dict[int, float]]:
+        """Per size class, the estimated ms per step of each thread count (for the meter)."""
+        names = {0: "1", 1: "2", 2: "3-4", 3: "5-8", 4: "9-16"}
+        return {f"{names[k]} tokens": {n: round(t * 1e3, 3) for n, t in c.estimate.items()}
+                for k, c in sorted(self.classes.items())}
