@@ -262,3 +262,16 @@ def test_int4_group_that_does_not_divide_the_layer_is_refused():
     with pytest.raises(ModelLoadError, match="group size 128 does not divide the 64 inputs"):
         LLM("tiny-llama", load_format="dummy", device="cpu", quantization="int4",
             quantization_group_size=128)
+
+
+def test_gguf_end_of_turn_and_end_of_message_ids_stop_generation(tmp_path):
+    # Llama 3.1 GGUF files name <|eot_id|> and <|eom_id|> beside <|end_of_text|>: all three
+    # end a reply, as in the model's generation_config.json.
+    from kvflow.models.gguf_file import read_gguf_arch
+
+    path = write_tiny_gguf(str(tmp_path / "t.gguf"), {"eos_token_id": 2, "eot_token_id": 5,
+                                                       "eom_token_id": 6})
+    arch, _ = read_gguf_arch(path)
+    assert arch.eos_token_ids == (2, 5, 6)
+    arch, _ = read_gguf_arch(write_tiny_gguf(str(tmp_path / "u.gguf"), {"eos_token_id": 2}))
+    assert arch.eos_token_ids == (2,)

@@ -15,7 +15,8 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, r // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: str) -> str:
+def write_tiny_gguf(path: str, special_ids: dict[str, int] | None = None) -> str:
+    """``special_ids``: extra ``tokenizer.ggml.<name>`` fields, e.g. {"eos_token_id": 2}."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
@@ -30,6 +31,8 @@ def write_tiny_gguf(path: str) -> str:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(V)
+    for name, value in (special_ids or {}).items():
+        w.add_uint32(f"tokenizer.ggml.{name}", value)
 
     def mat(name, rows, cols, qtype, permute_heads=0):
         x = (rng.standard_normal((rows, cols)) * 0.08).astype(np.float32)

@@ -96,7 +96,8 @@ def read_gguf_arch(path: str) -> tuple[ModelArchConfig, dict]:
         bos_token_id=h.field("tokenizer.ggml.bos_token_id"),
     )
     eos = [h.field(k) for k in ("tokenizer.ggml.eos_token_id",
-                                "tokenizer.ggml.eot_token_id")]
+                                "tokenizer.ggml.eot_token_id",
+                                "tokenizer.ggml.eom_token_id")]
     cfg["eos_token_id"] = [int(e) for e in dict.fromkeys(eos) if e is not None]
     scaling = h.field(f"{a}.rope.scaling.type")
     if "rope_freqs.weight" in names:
