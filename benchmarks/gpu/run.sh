@@ -21,13 +21,7 @@
 #             bf16 vs fp8 KV cache, then fp8 W8A8 + fp8 KV; each sub-run on its own
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KVFLOW_NO_PROGRESS=1
-# The machine gets the working tree without git history: the commit comes along in a file
-# (write it with `git rev-parse HEAD > .git-commit` and carry it).
-[ -f .git-commit ] && export KVFLOW_GIT_COMMIT=$(cat .git-commit)
-KV="python -m kvflow.cli"
+. benchmarks/gpu/env.sh  # OUT, PYTHONPATH, KVFLOW_GIT_COMMIT, KV
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in

@@ -12,11 +12,7 @@
 #   plan       the planner's predictions for the same runs, to put beside them
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KVFLOW_NO_PROGRESS=1
-[ -f .git-commit ] && export KVFLOW_GIT_COMMIT=$(cat .git-commit)
-KV="python -m kvflow.cli"
+. benchmarks/gpu/env.sh  # OUT, PYTHONPATH, KVFLOW_GIT_COMMIT, KV
 LAT="bench latency --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --max-model-len 4096"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"

@@ -29,6 +29,16 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="report the GPU idle time between engine steps (CUDA events)")
 
 
+def _lazy(module: str, name: str):
+    """A command's entry point, imported only when that command runs (building the parser
+    imports no benchmark module's heavy dependencies)."""
+    def run(ns: argparse.Namespace):
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(ns)
+    return run
+
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (throughput, latency, serve)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
@@ -60,11 +70,7 @@ def add_bench_parser(sub) -> None:
     tp.add_argument("--hf-batch-size", type=int, default=None,
                     help="static batch size of the hf backend (default: all prompts)")
 
-    def run_tp(ns):
-        from kvflow.bench.offline import run_throughput
-
-        return run_throughput(ns)
-    tp.set_defaults(func=run_tp)
+    tp.set_defaults(func=_lazy("kvflow.bench.offline", "run_throughput"))
 
     lat = kinds.add_parser("latency", help="latency of one batch, ms per output token")
     _common(lat)
@@ -82,11 +88,7 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--hf-cache-implementation", default=None,
                      help="hf backend cache, e.g. static (default: dynamic)")
 
-    def run_lat(ns):
-        from kvflow.bench.offline import run_latency
-
-        return run_latency(ns)
-    lat.set_defaults(func=run_lat)
+    lat.set_defaults(func=_lazy("kvflow.bench.offline", "run_latency"))
 
     ar = kinds.add_parser("allreduce", help="the engine's tensor-parallel all-reduce at "
                           "TP message sizes (gloo on CPU, NCCL on GPU) against the planner")
@@ -94,11 +96,7 @@ def add_bench_parser(sub) -> None:
 
     add_allreduce_args(ar)
 
-    def run_ar(ns):
-        from kvflow.bench.allreduce import run_allreduce
-
-        return run_allreduce(ns)
-    ar.set_defaults(func=run_ar)
+    ar.set_defaults(func=_lazy("kvflow.bench.allreduce", "run_allreduce"))
 
     qual = kinds.add_parser("quality", help="perplexity, KL divergence and top-1 agreement "
                             "of quantized weights against the dense model on a fixed text")
@@ -106,11 +104,7 @@ def add_bench_parser(sub) -> None:
 
     add_quality_args(qual)
 
-    def run_qual(ns):
-        from kvflow.bench.quality import run_quality
-
-        return run_quality(ns)
-    qual.set_defaults(func=run_qual)
+    qual.set_defaults(func=_lazy("kvflow.bench.quality", "run_quality"))
 
     srv = kinds.add_parser("serve", help="serving benchmark against a running OpenAI-"
                            "compatible server: TTFT, TPOT, ITL, end-to-end latency")
@@ -118,11 +112,7 @@ def add_bench_parser(sub) -> None:
 
     add_serve_args(srv)
 
-    def run_srv(ns):
-        from kvflow.bench.serve import run_serve_benchmark
-
-        return run_serve_benchmark(ns)
-    srv.set_defaults(func=run_srv)
+    srv.set_defaults(func=_lazy("kvflow.bench.serve", "run_serve_benchmark"))
 
     abl = kinds.add_parser("ablation", help="one workload with each optimization switched "
                            "off in turn: markdown report, PNG plots, JSON")
@@ -131,8 +121,4 @@ def add_bench_parser(sub) -> None:
 
     add_ablation_args(abl)
 
-    def run_abl(ns):
-        from kvflow.bench.ablation import run_ablation
-
-        return run_ablation(ns)
-    abl.set_defaults(func=run_abl)
+    abl.set_defaults(func=_lazy("kvflow.bench.ablation", "run_ablation"))
