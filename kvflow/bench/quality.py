@@ -16,12 +16,16 @@ import argparse
 import dataclasses
 import os
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvflow.bench.machine import save_result
 from kvflow.engine.args import EngineArgs
 from kvflow.errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_TEXT = os.path.join(os.path.dirname(__file__), "data", "quality_text.txt")
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvflow import envs
 from kvflow.config import GiB, EngineConfig, torch_dtype
 from kvflow.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kvflow.distributed.parallel_state import ParallelState
@@ -302,7 +303,6 @@ class ModelRunner:
 
 
 def _kernels_available() -> bool:
-    
     if envs.disable_triton():
         return False
     try:
