@@ -58,6 +58,10 @@ class SamplingParams:
     """Divides positive (multiplies negative) logits of tokens in prompt or output."""
     seed: int | None = None
     """Per-request seed: the same output whatever else shares the batch."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value in [-100, 100] added to its logit before sampling (OpenAI's
+    ``logit_bias``): -100 in effect bans a token, +100 in effect forces it. Applies to
+    greedy requests too; returned logprobs stay the model's own."""
     stop: str | list[str] | None = None
     """Strings that end generation; removed from the output unless asked otherwise."""
     stop_token_ids: list[int] | None = None
@@ -153,6 +157,15 @@ class SamplingParams:
         for t in self.stop_token_ids or []:
             _check(isinstance(t, int) and t >= 0, "stop_token_ids",
                    "a list of non-negative token ids", t)
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, Mapping), "logit_bias",
+                   "a mapping of token ids to numbers", self.logit_bias)
+            for t, v in self.logit_bias.items():
+                _check(isinstance(t, int) and not isinstance(t, bool) and t >= 0,
+                       "logit_bias", "keyed by non-negative token ids", t)
+                _check(not isinstance(v, bool) and isinstance(v, (int, float))
+                       and math.isfinite(v) and -100.0 <= v <= 100.0, "logit_bias",
+                       "a mapping to numbers in [-100, 100]", v)
         if self.stop_strings and not self.detokenize:
             raise InvalidParameterError("stop strings need detokenize=True", param="stop")
 

@@ -152,3 +152,11 @@ def test_expand_counts_earlier_drafts_as_output():
     assert ex.output_counts.tolist() == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 1, 0, 1],
                                          [0, 0, 0, 0], [0, 0, 1, 0]]
     assert ex.temperature.shape == (5,)
+
+
+def test_expand_repeats_logit_bias_on_every_row_of_its_request():
+    bias = (torch.tensor([0, 1, 1]), torch.tensor([3, 0, 2]), torch.tensor([1.0, -2.0, 5.0]))
+    ex = expand_metadata(meta_for(2, logit_bias=bias), [2, 1], torch.tensor([3, 1, 2]))
+    got = sorted(zip(*(t.tolist() for t in ex.logit_bias)))
+    assert got == [(0, 3, 1.0), (1, 3, 1.0), (2, 3, 1.0),
+                   (3, 0, -2.0), (3, 2, 5.0), (4, 0, -2.0), (4, 2, 5.0)]

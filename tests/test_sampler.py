@@ -115,3 +115,48 @@ def test_merged_weight_loader_places_each_shard():
         qkv.weight.weight_loader(qkv.weight, torch.zeros(1, 2), "o")
     with pytest.raises(ModelLoadError, match="does not match"):
         qkv.weight.weight_loader(qkv.weight, torch.zeros(2, 2), "k")  # k has one row
+
+
+def test_logit_bias_is_added_before_greedy_and_random_sampling():
+    from kvflow.layers.sampler import process_logits
+
+    logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 0.0, 1.0]])
+    bias = (torch.tensor([0, 0, 1]), torch.tensor([1, 2, 0]), torch.tensor([-100.0, 4.0, 0.5]))
+    out = process_logits(logits, meta(2, logit_bias=bias))
+    assert out.tolist() == [[0.0, -95.0, 5.0], [2.5, 0.0, 1.0]]
+    assert logits[0, 1] == 5.0  # the caller's logits are not changed
+    greedy = Sampler()(logits, meta(2, temperature=torch.zeros(2), all_greedy=True,
+                                    all_random=False, logit_bias=bias, max_num_logprobs=0))
+    assert greedy.sampled.tolist() == [2, 0]
+    # Returned logprobs stay the model's own (OpenAI and vLLM report them before bias).
+    assert greedy.logprobs[0, 0].item() == pytest.approx(torch.log_softmax(logits[0], 0)[2].item())
+    # +100 on token 0 wins every random draw in row 1, -100 never draws token 1 in row 0.
+    push = (torch.tensor([0, 1]), torch.tensor([1, 0]), torch.tensor([-100.0, 100.0]))
+    for _ in range(20):
+        s = Sampler()(logits, meta(2, logit_bias=push)).sampled.tolist()
+        assert s[0] != 1 and s[1] == 0
+
+
+def test_logit_bias_through_llm_and_its_validation():
+    from kvflow import LLM, SamplingParams
+    from kvflow.errors import InvalidParameterError
+
+    llm = LLM("tiny-llama", load_format="dummy", max_model_len=128, device="cpu",
+              num_gpu_blocks_override=32, block_size=4)
+    prompt = [[5, 6, 7, 8, 9]]
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    forced = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                 logit_bias={321: 100.0}),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert forced == [321] * 6
+    banned = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                 logit_bias={t: -100.0 for t in plain}),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert not set(banned) & set(plain)
+    vocab = llm.engine.config.model.arch.vocab_size
+    with pytest.raises(InvalidParameterError, match="logit_bias"):
+        llm.generate(prompt, SamplingParams(logit_bias={vocab: 1.0}), use_tqdm=False)
+    for bad in ({1: 101.0}, {-1: 1.0}, {1: float("nan")}, {"1": 1.0}, [1, 2]):
+        with pytest.raises(InvalidParameterError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

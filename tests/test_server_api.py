@@ -195,6 +195,23 @@ def test_sampling_parameters_are_accepted(client):
     assert c.usage.completion_tokens == 4
 
 
+def test_logit_bias_bans_and_forces_tokens(server, client):
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                      extra_body={"return_token_ids": True}).choices[0]
+    paris = tokenize(server, " Paris", add_special_tokens=False)
+    assert plain.token_ids[0] == paris[0]
+    # -100 bans the greedy first token (OpenAI's keys are token ids as strings).
+    banned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                       logit_bias={str(paris[0]): -100},
+                                       extra_body={"return_token_ids": True}).choices[0]
+    assert banned.token_ids[0] != paris[0] and "Paris" not in banned.text[:6]
+    forced = tokenize(server, " blue", add_special_tokens=False)[0]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0.7,
+                                       logit_bias={str(forced): 100})
+    assert r.choices[0].message.content == " blue" * 3 or \
+        r.choices[0].message.content.replace(" ", "") == "blue" * 3
+
+
 def test_tokenize_detokenize(server):
     r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
     assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 512

@@ -52,7 +52,7 @@ def post(server, path: str, body, **kw) -> httpx.Response:
     ({"temperature": "hot"}, "temperature"),
     ({"stop": [""]}, "stop.0"),
     ({"bogus_parameter": 1}, "bogus_parameter"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"logit_bias": {"999999999": 5}}, "logit_bias"),  # not a token id of this model
     ({"prompt": []}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
     ({"suffix": "x"}, "suffix"),

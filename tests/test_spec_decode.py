@@ -54,7 +54,10 @@ def test_greedy_speculation_equals_plain_greedy(overrides):
     prompts = repetitive_prompts()
     params = [SamplingParams(temperature=0, max_tokens=24 + 3 * i, ignore_eos=True,
                              logprobs=2, presence_penalty=0.2 * (i % 2), min_tokens=i,
-                             n=2 if i == 1 else 1)
+                             n=2 if i == 1 else 1,
+                             # a ban and a push on request 2 (applied on every verify row)
+                             logit_bias={prompts[2][0]: 3.0, prompts[2][1]: -100.0}
+                             if i == 2 else None)
               for i in range(len(prompts))]
     plain = tiny(**overrides)
     want = run(plain, prompts, params)

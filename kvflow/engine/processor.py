@@ -45,6 +45,11 @@ def bound_for_engine(params: SamplingParams, vocab_size: int, max_model_len: int
             raise InvalidParameterError(
                 f"stop_token_ids must be token ids in [0, {vocab_size}), got {t!r}",
                 param="stop_token_ids")
+    for t in params.logit_bias or {}:
+        if not 0 <= t < vocab_size:
+            raise InvalidParameterError(
+                f"logit_bias keys must be token ids in [0, {vocab_size}), got {t!r}",
+                param="logit_bias")
     if params.min_tokens > max_model_len:
         raise InvalidParameterError(
             f"min_tokens must be at most the context length ({max_model_len}), got "

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.layers.sampler import SamplingMetadata, apply_penalties, apply_top_k_top_p_min_p
+from kvflow.layers.sampler import SamplingMetadata, apply_top_k_top_p_min_p, process_logits
 
 # Padding of output rows past each request's emitted tokens.
 INVALID_TOKEN = -1
@@ -82,6 +82,15 @@ def expand_metadata(meta: SamplingMetadata, num_draft: list[int],
         output_counts=rep(meta.output_counts), prompt_mask=rep(meta.prompt_mask),
         max_num_logprobs=meta.max_num_logprobs)
     row_start, draft_start = _offsets(num_draft)
+    if meta.logit_bias is not None:  # every target row of a request gets its bias
+        rows, ids, values = meta.logit_bias
+        first = torch.tensor(row_start, device=dev)[rows]  # [E]
+        span = reps[rows]  # [E] rows per request
+        base = torch.repeat_interleave(first, span)  # [sum(span)] the entry's first row
+        starts = torch.repeat_interleave(torch.cumsum(span, 0) - span, span)
+        offset = torch.arange(len(base), device=dev) - starts  # 0..span-1 per entry
+        out.logit_bias = (base + offset, ids.repeat_interleave(span),
+                          values.repeat_interleave(span))
     if out.output_counts is not None and sum(num_draft):
         rows, toks = [], []
         for i, n in enumerate(num_draft):
@@ -112,21 +121,16 @@ def expand_metadata(meta: SamplingMetadata, num_draft: list[int],
 def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """[T, V] logits -> [T, V] probabilities after the request's sampling processing
     (temperature-0 rows are scaled by 1; callers use the argmax for them)."""
-    if meta.banned is not None:
-        logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
-    if meta.repetition_penalty is not None or meta.frequency_penalty is not None:
-        logits = apply_penalties(logits, meta)
+    logits = process_logits(logits, meta)
     temp = torch.where(meta.temperature > 0, meta.temperature,
                        torch.ones_like(meta.temperature))
     return apply_top_k_top_p_min_p(logits / temp[:, None], meta).softmax(dim=-1)
 
 
 def processed_argmax(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Greedy choice per row after bans and penalties (what ``Sampler`` picks at T=0)."""
-    if meta.banned is not None:
-        logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
-    if meta.repetition_penalty is not None or meta.frequency_penalty is not None:
-        logits = apply_penalties(logits, meta)
+    """Greedy choice per row after bias, bans and penalties (what ``Sampler`` picks at
+    T=0)."""
+    logits = process_logits(logits, meta)
     return logits.argmax(dim=-1)
 
 

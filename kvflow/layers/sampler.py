@@ -1,6 +1,6 @@
 """Token sampling for a batch of requests, with per-request parameters (pure torch).
 
-Order: min_tokens masking, penalties, greedy argmax for temperature-0 rows, then for the
+Order: logit_bias, min_tokens masking, penalties, greedy argmax for temperature-0 rows, then for the
 rest temperature, min-p, top-k and top-p filtering and a Gumbel-style draw
 (argmax(p / q), q ~ Exp(1)). Rows with a seed draw q from their own generator, so their
 result does not depend on what else shares the batch. Nothing here reads back to the
@@ -34,6 +34,8 @@ class SamplingMetadata:
     prompt_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt
     # Rows still under min_tokens: (row indices [M], token ids [M]) to forbid.
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Requests' logit_bias entries: (row indices [E], token ids [E], float32 values [E]).
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None  # top-N logprobs to return (None: none)
 
 
@@ -43,6 +45,22 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None  # [B, 1 + N]: sampled, then top-N
     logprobs: torch.Tensor | None = None  # [B, 1 + N] float32
     sampled_ranks: torch.Tensor | None = None  # [B] int64, 1 = most likely
+
+
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """What every sampling path does before temperature: logit_bias, min_tokens bans,
+    then penalties (the plain sampler, and the target side of speculative verification,
+    so both pick from the same distribution). Returns ``logits`` itself when no row uses
+    any of them."""
+    if meta.logit_bias is not None:
+        rows, ids, values = meta.logit_bias
+        logits = logits.index_put((rows, ids), values.to(logits.dtype), accumulate=True)
+    if meta.banned is not None:
+        logits = logits.index_put(meta.banned, torch.tensor(float("-inf"),
+                                                            device=logits.device))
+    if meta.repetition_penalty is not None or meta.frequency_penalty is not None:
+        logits = apply_penalties(logits, meta)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -91,11 +109,7 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] float32 -> sampled ids [B] (and logprobs when asked)."""
         raw = logits
-        if meta.banned is not None:
-            logits = logits.index_put(meta.banned, torch.tensor(float("-inf"),
-                                                                device=logits.device))
-        if meta.repetition_penalty is not None or meta.frequency_penalty is not None:
-            logits = apply_penalties(logits, meta)
+        logits = process_logits(logits, meta)
         greedy = logits.argmax(dim=-1)
         if meta.all_greedy:
             sampled = greedy

@@ -83,6 +83,18 @@ def _static_part(b: InputBatch, rows: np.ndarray, generators: list[torch.Generat
                                                  f32)
         fields["prompt_mask"] = token_counts([b.prompt_token_ids(r) for r in rows], vocab,
                                              dev) > 0
+    if any(p.logit_bias for p in params):
+        rows_, ids_, vals_ = [], [], []
+        for j, p in enumerate(params):
+            for t, v in (p.logit_bias or {}).items():
+                if 0 <= t < vocab:
+                    rows_.append(j)
+                    ids_.append(t)
+                    vals_.append(float(v))
+        if rows_:
+            fields["logit_bias"] = (to_device(rows_, dev, torch.int64),
+                                    to_device(ids_, dev, torch.int64),
+                                    to_device(vals_, dev, f32))
     asked = [p.logprobs for p in params if p.logprobs is not None]
     fields["max_num_logprobs"] = min(max(asked), vocab) if asked else None
     return {"fields": fields, "params": params, "counts": use_freq or use_rep,

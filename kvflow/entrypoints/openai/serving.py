@@ -233,9 +233,6 @@ class OpenAIServing:
     def sampling_params(self, req, *, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None
                         ) -> SamplingParams:
-        if req.logit_bias:
-            raise InvalidParameterError("logit_bias is not supported by this server",
-                                        param="logit_bias")
         values = dict(self.engine.config.model.generation_defaults)
         for name in _SAMPLING_FIELDS:
             value = getattr(req, name)
@@ -246,7 +243,9 @@ class OpenAIServing:
             raise InvalidParameterError("stop strings need a tokenizer and this model has "
                                         "none; use stop_token_ids", param="stop")
         return SamplingParams(
-            n=req.n, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            n=req.n, seed=req.seed, stop=req.stop,
+            logit_bias={int(k): float(v) for k, v in req.logit_bias.items()}
+            if req.logit_bias else None, stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
