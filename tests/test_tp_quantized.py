@@ -105,6 +105,12 @@ def test_smollm2_gguf_tp3_equals_tp1():
     assert got[1] == got[0]
 
 
+def test_activation_order_gptq_under_tensor_parallelism_is_refused_saying_why(tmp_path):
+    _write_prequantized(tmp_path, "gptq", 4, 16, True)
+    with pytest.raises(ModelLoadError, match="activation order.*tensor_parallel_size=1"):
+        engine(str(tmp_path), "auto", tensor_parallel_size=2)
+
+
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
 def test_tp2_prequantized_checkpoint_equals_tp1(tmp_path, fmt):
     """Packed int32 words along the input (GPTQ) or output (AWQ, zero points), per-group

@@ -197,8 +197,16 @@ def _load_g_idx(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor) -> 
                              f"needs {tuple(param.shape)}")
     if getattr(layer, "full_input_size", layer.input_size) != layer.input_size:
         # A row-parallel rank's slice of an in-order g_idx names the groups of its own
-        # inputs from its first one on: count them from 0, as its scales do. (An
-        # activation-order g_idx spreads groups over every rank and stays refused.)
+        # inputs from its first one on: count them from 0, as its scales do. An
+        # activation-order g_idx spreads every group over all the ranks' inputs, so the
+        # rank's scales (cut by group rows) would not match its inputs: refuse, saying why.
+        if loaded.numel() > 1 and bool((loaded[1:] < loaded[:-1]).any()):
+            raise ModelLoadError(
+                "gptq: this checkpoint was quantized with activation order (desc_act: "
+                "g_idx permutes the inputs), which cannot be split along the input "
+                "dimension of row-parallel layers (o_proj, down_proj) under tensor "
+                "parallelism; load it with tensor_parallel_size=1 (pipeline parallelism "
+                "works) or use a checkpoint quantized without desc_act")
         loaded = loaded - loaded.min()
     if layer._g_idx_loaded and not torch.equal(param.data, loaded.to(param.dtype)):
         raise ModelLoadError("gptq: merged shards have different g_idx (desc_act orders); "
