@@ -113,6 +113,22 @@ def test_draft_memory_comes_out_of_the_kv_budget():
     assert num_blocks_for_budget(spec_cfg, 2**20) == num_blocks_for_budget(plain_cfg, 2**20) // 2
 
 
+def test_target_kv_log_line_counts_only_the_targets_cache(caplog):
+    """The target's line and the draft's line add up to the budget: the target's does not
+    also count the draft's blocks."""
+    import logging
+    import re
+
+    from kvflow.worker.kv_cache import kv_bytes_per_token, log_kv_cache
+
+    cfg = EngineArgs(model="tiny-llama", load_format="dummy", device="cpu",
+                     max_model_len=256, speculative_config=COPY).create_engine_config()
+    blocks = 2**30 // (cfg.cache.block_size * kv_bytes_per_token(cfg))  # 1 GiB of target KV
+    with caplog.at_level(logging.INFO, logger="kvflow"):
+        log_kv_cache(cfg, blocks)
+    assert float(re.search(r"([0-9.]+) GiB", caplog.text).group(1)) == pytest.approx(1.0, abs=0.01)
+
+
 @pytest.mark.parametrize("spec, error, match", [
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "smollm2-135m",
       "draft_load_format": "dummy"}, InvalidParameterError,

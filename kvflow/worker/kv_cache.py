@@ -204,7 +204,8 @@ def bind_kv_cache(model: nn.Module, kv_caches, kv_scales: torch.Tensor | None = 
 def log_kv_cache(config: EngineConfig, num_blocks: int) -> None:
     bs = config.cache.block_size
     tokens = num_blocks * bs
-    gib = num_blocks * block_bytes(config) / GiB
+    # The target's own cache: a draft model's share of block_bytes is logged by the draft.
+    gib = num_blocks * bs * kv_bytes_per_token(config) / GiB
     concurrency = tokens / config.model.max_model_len
     kind = kv_quant_kind(config)
     dtype = config.model.dtype if kind is None else {
