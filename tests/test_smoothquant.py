@@ -215,3 +215,15 @@ def test_quantize_cli_rejects_bad_input(tmp_path, capsys):
     assert main(["quantize", "--output", str(tmp_path / "o"), "--calib",
                  str(tmp_path / "missing.txt")]) == 2
     assert "cannot read --calib" in capsys.readouterr().err
+
+
+def test_bench_method_names(tmp_path):
+    from kvflow.bench.quality import method_args
+
+    base = EngineArgs(model="tiny-llama", load_format="dummy")
+    assert method_args(base, "w8a8-int8").quantization == "w8a8-int8"
+    assert method_args(base, "llm-int8").quantization == "llm-int8"
+    ck = method_args(base, str(tmp_path))  # a checkpoint directory: loaded as it is
+    assert (ck.model, ck.quantization) == (str(tmp_path), "auto")
+    with pytest.raises(InvalidParameterError, match="unknown option"):
+        method_args(base, "int4-x9")
