@@ -28,10 +28,12 @@ def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int8 [M, K], float32 scales [M]): one symmetric scale per row (a
     weight's output channel, an activation's token), round to nearest even."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1) / INT8_MAX  # [M]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero row -> 0s
-    q = torch.round(xf / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale
+    amax = xf.abs().amax(dim=-1, keepdim=True)  # [M, 1]
+    # An all-zero row gets scale 1 (and zeros). Multiplying by 127 / amax instead of
+    # dividing by the scale saves a pass per call (decode: this is half the op's time).
+    inv = torch.where(amax > 0, INT8_MAX / amax, torch.ones_like(amax))
+    q = (xf * inv).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, (1.0 / inv).squeeze(1)
 
 
 def int8_mm_ref(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
@@ -89,7 +91,8 @@ def int8_mm(xq: torch.Tensor, sx: torch.Tensor, w: Int8Weight,
         acc = torch._int_mm(xq, w.wt)[:m, :w.n]  # int32 [M, N]
     else:
         acc = torch._int_mm(xq.contiguous(), w.wt)  # int32 [M, N]
-    return (acc.float() * sx[:, None] * w.scale[None, :]).to(out_dtype)
+    y = (acc * sx[:, None]).mul_(w.scale)  # int32 * float32 -> float32 [M, N]
+    return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
 def w8a8_apply(x2: torch.Tensor, w: Int8Weight, out_dtype: torch.dtype) -> torch.Tensor:

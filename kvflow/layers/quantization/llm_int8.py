@@ -37,7 +37,7 @@ logger = init_logger(__name__)
 _lock = threading.Lock()
 # layer type -> [calls, outlier columns summed over calls, max in one call, K]
 _STATS: dict[str, list] = {}
-_LOG_AT = {1, 100, 10_000, 1_000_000}
+_LOG_AT = {100, 10_000, 1_000_000}  # calls of the first layer type seen
 
 
 def outlier_summary(reset: bool = False) -> dict[str, dict]:
@@ -69,7 +69,7 @@ def _record(kind: str, n_out: torch.Tensor | int, k: int) -> None:
             st[2] = n_out if isinstance(st[2], int) else torch.maximum(st[2], n_out)
         else:
             st[2] = max(st[2], n_out)
-        calls = st[0]
+        calls = st[0] if kind == next(iter(_STATS)) else 0
     if calls in _LOG_AT and not isinstance(n_out, torch.Tensor):
         logger.info("llm-int8 outlier input columns per call after %d calls: %s", calls,
                     format_summary(outlier_summary()))
