@@ -13,7 +13,7 @@ no per-step gather:
 The float weight is kept beside the int8 one (5 bytes per weight with float32): this is
 an accuracy method, not a memory one. The CPU path gathers only the outlier columns
 (``nonzero`` once per call); on CUDA the split is by mask, without a host sync, so CUDA
-graphs can capture it.
+graphs can capture it (the outlier statistics then count the eager steps only).
 
 How many columns are outliers is counted per layer type (qkv_proj, o_proj, gate_up_proj,
 down_proj): ``outlier_summary()``; the startup log and ``kvflow bench quality`` print it.
@@ -115,7 +115,9 @@ def llm_int8_mm(x2: torch.Tensor, w_float: torch.Tensor, w: Int8Weight, threshol
         xo = x2 * outl.to(x2.dtype)  # [M, K], outlier columns only
         xq, sx = quantize_int8_rows(x2 - xo)
         y = int8_mm(xq, sx, w, x2.dtype) + torch.nn.functional.linear(xo, w_float)
-        if kind is not None:
+        # Under CUDA-graph capture the count would be recorded once, not per replay:
+        # graphed decode steps are left out of the statistics (prefill steps count).
+        if kind is not None and not torch.cuda.is_current_stream_capturing():
             _record(kind, outl.sum(), k)
         return y
     idx = outl.nonzero().squeeze(1)  # [O]
