@@ -227,3 +227,35 @@ def test_bench_method_names(tmp_path):
     assert (ck.model, ck.quantization) == (str(tmp_path), "auto")
     with pytest.raises(InvalidParameterError, match="unknown option"):
         method_args(base, "int4-x9")
+
+
+def test_quantize_cli_end_to_end_with_a_tokenizer(dense_dir, tmp_path):
+    """`kvflow quantize` on a tiny model with a word-level tokenizer: the calibration text
+    is tokenized, the checkpoint carries the tokenizer, and LLM(...) serves text from it."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from kvflow import LLM, SamplingParams
+    from kvflow.cli import main
+
+    src = tmp_path / "src"
+    shutil.copytree(dense_dir, src)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(400)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(src / "tokenizer.json"))
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(f"w{(i * 37) % 400}" for i in range(300)))
+    out = tmp_path / "sq"
+    assert main(["quantize", "--model", str(src), "--calib", str(calib), "--output",
+                 str(out), "--context", "64", "--max-windows", "3", "--alpha", "0.6"]) == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (qc["alpha"], qc["calibration"]["windows"], qc["calibration"]["tokens"]) == (
+        0.6, 3, 192)
+    with LLM(str(out), device="cpu", max_model_len=128, kv_cache_memory="16MiB") as llm:
+        assert llm.get_tokenizer().encode("w5 w6", add_special_tokens=False) == [8, 9]
+        got = llm.generate("w1 w2 w3", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(got[0].outputs[0].token_ids) == 3
+    assert main(["quantize", "--model", str(src), "--output", str(out)]) == 2  # not empty
