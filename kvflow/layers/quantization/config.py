@@ -1,9 +1,10 @@
 """The one quantization decision of a model, resolved once at load (pure Python, no torch).
 
-Where it comes from, in order: ``--quantization METHOD`` (int8, int4, none); a GGUF file's
-tensor types (``gguf``: the blocks are kept and multiplied as they are); a Hugging Face
-``config.json`` ``quantization_config`` (not supported yet: refused with the methods that
-are). Layers ask it for their method by module prefix (``method_for``), so lm_head,
+Where it comes from, in order: ``--quantization METHOD`` (int8, int4, fp8, w8a8-int8,
+llm-int8, none); a GGUF file's tensor types (``gguf``: the blocks are kept and multiplied
+as they are); a Hugging Face ``config.json`` ``quantization_config`` (gptq, awq,
+compressed-tensors, fp8, kvflow's smoothquant; anything else is refused with the methods
+that are supported). Layers ask it for their method by module prefix (``method_for``), so lm_head,
 embeddings or listed layers can stay unquantized without the model knowing.
 """
 
@@ -167,8 +168,9 @@ def _prequantized(qc: dict, requested: str, device: str) -> QuantizationConfig:
             f"the checkpoint is pre-quantized with {method!r} (config.json "
             f"quantization_config), which kvflow does not load (supported: gptq 4/8-bit, "
             f"awq 4-bit GEMM, compressed-tensors pack-quantized W4A16/W8A16 and "
-            f"float-quantized FP8, fp8 with per-tensor or per-channel scales; or a float "
-            f"checkpoint with --quantization int8|int4|fp8)")
+            f"float-quantized FP8, fp8 with per-tensor or per-channel scales, smoothquant int8 "
+            f"W8A8 from kvflow quantize; or a float checkpoint with --quantization "
+            f"int8|int4|fp8|w8a8-int8|llm-int8)")
     if requested not in ("auto", method):
         raise ModelLoadError(f"the checkpoint is already {method}-quantized; "
                              f"--quantization {requested} cannot apply to it (use auto)")
