@@ -1,4 +1,4 @@
-"""The ``kvflow`` command: serve, generate, chat, bench, plan."""
+"""The ``kvflow`` command: serve, generate, chat, bench, plan, quantize."""
 
 from __future__ import annotations
 
@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.spec_decode.train_cli import add_train_medusa_parser
 
     add_train_medusa_parser(sub)
+    from kvflow.quantize.cli import add_quantize_parser
+
+    add_quantize_parser(sub)
     return parser
 
 

@@ -175,13 +175,19 @@ class ModelConfig:
     """int4: input elements per scale / zero point (32, 64 or 128)."""
     quantization_symmetric: bool = False
     """int4: scale only (zero point fixed) instead of a zero point per group."""
+    llm_int8_threshold: float = 6.0
+    """llm-int8: input columns whose absolute maximum in a step exceeds this are
+    multiplied in the model dtype, the rest in int8."""
     dtype_forced: bool = False
     """The user named ``dtype`` (so auto quantization keeps GGUF weights dense in it)."""
 
     def __post_init__(self) -> None:
-        require(self.quantization in ("auto", "none", "int8", "int4", "gguf", "fp8"),
-                "quantization", f"must be auto, none, int8, int4, gguf or fp8, got "
-                f"{self.quantization!r}")
+        require(self.quantization in ("auto", "none", "int8", "int4", "gguf", "fp8",
+                                      "w8a8-int8", "llm-int8"),
+                "quantization", f"must be auto, none, int8, int4, gguf, fp8, w8a8-int8 or "
+                f"llm-int8, got {self.quantization!r}")
+        require(self.llm_int8_threshold > 0, "llm_int8_threshold",
+                f"must be > 0, got {self.llm_int8_threshold}")
         require(self.quantization_group_size in (32, 64, 128), "quantization_group_size",
                 f"must be 32, 64 or 128, got {self.quantization_group_size}")
         require(self.load_format in ("hf", "gguf", "dummy"), "load_format",

@@ -18,7 +18,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "with --cpu-step-threads all, then kvflow (CPU thread policy)")
     p.add_argument("--quantizations", default=None,
                    help="run kvflow once per listed --quantization value in the same run, "
-                   "e.g. none,gguf,int8,int4 (int4 options as in bench quality: int4-g64)")
+                   "e.g. none,gguf,int8,int4 (int4 options as in bench quality: int4-g64); "
+                   "w8a8-int8, llm-int8, or a pre-quantized checkpoint directory of the "
+                   "same model (e.g. a kvflow quantize --method smoothquant output)")
     p.add_argument("--kv-cache-dtypes", default=None,
                    help="run kvflow once per listed --kv-cache-dtype value in the same run, "
                    "e.g. auto,int8,fp8 (ratios over auto)")

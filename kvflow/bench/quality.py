@@ -36,7 +36,9 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated --quantization values to compare with the dense "
                    "model (none); int4 takes --quantization-group-size/-symmetric, or "
                    "int4-g64, int4-g128-sym; kv-int8 and kv-fp8: dense weights with a "
-                   "quantized KV cache")
+                   "quantized KV cache; a directory: a pre-quantized checkpoint of the same "
+                   "model (e.g. written by kvflow quantize), scored against the dense "
+                   "--model")
     p.add_argument("--text", default=DEFAULT_TEXT, help="UTF-8 text file to score "
                    "(default: the text shipped with kvflow)")
     p.add_argument("--context", type=int, default=256, help="tokens per window")
@@ -50,6 +52,10 @@ def method_args(base: EngineArgs, method: str) -> EngineArgs:
     if method.startswith("kv-"):
         return dataclasses.replace(base, quantization="none",
                                    kv_cache_dtype=method.removeprefix("kv-"))
+    if method in ("w8a8-int8", "llm-int8"):  # names with a dash, no options
+        return dataclasses.replace(base, quantization=method)
+    if os.path.isdir(method):  # a pre-quantized checkpoint (e.g. of `kvflow quantize`)
+        return dataclasses.replace(base, model=method, quantization="auto")
     name, *opts = method.split("-")
     changes: dict = {"quantization": name}
     for o in opts:
@@ -163,6 +169,11 @@ def run_quality(ns: argparse.Namespace) -> int:
         scorer = _Scorer(method_args(base, m), ns.context)
         lp = torch.cat([scorer.logprobs(w)[half:-1] for w in wins])
         table[m] = _figures(lp, torch.cat(ref_lp), targets, scorer)
+        if scorer.config.model.quantization == "llm-int8":
+            from kvflow.layers.quantization.llm_int8 import format_summary, outlier_summary
+
+            table[m]["outlier_columns"] = summary = outlier_summary(reset=True)
+            print(f"{m}: outlier input columns per call: {format_summary(summary)}")
         del scorer
     print(f"{len(wins)} windows of {ns.context} tokens, {len(targets)} scored tokens")
     print(f"{'method':<16}{'weights MiB':>12}{'PPL':>9}{'KL mean':>10}{'KL p99':>9}"
@@ -188,7 +199,9 @@ def _figures(lp: torch.Tensor, ref: torch.Tensor | None, targets: torch.Tensor,
     out = {"perplexity": float(torch.exp(nll.mean())),
            "weight_mib": scorer.weight_bytes / 2**20, "load_s": scorer.load_s,
            "quantization": scorer.config.model.quantization,
-           "kv_cache_dtype": scorer.config.cache.cache_dtype}
+           "kv_cache_dtype": scorer.config.cache.cache_dtype,
+           "weights": (scorer.model.quant_config.describe()
+                       if getattr(scorer.model, "quant_config", None) else "dense")}
     if ref is not None:
         kl = (ref.exp() * (ref - lp)).sum(-1)  # KL(dense || method) per token
         out.update(kl_mean=float(kl.mean()), kl_p99=float(np.percentile(kl.numpy(), 99)),

@@ -53,12 +53,18 @@ class EngineArgs:
                              "blocks on CPU, other checkpoints stay dense), none (dense in "
                              "--dtype), int8 (per channel) or int4 (group-wise) quantized "
                              "at load, gguf, fp8 (W8A8: FP8 weights per channel and "
-                             "activations per token; emulated on CPU)",
-                             choices=["auto", "none", "int8", "int4", "gguf", "fp8"])
+                             "activations per token; emulated on CPU), w8a8-int8 (int8 weights per "
+                             "channel and activations per token, torch._int_mm; SmoothQuant "
+                             "checkpoints of `kvflow quantize` load with auto), llm-int8 "
+                             "(int8 with the outlier columns in the model dtype)",
+                             choices=["auto", "none", "int8", "int4", "gguf", "fp8",
+                                      "w8a8-int8", "llm-int8"])
     quantization_group_size: int = _arg(32, "int4: input elements per scale (32, 64, 128)",
                                         choices=[32, 64, 128])
     quantization_symmetric: bool = _arg(False, "int4: symmetric (scale only) instead of a "
                                         "zero point per group")
+    llm_int8_threshold: float = _arg(6.0, "llm-int8: activation columns whose absolute "
+                                     "maximum in a step exceeds this run in the model dtype")
     device: str = _arg("auto", "cpu, cuda or cuda:N; auto picks cuda when available")
     max_model_len: int | None = _arg(None, "longest prompt + output per request (default: "
                                      "the model's context length)")
@@ -186,6 +192,7 @@ class EngineArgs:
             quantization=self.quantization,
             quantization_group_size=self.quantization_group_size,
             quantization_symmetric=self.quantization_symmetric,
+            llm_int8_threshold=self.llm_int8_threshold,
             dtype_forced=self.dtype != "auto")
         cache = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,

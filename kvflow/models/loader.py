@@ -82,7 +82,8 @@ def quantization_config(config: ModelConfig, device: torch.device
     return resolve_quantization(config.quantization, config.load_format, hf_quant,
                                 torch.device(device).type, config.dtype_forced,
                                 config.quantization_group_size,
-                                config.quantization_symmetric)
+                                config.quantization_symmetric,
+                                config.llm_int8_threshold)
 
 
 def load_model(config: ModelConfig, device: torch.device, backend: AttentionBackend,

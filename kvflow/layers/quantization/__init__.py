@@ -34,6 +34,18 @@ def linear_method(config: QuantizationConfig | None, prefix: str, tied_to=None):
         from kvflow.layers.quantization.fp8 import Fp8CheckpointLinearMethod, Fp8LinearMethod
 
         return Fp8CheckpointLinearMethod() if config.prequantized else Fp8LinearMethod()
+    if kind == "w8a8-int8":
+        from kvflow.layers.quantization.smoothquant import (Int8W8A8CheckpointLinearMethod,
+                                                            Int8W8A8LinearMethod)
+
+        if config.prequantized:
+            name = prefix.rsplit(".", 1)[-1]
+            return Int8W8A8CheckpointLinearMethod(name in config.smooth_inputs)
+        return Int8W8A8LinearMethod()
+    if kind == "llm-int8":
+        from kvflow.layers.quantization.llm_int8 import LlmInt8LinearMethod
+
+        return LlmInt8LinearMethod(config.llm_int8_threshold)
     from kvflow.layers.quantization.rtn import Int4LinearMethod, Int8LinearMethod
 
     if kind == "int8":

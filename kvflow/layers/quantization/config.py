@@ -1,9 +1,10 @@
 """The one quantization decision of a model, resolved once at load (pure Python, no torch).
 
-Where it comes from, in order: ``--quantization METHOD`` (int8, int4, none); a GGUF file's
-tensor types (``gguf``: the blocks are kept and multiplied as they are); a Hugging Face
-``config.json`` ``quantization_config`` (not supported yet: refused with the methods that
-are). Layers ask it for their method by module prefix (``method_for``), so lm_head,
+Where it comes from, in order: ``--quantization METHOD`` (int8, int4, fp8, w8a8-int8,
+llm-int8, none); a GGUF file's tensor types (``gguf``: the blocks are kept and multiplied
+as they are); a Hugging Face ``config.json`` ``quantization_config`` (gptq, awq,
+compressed-tensors, fp8, kvflow's smoothquant; anything else is refused with the methods
+that are supported). Layers ask it for their method by module prefix (``method_for``), so lm_head,
 embeddings or listed layers can stay unquantized without the model knowing.
 """
 
@@ -18,9 +19,12 @@ PREQUANTIZED = ("gptq", "awq", "compressed-tensors")
 # config.json quant_method of FP8 checkpoints (compressed-tensors float-quantized is
 # recognized by its format).
 FP8_CHECKPOINT = "fp8"
+# config.json quant_method of the int8 W8A8 checkpoints `kvflow quantize --method
+# smoothquant` writes (docs/quantization.md defines the layout).
+SMOOTHQUANT_CHECKPOINT = "smoothquant"
 
 # Methods a user may name with --quantization ("auto" picks from the checkpoint).
-USER_METHODS = ("auto", "none", "int8", "int4", "gguf", "fp8")
+USER_METHODS = ("auto", "none", "int8", "int4", "gguf", "fp8", "w8a8-int8", "llm-int8")
 
 
 @dataclass(frozen=True)
@@ -46,12 +50,20 @@ class QuantizationConfig:
     skip_modules: tuple[str, ...] = ()
     """Module prefixes kept in the model dtype (e.g. ``model.layers.0.mlp``)."""
     prequantized: bool = False
-    """fp8: the checkpoint holds FP8 weights and scales (else: quantized at load)."""
+    """fp8, w8a8-int8: the checkpoint holds the quantized weights and scales (else:
+    quantized at load)."""
+    smooth_inputs: tuple[str, ...] = ()
+    """w8a8-int8 checkpoints: module names (e.g. ``o_proj``, ``down_proj``) whose layers
+    carry an explicit ``input_smooth`` activation scale (smoothing not folded)."""
+    llm_int8_threshold: float = 6.0
+    """llm-int8: the activation absmax above which an input column is an outlier."""
 
     def __post_init__(self) -> None:
-        require(self.method in ("int8", "int4", "gguf", "fp8") + PREQUANTIZED, "quantization",
-                f"must be int8, int4, gguf, fp8 or one of {PREQUANTIZED}, got "
-                f"{self.method!r}")
+        require(self.method in ("int8", "int4", "gguf", "fp8", "w8a8-int8", "llm-int8")
+                + PREQUANTIZED, "quantization",
+                f"must be int8, int4, gguf, fp8, w8a8-int8, llm-int8 or one of "
+                f"{PREQUANTIZED}, got {self.method!r}")
+        require(self.llm_int8_threshold > 0, "llm_int8_threshold", "must be > 0")
         if self.method == "int4":
             require(self.group_size in (32, 64, 128), "quantization_group_size",
                     f"must be 32, 64 or 128, got {self.group_size}")
@@ -84,6 +96,16 @@ class QuantizationConfig:
             return f"int8 (per channel, lm_head {self.lm_head})"
         if self.method in PREQUANTIZED:
             return f"{self.method} ({self.bits}-bit, group {self.group_size})"
+        if self.method == "w8a8-int8":
+            src = ("SmoothQuant checkpoint" + (f", explicit input smoothing on "
+                                                f"{', '.join(self.smooth_inputs)}"
+                                                if self.smooth_inputs else "")
+                   if self.prequantized else "quantized at load, no smoothing")
+            return (f"w8a8-int8 ({src}; int8 weights per channel, int8 activations per "
+                    f"token, torch._int_mm; lm_head {self.lm_head})")
+        if self.method == "llm-int8":
+            return (f"llm-int8 (int8 per channel, input columns above "
+                    f"{self.llm_int8_threshold:g} in the model dtype; lm_head {self.lm_head})")
         if self.method == "fp8":
             src = "checkpoint" if self.prequantized else "quantized at load"
             return (f"fp8 W8A8 ({src}; weights per channel, activations per token, "
@@ -93,7 +115,8 @@ class QuantizationConfig:
 
 def resolve_quantization(requested: str, load_format: str, hf_quant_config: dict | None,
                          device: str, dtype_forced: bool, group_size: int = 32,
-                         symmetric: bool = False) -> QuantizationConfig | None:
+                         symmetric: bool = False, llm_int8_threshold: float = 6.0
+                         ) -> QuantizationConfig | None:
     """The model's QuantizationConfig from what the user asked and what the checkpoint is;
     None means dense weights in the model dtype."""
     require(requested in USER_METHODS, "quantization",
@@ -106,6 +129,10 @@ def resolve_quantization(requested: str, load_format: str, hf_quant_config: dict
     if requested == "fp8":  # W8A8: _scaled_mm on FP8 GPUs, an emulation elsewhere
         # (a GGUF file is dequantized first, then quantized again, as for int8)
         return QuantizationConfig("fp8", lm_head="none")
+    if requested in ("w8a8-int8", "llm-int8"):  # int8 activations: the head stays dense
+        _check_device(device, f"--quantization {requested}")
+        return QuantizationConfig(requested, lm_head="none",
+                                  llm_int8_threshold=llm_int8_threshold)
     if requested == "auto":
         # GGUF runs on its own blocks on CPU unless a dtype was asked for (which means the
         # dense path in that dtype). On the GPU it stays dense unless asked for
@@ -134,13 +161,16 @@ def _prequantized(qc: dict, requested: str, device: str) -> QuantizationConfig:
     if method == FP8_CHECKPOINT or (method == "compressed-tensors"
                                     and qc.get("format") == "float-quantized"):
         return _fp8_checkpoint(qc, method, requested)
+    if method == SMOOTHQUANT_CHECKPOINT:
+        return _smoothquant_checkpoint(qc, requested, device)
     if method not in PREQUANTIZED:
         raise ModelLoadError(
             f"the checkpoint is pre-quantized with {method!r} (config.json "
             f"quantization_config), which kvflow does not load (supported: gptq 4/8-bit, "
             f"awq 4-bit GEMM, compressed-tensors pack-quantized W4A16/W8A16 and "
-            f"float-quantized FP8, fp8 with per-tensor or per-channel scales; or a float "
-            f"checkpoint with --quantization int8|int4|fp8)")
+            f"float-quantized FP8, fp8 with per-tensor or per-channel scales, smoothquant int8 "
+            f"W8A8 from kvflow quantize; or a float checkpoint with --quantization "
+            f"int8|int4|fp8|w8a8-int8|llm-int8)")
     if requested not in ("auto", method):
         raise ModelLoadError(f"the checkpoint is already {method}-quantized; "
                              f"--quantization {requested} cannot apply to it (use auto)")
@@ -187,6 +217,29 @@ def _fp8_checkpoint(qc: dict, method: str, requested: str) -> QuantizationConfig
     # Static activation scales (input_scale) are not used: activations are quantized
     # dynamically per token, at least as accurate as one scale per tensor.
     return QuantizationConfig("fp8", lm_head="none", skip_modules=skip, prequantized=True)
+
+
+def _smoothquant_checkpoint(qc: dict, requested: str, device: str) -> QuantizationConfig:
+    """The int8 W8A8 layout of ``kvflow quantize --method smoothquant``."""
+    if requested not in ("auto", "w8a8-int8"):
+        raise ModelLoadError(f"the checkpoint is already int8 W8A8 (smoothquant); "
+                             f"--quantization {requested} cannot apply to it (use auto)")
+    _check_device(device, "a smoothquant checkpoint")
+    w, a = qc.get("weights") or {}, qc.get("activations") or {}
+    if (w.get("type"), int(w.get("num_bits", 0)), w.get("strategy")) != (
+            "int", 8, "channel") or (a.get("type"), int(a.get("num_bits", 0)),
+                                     a.get("strategy"), a.get("dynamic")) != (
+            "int", 8, "token", True):
+        raise ModelLoadError(f"smoothquant checkpoint with weights {w} and activations {a} "
+                             f"is not supported (supported: int 8-bit channel weights, int "
+                             f"8-bit dynamic token activations)")
+    smooth = qc.get("smooth_inputs") or []
+    if not isinstance(smooth, list) or not all(isinstance(m, str) for m in smooth):
+        raise ModelLoadError(f"smoothquant smooth_inputs must be a list of module names, "
+                             f"got {smooth!r}")
+    return QuantizationConfig("w8a8-int8", lm_head="none", prequantized=True,
+                              smooth_inputs=tuple(smooth),
+                              skip_modules=tuple(qc.get("ignore") or ()))
 
 
 def _compressed_tensors(qc: dict) -> QuantizationConfig:

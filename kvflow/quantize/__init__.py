@@ -1,0 +1,2 @@
+"""Offline quantization: ``kvflow quantize --method smoothquant`` (calibrate, smooth,
+quantize, write a checkpoint kvflow loads)."""
