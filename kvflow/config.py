@@ -179,9 +179,10 @@ class ModelConfig:
     """The user named ``dtype`` (so auto quantization keeps GGUF weights dense in it)."""
 
     def __post_init__(self) -> None:
-        require(self.quantization in ("auto", "none", "int8", "int4", "gguf", "fp8"),
-                "quantization", f"must be auto, none, int8, int4, gguf or fp8, got "
-                f"{self.quantization!r}")
+        require(self.quantization in ("auto", "none", "int8", "int4", "gguf", "fp8",
+                                      "fp8-block"),
+                "quantization", f"must be auto, none, int8, int4, gguf, fp8 or fp8-block, "
+                f"got {self.quantization!r}")
         require(self.quantization_group_size in (32, 64, 128), "quantization_group_size",
                 f"must be 32, 64 or 128, got {self.quantization_group_size}")
         require(self.load_format in ("hf", "gguf", "dummy"), "load_format",

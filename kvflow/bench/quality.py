@@ -50,6 +50,10 @@ def method_args(base: EngineArgs, method: str) -> EngineArgs:
     if method.startswith("kv-"):
         return dataclasses.replace(base, quantization="none",
                                    kv_cache_dtype=method.removeprefix("kv-"))
+    from kvflow.layers.quantization.config import USER_METHODS
+
+    if method in USER_METHODS:  # a method whose name has a dash (fp8-block)
+        return dataclasses.replace(base, quantization=method)
     name, *opts = method.split("-")
     changes: dict = {"quantization": name}
     for o in opts:

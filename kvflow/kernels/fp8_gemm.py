@@ -1,13 +1,13 @@
 """FP8 (E4M3) W8A8 GEMM for the GPU: ``y = dequant(xq) @ dequant(wq)^T`` with FP8
 operands on the tensor cores and float32 sums, in two scale layouts:
 
-- **per channel** (``group=None``): ``w_scale`` float32 [N], one activation scale per
+- **per channel** (``block=None``): ``w_scale`` float32 [N], one activation scale per
   token; ``y = (xq @ wq^T) * sx[:, None] * sw[None, :]`` (the ``--quantization fp8``
   layout; ``torch._scaled_mm`` computes the same for large M).
-- **block-wise** (``group`` = G, DeepSeek-style 128): ``w_scale`` float32
-  [ceil(N / R), ceil(K / G)], one scale per R x G weight block (R = G, or R = 1 when a
-  merged layer's shards do not fall on block boundaries and the rows carry their own
-  block's scale), and one activation scale per 1 x G slice of a token. BLOCK_K = G, so
+- **block-wise** (``block`` = (R, G), DeepSeek-style (128, 128)): ``w_scale`` float32
+  [ceil(N / R), ceil(K / G)], one scale per R x G weight block (R = 1 when a merged
+  layer's shards do not fall on block boundaries: each row then carries its block's
+  scale), and one activation scale per 1 x G slice of a token. BLOCK_K = G, so
   each K step multiplies one group: ``acc += (xq_t @ wq_t^T) * sx[:, t] * sw[n // R, t]``.
 
 Activations arrive in two forms (``xq``):
@@ -195,67 +195,62 @@ def _fp8_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M,
                  split_k, SPLIT)
 
 
-def block_scale_rows(w_scale: torch.Tensor, n: int) -> int:
-    """R of a block-wise scale [ceil(N / R), Kb]: the block size (the rows' count), or 1
-    (one row of scales per output row)."""
-    nr = w_scale.shape[0]
-    return 1 if nr == n else -(-n // nr)
-
-
-def dequantize_fp8_weight(wq: torch.Tensor, w_scale: torch.Tensor, group: int | None
-                          ) -> torch.Tensor:
+def dequantize_fp8_weight(wq: torch.Tensor, w_scale: torch.Tensor,
+                          block: tuple[int, int] | None) -> torch.Tensor:
     """The float32 weight [N, K] that ``wq`` and its scales stand for."""
     n, k = wq.shape
-    if group is None:
+    if block is None:
         return wq.float() * w_scale.float()[:, None]
-    r = block_scale_rows(w_scale, n)
-    s = w_scale.float().repeat_interleave(r, 0)[:n].repeat_interleave(group, 1)[:, :k]
+    r, g = block
+    s = w_scale.float().repeat_interleave(r, 0)[:n].repeat_interleave(g, 1)[:, :k]
     return wq.float() * s
 
 
 def fp8_gemm_ref(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
-                 w_scale: torch.Tensor, group: int | None, out_dtype: torch.dtype
-                 ) -> torch.Tensor:
+                 w_scale: torch.Tensor, block: tuple[int, int] | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
     """Reference: quantized x [M, K] (scales [M] or [M, Kb]) times wq [N, K] -> [M, N].
-    Each fp8 x fp8 product is exact in float32; block mode sums each group, scales it
-    and adds the groups (as the kernel's K loop does)."""
+    ``block`` (R, G): w_scale [ceil(N / R), ceil(K / G)]; None: per channel [N]. Each
+    fp8 x fp8 product is exact in float32; block mode sums each group, scales it and
+    adds the groups (as the kernel's K loop does)."""
     m, k = xq.shape
     n = wq.shape[0]
-    if group is None:
+    if block is None:
         acc = xq.float() @ wq.float().t()  # [M, N]
         return (acc * x_scale.float()[:, None] * w_scale.float()[None, :]).to(out_dtype)
+    r, group = block
     kb = -(-k // group)
     pad = kb * group - k
     xg = torch.nn.functional.pad(xq.float(), (0, pad)).view(m, kb, group).transpose(0, 1)
     wg = torch.nn.functional.pad(wq.float(), (0, pad)).view(n, kb, group).permute(1, 2, 0)
     part = torch.bmm(xg, wg)  # [Kb, M, N]: one product per group
-    r = block_scale_rows(w_scale, n)
     sw = w_scale.float().repeat_interleave(r, 0)[:n]  # [N, Kb]
     scaled = part * x_scale.float().t()[:, :, None] * sw.t()[:, None, :]
     return scaled.sum(0).to(out_dtype)
 
 
 def fp8_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-             group: int | None = None, x_scale: torch.Tensor | None = None,
+             block: tuple[int, int] | None = None, x_scale: torch.Tensor | None = None,
              out_dtype: torch.dtype | None = None, config: Fp8Config | None = None
              ) -> torch.Tensor:
     """x [M, K] @ dequant(wq [N, K])^T -> [M, N].
 
     ``x``: the activations in a float dtype (quantized here: per token, or per 1 x group
     slice in block mode), or already float8_e4m3fn with ``x_scale`` ([M] or [M, Kb]).
-    ``w_scale``: float32 [N] (``group`` None) or [ceil(N / R), ceil(K / group)]."""
+    ``w_scale``: float32 [N] (``block`` None) or [ceil(N / R), ceil(K / G)] for
+    ``block`` = (R, G)."""
     m, k = x.shape
     n = wq.shape[0]
     assert wq.shape == (n, k) and wq.dtype == torch.float8_e4m3fn and x.stride(1) == 1
     quant_x = x.dtype != torch.float8_e4m3fn
     assert quant_x == (x_scale is None)
     out_dtype = out_dtype or (x.dtype if quant_x else torch.bfloat16)
-    kb = 1 if group is None else -(-k // group)
+    w_rows, group = block or (1, None)
     if group is None:
         assert w_scale.shape == (n,) and w_scale.dtype == torch.float32
     else:
-        assert w_scale.dim() == 2 and w_scale.shape[1] == kb and w_scale.dtype == torch.float32
-    w_rows = 1 if group is None else block_scale_rows(w_scale, n)
+        assert w_scale.shape == (triton.cdiv(n, w_rows), triton.cdiv(k, group))
+        assert w_scale.dtype == torch.float32
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
@@ -280,10 +275,10 @@ def fp8_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
 
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-               group: int | None) -> torch.Tensor:
+               block: tuple[int, int] | None) -> torch.Tensor:
     """What a linear layer calls: small M quantizes inside the GEMM (one launch); large
     M quantizes x once (``quantize_fp8``), then the GEMM."""
     if x.shape[0] <= SMALL_M:
-        return fp8_gemm(x, wq, w_scale, group)
-    xq, sx = quantize_fp8(x, group)
-    return fp8_gemm(xq, wq, w_scale, group, x_scale=sx, out_dtype=x.dtype)
+        return fp8_gemm(x, wq, w_scale, block)
+    xq, sx = quantize_fp8(x, block[1] if block else None)
+    return fp8_gemm(xq, wq, w_scale, block, x_scale=sx, out_dtype=x.dtype)

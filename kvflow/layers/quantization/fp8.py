@@ -13,10 +13,13 @@ Two sources of weights, one layer format (``weight`` float8_e4m3fn [N, K] and
   re-quantization.
 
 The product: ``y = (xq @ wq^T) * sx[:, None] * sw[None, :]``. On a GPU with FP8 (compute
-capability 8.9+) it is one ``torch._scaled_mm`` with row-wise scales; elsewhere
-``fp8_mm_ref`` computes the same numbers in float32 (each fp8 x fp8 product is exact in
-float32; only the summation order differs), logged as emulated: there is no fast FP8
-matmul on CPUs.
+capability 8.9+), decode-sized steps (M <= 16 tokens) run the Triton FP8 GEMM
+(``kvflow/kernels/fp8_gemm.py``), which quantizes the activation rows inside its own loop
+(one launch per linear, K split over the SMs); larger M quantizes the activations in one
+Triton launch (``fp8_quant``) and multiplies with ``torch._scaled_mm`` (row-wise
+scales). Elsewhere ``fp8_mm_ref`` computes the same numbers in float32 (each fp8 x fp8
+product is exact in float32; only the summation order differs), logged as emulated:
+there is no fast FP8 matmul on CPUs. Block-wise scales are in ``fp8_block.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow import envs
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import LinearBase, LinearMethod
 from kvflow.layers.quantization.packed import flatten_tokens
@@ -68,12 +72,22 @@ def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tenso
         y = torch._scaled_mm(xq, wq.t(), scale_a=sx[:, None].contiguous(),
                              scale_b=sw[None, :].contiguous(), out_dtype=torch.bfloat16)
         return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
+    log_emulated(xq.device)
+    return fp8_mm_ref(xq, sx, wq, sw, out_dtype)
+
+
+def use_fp8_kernels(device: torch.device) -> bool:
+    """Whether a layer on ``device`` takes the Triton FP8 kernels (an FP8 GPU, unless
+    KVFLOW_DISABLE_TRITON asks for the torch paths)."""
+    return has_fp8_matmul(device) and not envs.disable_triton()
+
+
+def log_emulated(device: torch.device) -> None:
     global _warned_emulated
     if not _warned_emulated:
         _warned_emulated = True
         logger.info("fp8 W8A8 matmuls are emulated on %s (float32 products of the FP8 "
-                    "values: the same numbers, without FP8 speed)", xq.device)
-    return fp8_mm_ref(xq, sx, wq, sw, out_dtype)
+                    "values: the same numbers, without FP8 speed)", device)
 
 
 def _check_device(layer: LinearBase, w: torch.Tensor) -> None:
@@ -86,9 +100,21 @@ def _check_device(layer: LinearBase, w: torch.Tensor) -> None:
 
 
 def _apply(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-    x2, lead = flatten_tokens(x)
-    xq, sx = quantize_fp8_rows(x2)  # dynamic, per token
-    y = fp8_mm(xq, sx, layer.weight, layer.weight_scale, x.dtype)
+    x2, lead = flatten_tokens(x)  # [M, K]
+    if use_fp8_kernels(x2.device):
+        from kvflow.kernels.fp8_gemm import SMALL_M, fp8_gemm
+        from kvflow.kernels.fp8_quant import quantize_fp8
+
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        if x2.shape[0] <= SMALL_M:  # decode: quantize inside the GEMM, one launch
+            y = fp8_gemm(x2, layer.weight, layer.weight_scale)
+        else:
+            xq, sx = quantize_fp8(x2)  # dynamic, per token, one launch
+            y = fp8_mm(xq, sx, layer.weight, layer.weight_scale, x.dtype)
+    else:
+        xq, sx = quantize_fp8_rows(x2)  # dynamic, per token
+        y = fp8_mm(xq, sx, layer.weight, layer.weight_scale, x.dtype)
     if layer.bias is not None:
         y = y + layer.bias
     return y.view(*lead, -1)
@@ -151,8 +177,8 @@ class Fp8CheckpointLinearMethod(LinearMethod):
         if t.numel() not in (1, size):
             raise ModelLoadError(
                 f"{layer.prefix}: weight_scale has {t.numel()} values; an fp8 layer takes one "
-                f"per output channel ({size}) or one per tensor (block-wise scales are not "
-                f"supported)")
+                f"per output channel ({size}) or one per tensor (block-wise scales: "
+                f"quantization_config weight_block_size)")
         param.data.narrow(0, start, size).copy_(t.expand(size))
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
