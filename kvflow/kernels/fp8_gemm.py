@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.kernels.fp8_quant import FP8_MAX, interpreting, quantize_fp8, round_e4m3
+from kvflow.kernels.fp8_quant import F8MAX, interpreting, quantize_fp8, round_e4m3
 from kvflow.kernels.woq_config import _sms, split_buffers, store_output
 
 SMALL_M = 16  # up to here the kernel quantizes x itself and splits K
@@ -131,7 +131,7 @@ def _fp8_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M,
                 xx = tl.load(x_ptr + offs_p[:, None].to(tl.int64) * stride_xm + offs[None, :],
                              mask=(offs_p < M)[:, None] & (offs < K)[None, :], other=0.0)
                 amax = tl.maximum(amax, tl.abs(xx.to(tl.float32)))
-            sp = tl.math.div_rn(tl.max(amax, axis=1), FP8_MAX)  # [PRO_M], IEEE as torch
+            sp = tl.math.div_rn(tl.max(amax, axis=1), F8MAX)  # [PRO_M], IEEE as torch
             # into the [BM] vector of the main loop (rows past PRO_M are padding)
             sx = tl.max(tl.where(tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, PRO_M)[None, :],
                                  sp[None, :], 0.0), axis=1)
@@ -154,9 +154,9 @@ def _fp8_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M,
             x = tl.load(x_ptr + rows_x + offs_k[None, :], mask=x_mask, other=0.0)
             x = x.to(tl.float32)  # [BM, BK]
             if GROUP > 0:  # this tile is one group: its own scale per row
-                s_t = tl.math.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX)
+                s_t = tl.math.div_rn(tl.max(tl.abs(x), axis=1), F8MAX)
                 s_t = tl.where(s_t > 0, s_t, 1.0)
-            v = tl.clamp(tl.math.div_rn(x, s_t[:, None]), -FP8_MAX, FP8_MAX)
+            v = tl.clamp(tl.math.div_rn(x, s_t[:, None]), -F8MAX, F8MAX)
             if EMULATE:
                 v = round_e4m3(v)
             xq = v.to(tl.float8e4nv)

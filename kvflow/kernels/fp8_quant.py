@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 FP8_MAX = 448.0
+F8MAX = tl.constexpr(448.0)  # the same, as the kernels may read a global
 
 
 def interpreting(device: torch.device) -> bool:
@@ -58,13 +59,13 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        s = tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX)  # IEEE, as torch
+        s = tl.math.div_rn(tl.max(amax, axis=0), F8MAX)  # IEEE, as torch
         s = tl.where(s > 0, s, 1.0)
         tl.store(s_ptr + row * stride_sm, s)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            v = tl.clamp(tl.math.div_rn(x, s), -FP8_MAX, FP8_MAX)
+            v = tl.clamp(tl.math.div_rn(x, s), -F8MAX, F8MAX)
             if EMULATE:
                 v = round_e4m3(v)
             tl.store(q_row + offs, v.to(tl.float8e4nv), mask=offs < K)
@@ -72,10 +73,10 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
         g = tl.program_id(1)
         offs = g * GROUP + tl.arange(0, GROUP)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        s = tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX)
+        s = tl.math.div_rn(tl.max(tl.abs(x), axis=0), F8MAX)
         s = tl.where(s > 0, s, 1.0)
         tl.store(s_ptr + row * stride_sm + g, s)
-        v = tl.clamp(tl.math.div_rn(x, s), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(tl.math.div_rn(x, s), -F8MAX, F8MAX)
         if EMULATE:
             v = round_e4m3(v)
         tl.store(q_row + offs, v.to(tl.float8e4nv), mask=offs < K)
