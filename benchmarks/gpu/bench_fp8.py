@@ -115,8 +115,9 @@ def _check(x, wq, sw, wqb, swb) -> dict:
                                       / refb.abs().max())}
 
 
-def bench(sweep: bool) -> dict:
-    rows, sweeps = [], []
+def bench(sweep: bool, save) -> dict:
+    """``save(partial)`` is called after each shape, so a timeout keeps what was measured."""
+    rows, sweeps, pending = [], [], []
     for name, (k, n) in SHAPES.items():
         w = torch.randn(n, k, dtype=DT, device=DEV) * 0.02
         wq, sw = quantize_fp8_rows(w)
@@ -153,26 +154,28 @@ def bench(sweep: bool) -> dict:
                       f"GB/s  x{(base or g) / g:.2f} vs bf16", flush=True)
             if "error" in errs:
                 print(f"{name} M={m} check failed: {errs['error']}", flush=True)
-            if sweep and m in (1, 8):
+            if sweep and m in (1, 8):  # after every shape's rows (a timeout keeps those)
                 bf16 = next(r["graph_ms"] for r in rows if r["shape"] == name and r["m"] == m
                             and r["format"] == "bf16-cublas")
-                sweeps += _sweep(name, m, n, k, x, wq, sw, None, wq.nbytes + io, bf16)
+                pending.append((name, m, n, k, x, wq, sw, None, wq.nbytes + io, bf16))
                 if m == 1:
-                    sweeps += _sweep(name, m, n, k, x, wqb, swb, BLOCK, wqb.nbytes + io, bf16)
-        del w, wq, wqb
-        if not SMOKE:
-            torch.cuda.empty_cache()
+                    pending.append((name, m, n, k, x, wqb, swb, BLOCK, wqb.nbytes + io, bf16))
+        save({"rows": rows, "sweep": sweeps, "partial": True})
+        del w
+    for case in pending:
+        sweeps += _sweep(*case)
+        save({"rows": rows, "sweep": sweeps, "partial": True})
     return {"rows": rows, "sweep": sweeps}
 
 
 def _sweep(name, m, n, k, x, wq, sw, block, total, bf16_ms) -> list[dict]:
     """Tile configurations around the heuristic's, in-kernel quantization (M <= 16)."""
     base = choose_config(m, n, k, None if block is None else block[1], x.device)
-    splits = sorted({max(1, base.split_k // 2), base.split_k, min(32, base.split_k * 2)})
-    grid = [Fp8Config(16, bn, base.block_k, sk, w, st, swap)
-            for bn, w, st, sk, swap in itertools.product((32, 64, 128), (4,), (3, 4), splits,
-                                                         (False, True))]
-    grid += [Fp8Config(16, 64, base.block_k, base.split_k, 8, 3, swap) for swap in (False, True)]
+    splits = sorted({1, max(1, base.split_k // 2), base.split_k, min(32, base.split_k * 2)})
+    grid = [Fp8Config(16, bn, base.block_k, sk, 4, 3, swap)
+            for bn, sk, swap in itertools.product((32, 64, 128), splits, (False, True))]
+    grid += [Fp8Config(16, 64, base.block_k, base.split_k, w, st, swap)
+             for w, st, swap in ((8, 3, False), (8, 3, True), (4, 4, False), (4, 4, True))]
     if block is None:
         grid += [Fp8Config(16, 64, 256, max(1, base.split_k // 2), 4, 3, swap)
                  for swap in (False, True)]
@@ -204,12 +207,19 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreter, CPU")
     ns = p.parse_args()
     start = time.time()
-    result = bench(ns.sweep)
-    result.update({"command": "python " + " ".join(sys.argv),
-                   "device": "cpu (interpreter)" if SMOKE else torch.cuda.get_device_name(),
-                   "hbm_bytes_per_s": HBM,
-                   "seconds": time.time() - start,
-                   "timing": "do_bench_cudagraph median (graph_ms)"})
+
+    def meta(result: dict) -> dict:
+        result.update({"command": "python " + " ".join(sys.argv),
+                       "device": "cpu (interpreter)" if SMOKE else torch.cuda.get_device_name(),
+                       "hbm_bytes_per_s": HBM, "seconds": time.time() - start,
+                       "timing": "do_bench_cudagraph median (graph_ms)"})
+        return result
+
+    def save(partial: dict) -> None:
+        with open(ns.out, "w") as f:  # the last complete shape, if a timeout comes
+            json.dump(meta(partial), f)
+
+    result = meta(bench(ns.sweep, save))
     save_result(ns.out, result)
     print(f"wrote {ns.out} ({time.time() - start:.0f} s)")
     summary = {}

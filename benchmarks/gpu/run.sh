@@ -66,7 +66,7 @@ for stage in "$@"; do
       timeout ${W8A8_TIMEOUT:-240} $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${W8A8_PROMPTS:-500} --input-len 1024 --output-len 128 --max-model-len 4096 --quantization fp8 --kv-cache-dtype fp8 --save-result "$OUT/w8a8-gpu-b-fp8-fp8.json" 2>&1 | grep -v "^INFO" | tail -6;;
     fp8) OUT="$OUT" bash benchmarks/gpu/run.sh fp8-tests fp8-bench fp8-e2e;;
     fp8-tests) timeout ${FP8_TEST_TIMEOUT:-120} python -m pytest tests/kernels/test_fp8_gemm_kernel.py tests/test_fp8_w8a8.py tests/test_fp8_block.py -q -x 2>&1 | tail -6;;
-    fp8-bench) timeout ${FP8_BENCH_TIMEOUT:-200} python benchmarks/gpu/bench_fp8.py --out "$OUT/fp8-bench.json" ${FP8_SWEEP:+--sweep} 2>&1 | grep -v "^INFO" | tail -${FP8_BENCH_LINES:-120} || echo "fp8-bench failed";;
+    fp8-bench) timeout ${FP8_BENCH_TIMEOUT:-240} python benchmarks/gpu/bench_fp8.py --out "$OUT/fp8-bench.json" ${FP8_SWEEP:+--sweep} 2>&1 | grep -v "^INFO" | tail -${FP8_BENCH_LINES:-120} || echo "fp8-bench failed";;
     fp8-e2e)
       timeout ${FP8_E2E_TIMEOUT:-200} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --quantizations ${FP8_GPU_A_QUANTS:-none,fp8,fp8-block} --max-num-seqs 8 --max-model-len 4096 --save-result "$OUT/fp8-gpu-a.json" 2>&1 | grep -E "weights:|tokens/s|rror|Traceback|x[0-9]" | tail -12
       echo "fp8-gpu-a exit ${PIPESTATUS[0]}"
