@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.kernels.fp8_quant import F8MAX, interpreting, quantize_fp8, round_e4m3
+from kvflow.kernels.fp8_quant import F8INV, F8MAX, interpreting, quantize_fp8, round_e4m3
 from kvflow.kernels.woq_config import _sms, split_buffers, store_output
 
 SMALL_M = 16  # up to here the kernel quantizes x itself and splits K
@@ -74,13 +74,16 @@ def choose_config(m: int, n: int, k: int, group: int | None, device: torch.devic
                   sms: int | None = None) -> Fp8Config:
     """The launch configuration for x [m, k] @ wq[n, k]^T (``group``: block mode).
 
-    Decode as the int8 weight-only GEMV (16 x 64 x 128, ~4 programs per SM); larger M
-    classic 64-128 x 128 tiles. The H200 sweep (benchmarks/gpu/bench_fp8.py) settles
-    the choice."""
+    Decode: 16 x 64 x 128 tiles, ~4 programs per SM, the weight as the dot's M operand
+    (``swap_ab``: Hopper's wgmma reads the FP8 tile as it is; without it the M = 16 dot
+    is an mma.sync that widens every weight to fp16 first) with 8 warps: the best tiles
+    of the H200 sweep at M = 1 and 8 (fp8-bench-h200.json, o and gate_up, per channel
+    and block). Larger M: classic 64-128 x 128 tiles (not swept yet)."""
     sms = sms or _sms(device)
     bk = group or 128
+    swap = False
     if m <= SMALL_M:
-        bm, bn, warps, stages = 16, 64, 4, 3
+        bm, bn, warps, stages, swap = 16, 64, 8, 3, True
         target = 4 * sms
     elif m <= 64:
         bm, bn, warps, stages = 64, 128, 4, 3
@@ -94,7 +97,7 @@ def choose_config(m: int, n: int, k: int, group: int | None, device: torch.devic
     if tiles < target:
         split = max(1, min(triton.cdiv(target, tiles), k_tiles // 2, 16))
         split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no split left empty
-    return Fp8Config(bm, bn, bk, split, warps, stages)
+    return Fp8Config(bm, bn, bk, split, warps, stages, swap)
 
 
 @triton.jit
@@ -131,7 +134,7 @@ def _fp8_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M,
                 xx = tl.load(x_ptr + offs_p[:, None].to(tl.int64) * stride_xm + offs[None, :],
                              mask=(offs_p < M)[:, None] & (offs < K)[None, :], other=0.0)
                 amax = tl.maximum(amax, tl.abs(xx.to(tl.float32)))
-            sp = tl.math.div_rn(tl.max(amax, axis=1), F8MAX)  # [PRO_M], IEEE as torch
+            sp = tl.max(amax, axis=1) * F8INV  # [PRO_M], as quantize_fp8_ref
             # into the [BM] vector of the main loop (rows past PRO_M are padding)
             sx = tl.max(tl.where(tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, PRO_M)[None, :],
                                  sp[None, :], 0.0), axis=1)
@@ -154,7 +157,7 @@ def _fp8_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M,
             x = tl.load(x_ptr + rows_x + offs_k[None, :], mask=x_mask, other=0.0)
             x = x.to(tl.float32)  # [BM, BK]
             if GROUP > 0:  # this tile is one group: its own scale per row
-                s_t = tl.math.div_rn(tl.max(tl.abs(x), axis=1), F8MAX)
+                s_t = tl.max(tl.abs(x), axis=1) * F8INV
                 s_t = tl.where(s_t > 0, s_t, 1.0)
             v = tl.clamp(tl.math.div_rn(x, s_t[:, None]), -F8MAX, F8MAX)
             if EMULATE:

@@ -2,9 +2,12 @@
 and float32 scales, one per token (``group=None``: [M]) or one per 1 x ``group`` slice
 along K (DeepSeek-style block FP8: [M, ceil(K / group)]).
 
-``s = max|x| / 448`` over the token (or group), ``q = rne(clamp(x / s, +-448))``; an
-all-zero token or group gets ``s = 1``. The reference is ``quantize_fp8_ref``; the
-kernel gives the same bytes (the division is IEEE, the cast rounds to nearest even).
+``s = max|x| * (1 / 448)`` over the token (or group), ``q = rne(clamp(x / s, +-448))``;
+an all-zero token or group gets ``s = 1``. The reference is ``quantize_fp8_ref``; the
+kernel gives the same bytes on every device (the scale is a multiplication by the
+float32 1/448, because torch divides a CUDA tensor by a Python number as exactly that
+and by true division on CPU; ``x / s`` is IEEE division everywhere; the cast rounds to
+nearest even).
 
 One launch replaces the five elementwise kernels (abs, amax, div, clamp, cast) of the
 torch version, which cost more than the FP8 GEMM saves at small M. The GEMM kernel
@@ -24,7 +27,9 @@ import triton
 import triton.language as tl
 
 FP8_MAX = 448.0
-F8MAX = tl.constexpr(448.0)  # the same, as the kernels may read a global
+INV_FP8_MAX = 1.0 / FP8_MAX  # as float32: what torch multiplies by for `cuda_tensor / 448`
+F8MAX = tl.constexpr(448.0)  # as the kernels may read a global
+F8INV = tl.constexpr(1.0 / 448.0)
 
 
 def interpreting(device: torch.device) -> bool:
@@ -59,7 +64,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        s = tl.math.div_rn(tl.max(amax, axis=0), F8MAX)  # IEEE, as torch
+        s = tl.max(amax, axis=0) * F8INV
         s = tl.where(s > 0, s, 1.0)
         tl.store(s_ptr + row * stride_sm, s)
         for k0 in range(0, K, BLOCK):
@@ -73,7 +78,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
         g = tl.program_id(1)
         offs = g * GROUP + tl.arange(0, GROUP)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        s = tl.math.div_rn(tl.max(tl.abs(x), axis=0), F8MAX)
+        s = tl.max(tl.abs(x), axis=0) * F8INV
         s = tl.where(s > 0, s, 1.0)
         tl.store(s_ptr + row * stride_sm + g, s)
         v = tl.clamp(tl.math.div_rn(x, s), -F8MAX, F8MAX)
@@ -89,12 +94,12 @@ def quantize_fp8_ref(x: torch.Tensor, group: int | None = None
     m, k = x.shape
     xf = x.float()
     if group is None:
-        s = xf.abs().amax(dim=-1) / FP8_MAX  # [M]
+        s = xf.abs().amax(dim=-1) * INV_FP8_MAX  # [M]
         s = torch.where(s > 0, s, torch.ones_like(s))
         return (xf / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
     kg = -(-k // group)
     xp = torch.nn.functional.pad(xf, (0, kg * group - k)).view(m, kg, group)
-    s = xp.abs().amax(dim=-1) / FP8_MAX  # [M, Kg]
+    s = xp.abs().amax(dim=-1) * INV_FP8_MAX  # [M, Kg]
     s = torch.where(s > 0, s, torch.ones_like(s))
     q = (xp / s[..., None]).clamp_(-FP8_MAX, FP8_MAX).view(m, kg * group)[:, :k]
     return q.to(torch.float8_e4m3fn), s

@@ -13,11 +13,11 @@ Two sources of weights, one layer format (``weight`` float8_e4m3fn [N, K] and
   re-quantization.
 
 The product: ``y = (xq @ wq^T) * sx[:, None] * sw[None, :]``. On a GPU with FP8 (compute
-capability 8.9+), decode-sized steps (M <= 16 tokens) run the Triton FP8 GEMM
-(``kvflow/kernels/fp8_gemm.py``), which quantizes the activation rows inside its own loop
-(one launch per linear, K split over the SMs); larger M quantizes the activations in one
-Triton launch (``fp8_quant``) and multiplies with ``torch._scaled_mm`` (row-wise
-scales). Elsewhere ``fp8_mm_ref`` computes the same numbers in float32 (each fp8 x fp8
+capability 8.9+) the activations are quantized in one Triton launch
+(``kvflow/kernels/fp8_quant.py``; the torch version was five kernels) and multiplied with
+``torch._scaled_mm`` (row-wise scales) at every M: the Triton FP8 GEMM
+(``kernels/fp8_gemm.py``), which quantizes inside its own loop, was slower on the H200 at
+every shape measured, so it serves block-wise scales only. Elsewhere ``fp8_mm_ref`` computes the same numbers in float32 (each fp8 x fp8
 product is exact in float32; only the summation order differs), logged as emulated:
 there is no fast FP8 matmul on CPUs. Block-wise scales are in ``fp8_block.py``.
 """
@@ -42,12 +42,11 @@ _warned_emulated = False
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M]): one scale per row (a weight's
-    output channel, an activation's token), saturated, round to nearest even."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1) / FP8_MAX  # [M]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero row -> 0s
-    q = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    output channel, an activation's token), saturated, round to nearest even; the same
+    bytes on CPU and GPU and as the Triton kernel (``kvflow.kernels.fp8_quant``)."""
+    from kvflow.kernels.fp8_quant import quantize_fp8_ref
+
+    return quantize_fp8_ref(x)
 
 
 def fp8_mm_ref(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
@@ -102,16 +101,14 @@ def _check_device(layer: LinearBase, w: torch.Tensor) -> None:
 def _apply(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     x2, lead = flatten_tokens(x)  # [M, K]
     if use_fp8_kernels(x2.device):
-        from kvflow.kernels.fp8_gemm import SMALL_M, fp8_gemm
         from kvflow.kernels.fp8_quant import quantize_fp8
 
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        if x2.shape[0] <= SMALL_M:  # decode: quantize inside the GEMM, one launch
-            y = fp8_gemm(x2, layer.weight, layer.weight_scale)
-        else:
-            xq, sx = quantize_fp8(x2)  # dynamic, per token, one launch
-            y = fp8_mm(xq, sx, layer.weight, layer.weight_scale, x.dtype)
+        # One launch for the per-token quantization, then _scaled_mm at every M: on the
+        # H200 this beat the Triton FP8 GEMM (kernels/fp8_gemm.py, per-channel mode) at
+        # every shape and M measured (fp8-bench-h200.json: gate_up M=1 48.5 us against
+        # 87 us for its best tile; o 15.2 against 17.3).
+        xq, sx = quantize_fp8(x2 if x2.stride(-1) == 1 else x2.contiguous())
+        y = fp8_mm(xq, sx, layer.weight, layer.weight_scale, x.dtype)
     else:
         xq, sx = quantize_fp8_rows(x2)  # dynamic, per token
         y = fp8_mm(xq, sx, layer.weight, layer.weight_scale, x.dtype)
