@@ -12,9 +12,10 @@ time replayed from a CUDA graph (what decode graphs see):
 - ``bf16-cublas``: F.linear;
 - ``fp8-torch-scaled_mm``: the previous ``--quantization fp8`` path (five torch kernels
   for the per-token quantization, then _scaled_mm);
-- ``fp8-quant-scaled_mm``: one-launch ``quantize_fp8`` + _scaled_mm (the path above 16);
+- ``fp8-quant-scaled_mm``: one-launch ``quantize_fp8`` + _scaled_mm (``--quantization
+  fp8`` at every M since the first H200 run);
 - ``fp8-triton``: ``fp8_gemm`` per channel (in-kernel quantization up to M = 16, else
-  quantize_fp8 + the Triton GEMM);
+  quantize_fp8 + the Triton GEMM; slower than the row above there, so unused by the layer);
 - ``fp8-block-triton``: ``fp8_linear`` with 128 x 128 blocks (``--quantization
   fp8-block``); ``fp8-block-fused``: the in-kernel quantization at every M.
 
