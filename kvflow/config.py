@@ -183,9 +183,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         require(self.quantization in ("auto", "none", "int8", "int4", "gguf", "fp8",
-                                      "w8a8-int8", "llm-int8"),
-                "quantization", f"must be auto, none, int8, int4, gguf, fp8, w8a8-int8 or "
-                f"llm-int8, got {self.quantization!r}")
+                                      "fp8-block", "w8a8-int8", "llm-int8"),
+                "quantization", f"must be auto, none, int8, int4, gguf, fp8, fp8-block, "
+                f"w8a8-int8 or llm-int8, got {self.quantization!r}")
         require(self.llm_int8_threshold > 0, "llm_int8_threshold",
                 f"must be > 0, got {self.llm_int8_threshold}")
         require(self.quantization_group_size in (32, 64, 128), "quantization_group_size",

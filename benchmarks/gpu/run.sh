@@ -19,6 +19,11 @@
 #   w8a8      FP8: quantized-KV kernel tests and the fp8 GPU tests; GPU-A batch 1 bf16 vs
 #             fp8 W8A8 (8B dummy shape); GPU-B-style throughput (W8A8_PROMPTS, default 500)
 #             bf16 vs fp8 KV cache, then fp8 W8A8 + fp8 KV; each sub-run on its own
+#   fp8       FP8 W8A8 Triton kernels, = fp8-tests fp8-bench fp8-e2e (~6-8 min, each under its
+#             own timeout): kernel/loader tests; micro-benchmark vs _scaled_mm and bf16 cuBLAS
+#             at 8B shapes, M 1..256 (fp8-bench.json; FP8_SWEEP=1 adds a tile sweep at M 1, 8);
+#             GPU-A batch 1 none/fp8/fp8-block (fp8-gpu-a.json); GPU-B-style throughput at
+#             W8A8_PROMPTS (default 300) prompts, FP8_GPU_B_QUANTS (none,fp8) (fp8-gpu-b.json)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/env.sh  # OUT, PYTHONPATH, KVFLOW_GIT_COMMIT, KV
@@ -59,6 +64,14 @@ for stage in "$@"; do
       timeout ${W8A8_TIMEOUT:-240} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --quantizations none,fp8 --max-model-len 4096 --save-result "$OUT/w8a8-gpu-a.json" 2>&1 | grep -v "^INFO" | tail -8
       timeout ${W8A8_TIMEOUT:-240} $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${W8A8_PROMPTS:-500} --input-len 1024 --output-len 128 --max-model-len 4096 --kv-cache-dtypes auto,fp8 --save-result "$OUT/w8a8-gpu-b-kv.json" 2>&1 | grep -v "^INFO" | tail -8
       timeout ${W8A8_TIMEOUT:-240} $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${W8A8_PROMPTS:-500} --input-len 1024 --output-len 128 --max-model-len 4096 --quantization fp8 --kv-cache-dtype fp8 --save-result "$OUT/w8a8-gpu-b-fp8-fp8.json" 2>&1 | grep -v "^INFO" | tail -6;;
+    fp8) OUT="$OUT" bash benchmarks/gpu/run.sh fp8-tests fp8-bench fp8-e2e;;
+    fp8-tests) timeout ${FP8_TEST_TIMEOUT:-120} python -m pytest tests/kernels/test_fp8_gemm_kernel.py tests/test_fp8_w8a8.py tests/test_fp8_block.py -q -x 2>&1 | tail -6;;
+    fp8-bench) timeout ${FP8_BENCH_TIMEOUT:-240} python benchmarks/gpu/bench_fp8.py --out "$OUT/fp8-bench.json" ${FP8_SWEEP:+--sweep} 2>&1 | grep -v "^INFO" | tail -${FP8_BENCH_LINES:-120} || echo "fp8-bench failed";;
+    fp8-e2e)
+      timeout ${FP8_E2E_TIMEOUT:-200} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --quantizations ${FP8_GPU_A_QUANTS:-none,fp8,fp8-block} --max-num-seqs 8 --max-model-len 4096 --save-result "$OUT/fp8-gpu-a.json" 2>&1 | grep -E "weights:|tokens/s|rror|Traceback|x[0-9]" | tail -12
+      echo "fp8-gpu-a exit ${PIPESTATUS[0]}"
+      timeout ${FP8_E2E_TIMEOUT:-200} $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${W8A8_PROMPTS:-300} --input-len 1024 --output-len 128 --max-model-len 4096 --quantizations ${FP8_GPU_B_QUANTS:-none,fp8} --save-result "$OUT/fp8-gpu-b.json" 2>&1 | grep -v "^INFO" | tail -10
+      echo "fp8-gpu-b exit ${PIPESTATUS[0]}";;
     *) echo "unknown stage $stage"; exit 2;;
   esac
 done

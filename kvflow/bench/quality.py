@@ -52,7 +52,9 @@ def method_args(base: EngineArgs, method: str) -> EngineArgs:
     if method.startswith("kv-"):
         return dataclasses.replace(base, quantization="none",
                                    kv_cache_dtype=method.removeprefix("kv-"))
-    if method in ("w8a8-int8", "llm-int8"):  # names with a dash, no options
+    from kvflow.layers.quantization.config import USER_METHODS
+
+    if method in USER_METHODS:  # names with a dash (fp8-block, w8a8-int8, llm-int8)
         return dataclasses.replace(base, quantization=method)
     if os.path.isdir(method):  # a pre-quantized checkpoint (e.g. of `kvflow quantize`)
         return dataclasses.replace(base, model=method, quantization="auto")

@@ -53,12 +53,14 @@ class EngineArgs:
                              "blocks on CPU, other checkpoints stay dense), none (dense in "
                              "--dtype), int8 (per channel) or int4 (group-wise) quantized "
                              "at load, gguf, fp8 (W8A8: FP8 weights per channel and "
-                             "activations per token; emulated on CPU), w8a8-int8 (int8 weights per "
+                             "activations per token; emulated on CPU), fp8-block "
+                             "(DeepSeek-style 128x128 weight blocks, 1x128 activation "
+                             "groups), w8a8-int8 (int8 weights per "
                              "channel and activations per token, torch._int_mm; SmoothQuant "
                              "checkpoints of `kvflow quantize` load with auto), llm-int8 "
                              "(int8 with the outlier columns in the model dtype)",
                              choices=["auto", "none", "int8", "int4", "gguf", "fp8",
-                                      "w8a8-int8", "llm-int8"])
+                                      "fp8-block", "w8a8-int8", "llm-int8"])
     quantization_group_size: int = _arg(32, "int4: input elements per scale (32, 64, 128)",
                                         choices=[32, 64, 128])
     quantization_symmetric: bool = _arg(False, "int4: symmetric (scale only) instead of a "

@@ -30,6 +30,13 @@ def linear_method(config: QuantizationConfig | None, prefix: str, tied_to=None):
 
         return PrequantizedLinearMethod(kind, config.bits, config.group_size,
                                         config.zero_offset, config.symmetric)
+    if kind == "fp8" and config.weight_block:
+        from kvflow.layers.quantization.fp8_block import (Fp8BlockCheckpointLinearMethod,
+                                                          Fp8BlockLinearMethod)
+
+        if config.prequantized:
+            return Fp8BlockCheckpointLinearMethod(config.weight_block, config.scale_name)
+        return Fp8BlockLinearMethod(config.weight_block)
     if kind == "fp8":
         from kvflow.layers.quantization.fp8 import Fp8CheckpointLinearMethod, Fp8LinearMethod
 

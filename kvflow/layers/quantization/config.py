@@ -24,7 +24,8 @@ FP8_CHECKPOINT = "fp8"
 SMOOTHQUANT_CHECKPOINT = "smoothquant"
 
 # Methods a user may name with --quantization ("auto" picks from the checkpoint).
-USER_METHODS = ("auto", "none", "int8", "int4", "gguf", "fp8", "w8a8-int8", "llm-int8")
+USER_METHODS = ("auto", "none", "int8", "int4", "gguf", "fp8", "fp8-block", "w8a8-int8",
+                "llm-int8")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,13 @@ class QuantizationConfig:
     carry an explicit ``input_smooth`` activation scale (smoothing not folded)."""
     llm_int8_threshold: float = 6.0
     """llm-int8: the activation absmax above which an input column is an outlier."""
+    weight_block: tuple[int, int] | None = None
+    """fp8: block-wise scales, one per [rows, inputs] weight block (DeepSeek's 128 x
+    128), with activations quantized per 1 x inputs slice of a token; None: weights
+    per output channel (or tensor), activations per token."""
+    scale_name: str = "weight_scale"
+    """fp8 checkpoints with block-wise scales: the scale tensor's name
+    (``weight_scale_inv`` in the fp8 layout, ``weight_scale`` in compressed-tensors)."""
 
     def __post_init__(self) -> None:
         require(self.method in ("int8", "int4", "gguf", "fp8", "w8a8-int8", "llm-int8")
@@ -68,6 +76,8 @@ class QuantizationConfig:
             require(self.group_size in (32, 64, 128), "quantization_group_size",
                     f"must be 32, 64 or 128, got {self.group_size}")
         require(self.lm_head in ("int8", "none"), "lm_head", "must be int8 or none")
+        require(self.weight_block is None or (self.method == "fp8" and len(
+            self.weight_block) == 2), "weight_block", "is two sizes, for fp8 only")
 
     def is_skipped(self, prefix: str) -> bool:
         return any(prefix == p or prefix.startswith(p + ".") for p in self.skip_modules)
@@ -108,6 +118,10 @@ class QuantizationConfig:
                     f"{self.llm_int8_threshold:g} in the model dtype; lm_head {self.lm_head})")
         if self.method == "fp8":
             src = "checkpoint" if self.prequantized else "quantized at load"
+            if self.weight_block:
+                r, g = self.weight_block
+                return (f"fp8 W8A8 block-wise ({src}; {r}x{g} weight blocks, 1x{g} "
+                        f"activation groups, lm_head {self.lm_head})")
             return (f"fp8 W8A8 ({src}; weights per channel, activations per token, "
                     f"lm_head {self.lm_head})")
         return "gguf (blocks kept quantized)"
@@ -133,6 +147,8 @@ def resolve_quantization(requested: str, load_format: str, hf_quant_config: dict
         _check_device(device, f"--quantization {requested}")
         return QuantizationConfig(requested, lm_head="none",
                                   llm_int8_threshold=llm_int8_threshold)
+    if requested == "fp8-block":  # DeepSeek-style 128 x 128 weight blocks
+        return QuantizationConfig("fp8", lm_head="none", weight_block=(128, 128))
     if requested == "auto":
         # GGUF runs on its own blocks on CPU unless a dtype was asked for (which means the
         # dense path in that dtype). On the GPU it stays dense unless asked for
@@ -195,28 +211,41 @@ def _prequantized(qc: dict, requested: str, device: str) -> QuantizationConfig:
 
 def _fp8_checkpoint(qc: dict, method: str, requested: str) -> QuantizationConfig:
     """compressed-tensors float-quantized (FP8 W8A8 / W8A16) or the ``fp8`` layout."""
-    if requested not in ("auto", "fp8"):
+    if requested not in ("auto", "fp8", "fp8-block"):
         raise ModelLoadError(f"the checkpoint is already fp8-quantized; --quantization "
                              f"{requested} cannot apply to it (use auto or fp8)")
     skip: tuple[str, ...] = ()
+    block, scale_name = None, "weight_scale"
     if method == FP8_CHECKPOINT:
-        if qc.get("weight_block_size"):
-            raise ModelLoadError(f"fp8 checkpoints with block-wise scales (weight_block_size "
-                                 f"{qc['weight_block_size']}) are not supported yet "
-                                 f"(supported: per-tensor or per-channel weight scales)")
+        if qc.get("weight_block_size"):  # DeepSeek-style: weight_scale_inv per block
+            block, scale_name = _block_size(qc["weight_block_size"]), "weight_scale_inv"
         skip = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
     else:
         groups = list((qc.get("config_groups") or {}).values())
         w = (groups[0].get("weights") or {}) if len(groups) == 1 else {}
         if (len(groups) != 1 or w.get("type") != "float" or int(w.get("num_bits", 0)) != 8
-                or w.get("strategy", "tensor") not in ("tensor", "channel")):
+                or w.get("strategy", "tensor") not in ("tensor", "channel", "block")):
             raise ModelLoadError(f"compressed-tensors float-quantized scheme {groups} is not "
                                  f"supported (supported: one group of 8-bit float weights, "
-                                 f"tensor or channel strategy)")
+                                 f"tensor, channel or block strategy)")
+        if w.get("strategy") == "block":
+            block = _block_size(w.get("block_structure"))
         skip = tuple(m for m in qc.get("ignore") or () if not m.startswith("re:"))
     # Static activation scales (input_scale) are not used: activations are quantized
-    # dynamically per token, at least as accurate as one scale per tensor.
-    return QuantizationConfig("fp8", lm_head="none", skip_modules=skip, prequantized=True)
+    # dynamically per token (per 1 x block group with block-wise weights), at least as
+    # accurate as one scale per tensor.
+    return QuantizationConfig("fp8", lm_head="none", skip_modules=skip, prequantized=True,
+                              weight_block=block, scale_name=scale_name)
+
+
+def _block_size(value) -> tuple[int, int]:
+    """A checkpoint's [rows, inputs] weight block size (the kernels' limits are checked
+    when the layers are built)."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(
+            isinstance(v, int) and v > 0 for v in value):
+        raise ModelLoadError(f"fp8 checkpoint: weight block size {value!r} is not two "
+                             f"positive integers [rows, inputs]")
+    return int(value[0]), int(value[1])
 
 
 def _smoothquant_checkpoint(qc: dict, requested: str, device: str) -> QuantizationConfig:

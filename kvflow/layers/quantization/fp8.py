@@ -13,10 +13,13 @@ Two sources of weights, one layer format (``weight`` float8_e4m3fn [N, K] and
   re-quantization.
 
 The product: ``y = (xq @ wq^T) * sx[:, None] * sw[None, :]``. On a GPU with FP8 (compute
-capability 8.9+) it is one ``torch._scaled_mm`` with row-wise scales; elsewhere
-``fp8_mm_ref`` computes the same numbers in float32 (each fp8 x fp8 product is exact in
-float32; only the summation order differs), logged as emulated: there is no fast FP8
-matmul on CPUs.
+capability 8.9+) the activations are quantized in one Triton launch
+(``kvflow/kernels/fp8_quant.py``; the torch version was five kernels) and multiplied with
+``torch._scaled_mm`` (row-wise scales) at every M: the Triton FP8 GEMM
+(``kernels/fp8_gemm.py``), which quantizes inside its own loop, was slower on the H200 at
+every shape measured, so it serves block-wise scales only. Elsewhere ``fp8_mm_ref`` computes the same numbers in float32 (each fp8 x fp8
+product is exact in float32; only the summation order differs), logged as emulated:
+there is no fast FP8 matmul on CPUs. Block-wise scales are in ``fp8_block.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow import envs
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import LinearBase, LinearMethod
 from kvflow.layers.quantization.packed import flatten_tokens
@@ -38,12 +42,11 @@ _warned_emulated = False
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M]): one scale per row (a weight's
-    output channel, an activation's token), saturated, round to nearest even."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1) / FP8_MAX  # [M]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero row -> 0s
-    q = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    output channel, an activation's token), saturated, round to nearest even; the same
+    bytes on CPU and GPU and as the Triton kernel (``kvflow.kernels.fp8_quant``)."""
+    from kvflow.kernels.fp8_quant import quantize_fp8_ref
+
+    return quantize_fp8_ref(x)
 
 
 def fp8_mm_ref(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
@@ -68,12 +71,22 @@ def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tenso
         y = torch._scaled_mm(xq, wq.t(), scale_a=sx[:, None].contiguous(),
                              scale_b=sw[None, :].contiguous(), out_dtype=torch.bfloat16)
         return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
+    log_emulated(xq.device)
+    return fp8_mm_ref(xq, sx, wq, sw, out_dtype)
+
+
+def use_fp8_kernels(device: torch.device) -> bool:
+    """Whether a layer on ``device`` takes the Triton FP8 kernels (an FP8 GPU, unless
+    KVFLOW_DISABLE_TRITON asks for the torch paths)."""
+    return has_fp8_matmul(device) and not envs.disable_triton()
+
+
+def log_emulated(device: torch.device) -> None:
     global _warned_emulated
     if not _warned_emulated:
         _warned_emulated = True
         logger.info("fp8 W8A8 matmuls are emulated on %s (float32 products of the FP8 "
-                    "values: the same numbers, without FP8 speed)", xq.device)
-    return fp8_mm_ref(xq, sx, wq, sw, out_dtype)
+                    "values: the same numbers, without FP8 speed)", device)
 
 
 def _check_device(layer: LinearBase, w: torch.Tensor) -> None:
@@ -86,9 +99,19 @@ def _check_device(layer: LinearBase, w: torch.Tensor) -> None:
 
 
 def _apply(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-    x2, lead = flatten_tokens(x)
-    xq, sx = quantize_fp8_rows(x2)  # dynamic, per token
-    y = fp8_mm(xq, sx, layer.weight, layer.weight_scale, x.dtype)
+    x2, lead = flatten_tokens(x)  # [M, K]
+    if use_fp8_kernels(x2.device):
+        from kvflow.kernels.fp8_quant import quantize_fp8
+
+        # One launch for the per-token quantization, then _scaled_mm at every M: on the
+        # H200 this beat the Triton FP8 GEMM (kernels/fp8_gemm.py, per-channel mode) at
+        # every shape and M measured (fp8-bench-h200.json: gate_up M=1 48.5 us against
+        # 87 us for its best tile; o 15.2 against 17.3).
+        xq, sx = quantize_fp8(x2 if x2.stride(-1) == 1 else x2.contiguous())
+        y = fp8_mm(xq, sx, layer.weight, layer.weight_scale, x.dtype)
+    else:
+        xq, sx = quantize_fp8_rows(x2)  # dynamic, per token
+        y = fp8_mm(xq, sx, layer.weight, layer.weight_scale, x.dtype)
     if layer.bias is not None:
         y = y + layer.bias
     return y.view(*lead, -1)
@@ -151,8 +174,8 @@ class Fp8CheckpointLinearMethod(LinearMethod):
         if t.numel() not in (1, size):
             raise ModelLoadError(
                 f"{layer.prefix}: weight_scale has {t.numel()} values; an fp8 layer takes one "
-                f"per output channel ({size}) or one per tensor (block-wise scales are not "
-                f"supported)")
+                f"per output channel ({size}) or one per tensor (block-wise scales: "
+                f"quantization_config weight_block_size)")
         param.data.narrow(0, start, size).copy_(t.expand(size))
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
