@@ -85,6 +85,8 @@ inline v8i load8i(const uint8_t* p) {
 #endif
 
 // Widen 8 stored values to float (without their scale).
+inline v8f widen8(const float* p) { return load8(p); }
+
 inline v8f widen8(const int8_t* p) { return __builtin_convertvector(load8i(p), v8f); }
 
 // E4M3 (float8_e4m3fn) bytes -> floats, exactly: sign, 4 exponent bits (bias 7), 3
@@ -191,20 +193,41 @@ void decode(float* out, const float* q, const KV* cache, const float* scales,
             kscale[t] = (ksp ? ksp[t * kvh] : k_scale) * sm_scale;
             vscale[t] = ksp ? ksp[shalf + t * kvh] : v_scale;
           }
-          int64_t ks, vs;
-          const float* kr = rows(kp, n, d, tok, kbuf.data(), ks);
+          const float* qh = q + (b * h + hk * g_count) * d;  // [G, D] of this KV head
+          // Scores: q . k over the stored values, the token's scale after the dot.
+          if (DC) {
+            // Each key row widened once, in registers, for all G query heads.
+            for (int64_t t = 0; t < n; ++t) {
+              v8f kv[DC ? DC : 1];
+              for (int c = 0; c < DC; ++c) kv[c] = widen8(kp + t * tok + 8 * c);
+              for (int64_t gi = 0; gi < g_count; ++gi) {
+                const float* qr = qh + gi * d;
+                v8f a0 = load8(qr) * kv[0], a1 = load8(qr + 8) * kv[1];  // two chains
+                for (int c = 2; c < DC; c += 2) {
+                  a0 += load8(qr + 8 * c) * kv[c];
+                  a1 += load8(qr + 8 * c + 8) * kv[c + 1];
+                }
+                s[gi * bs + t] = hsum(a0 + a1) * kscale[t];
+              }
+            }
+          } else {
+            int64_t ks;
+            const float* kr = rows(kp, n, d, tok, kbuf.data(), ks);
+            for (int64_t gi = 0; gi < g_count; ++gi) {
+              const float* qr = qh + gi * d;
+              for (int64_t t = 0; t < n; ++t) {
+                const float* k = kr + t * ks;
+                v8f a = load8(qr) * load8(k);
+                for (int64_t c = 1; c < dc; ++c) a += load8(qr + 8 * c) * load8(k + 8 * c);
+                s[gi * bs + t] = hsum(a) * kscale[t];
+              }
+            }
+          }
+          int64_t vs;
           const float* vr = rows(kp + half, n, d, tok, vbuf.data(), vs);
           for (int64_t gi = 0; gi < g_count; ++gi) {
             const int64_t g = hk * g_count + gi;  // query head
-            const float* qr = q + (b * h + g) * d;
             float* sg = s.data() + gi * bs;
-            // Scores: q . k over the stored values, the token's scale after the dot.
-            for (int64_t t = 0; t < n; ++t) {
-              const float* k = kr + t * ks;
-              v8f a = load8(qr) * load8(k);
-              for (int64_t c = 1; c < dc; ++c) a += load8(qr + 8 * c) * load8(k + 8 * c);
-              sg[t] = hsum(a) * kscale[t];
-            }
             // Online softmax: new running max, rescale what was summed so far.
             float mx = m[g];
             for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
