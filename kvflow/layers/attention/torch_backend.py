@@ -2,7 +2,9 @@
 
 ``paged_attention_ref`` is the plain definition (one request at a time, float32 math).
 ``TorchAttentionBackend`` computes the same thing faster: all decode tokens in one
-batched call over their gathered contexts, then one SDPA call per prefill chunk.
+batched call over their gathered contexts, then one SDPA call per prefill chunk. On CPU
+(float32 models) the decodes instead run the C++ kernel ``kernels/cpu/paged_attention``,
+which reads the float32/int8/fp8 blocks in place; the gather path is its fallback.
 """
 
 from __future__ import annotations
