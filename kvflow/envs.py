@@ -40,6 +40,23 @@ def cpu_compile() -> bool:
     return os.environ.get("KVFLOW_CPU_COMPILE", "0") == "1"
 
 
+def cpu_kernels() -> bool:
+    """KVFLOW_CPU_KERNELS=0 keeps kvflow's C++ CPU kernels (kvflow/kernels/cpu/) unused:
+    the torch paths run instead (comparisons, debugging). On by default."""
+    return os.environ.get("KVFLOW_CPU_KERNELS", "1") != "0"
+
+
+def cxx() -> str | None:
+    """CXX: the C++ compiler kvflow's CPU kernels are built with (default: c++ on PATH)."""
+    return os.environ.get("CXX") or None
+
+
+def torch_extensions_dir() -> str | None:
+    """TORCH_EXTENSIONS_DIR: where torch (and kvflow's CPU kernels) keep built C++
+    extensions (default: torch's ~/.cache/torch_extensions)."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or None
+
+
 def api_key() -> str | None:
     """KVFLOW_API_KEY: the server's API key when --api-key is not given."""
     return os.environ.get("KVFLOW_API_KEY") or None

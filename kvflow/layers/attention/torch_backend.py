@@ -2,7 +2,9 @@
 
 ``paged_attention_ref`` is the plain definition (one request at a time, float32 math).
 ``TorchAttentionBackend`` computes the same thing faster: all decode tokens in one
-batched call over their gathered contexts, then one SDPA call per prefill chunk.
+batched call over their gathered contexts, then one SDPA call per prefill chunk. On CPU
+(float32 models) the decodes instead run the C++ kernel ``kernels/cpu/paged_attention``,
+which reads the float32/int8/fp8 blocks in place; the gather path is its fallback.
 """
 
 from __future__ import annotations
@@ -106,6 +108,17 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     return out
 
 
+def use_cpu_decode_kernel(spec: AttentionSpec) -> bool:
+    """Whether decodes on ``spec``'s cache go through the C++ CPU kernel: float32 models
+    on CPU (the cache is then float32, int8 or fp8, all of which it reads) where it
+    could be built; else (no compiler, KVFLOW_CPU_KERNELS=0, GPU, bf16) the torch path."""
+    if spec.device.type != "cpu" or spec.dtype != torch.float32:
+        return False
+    from kvflow.kernels.cpu import paged_attention
+
+    return paged_attention.available()
+
+
 def _context(block_size: int, block_ids: list[int], length: int, device):
     """How to read one request's first ``length`` cached positions: a plain view when its
     blocks are consecutive (no copy), else the block ids to gather."""
@@ -145,6 +158,9 @@ class TorchAttentionPlan:
     decodes: list[tuple[slice, tuple, torch.Tensor | None]]
     # Prefill chunks: (start, end, how to read the cached context or None, mask, causal).
     prefills: list[tuple[int, int, tuple | None, torch.Tensor | None, bool]]
+    # The decodes go through the C++ CPU kernel (kernels/cpu/paged_attention.cpp),
+    # which reads the cache blocks in place; then decode_order/decodes are unused.
+    decode_kernel: bool = False
 
 
 @dataclass
@@ -193,6 +209,8 @@ class TorchMetadataBuilder:
             raise ValueError("the torch attention backend plans cos/sin rows: the spec "
                              "needs the model's rotary table")
         self.spec = spec
+        # The C++ decode kernel, where it applies (built on first use: at engine start).
+        self.decode_kernel = use_cpu_decode_kernel(spec)
 
     def build(self, meta: AttentionMetadata, positions: torch.Tensor, *,
               split_context: int | None = None) -> AttentionMetadata:
@@ -204,9 +222,11 @@ class TorchMetadataBuilder:
         tables = meta.block_tables.tolist()
         lens, qsl = meta.seq_lens_cpu, meta.query_start_loc_cpu
         # Decodes run in groups of similar length, sorted; the forward permutes q into
-        # that order once per layer and the outputs back once.
+        # that order once per layer and the outputs back once. (The C++ kernel reads
+        # every decode's blocks through the block table itself: no groups to plan.)
         decodes = []
-        order = sorted(range(meta.num_decodes), key=lens.__getitem__)
+        order = [] if self.decode_kernel else sorted(range(meta.num_decodes),
+                                                    key=lens.__getitem__)
         decode_order = None if order == sorted(order) else torch.tensor(order, device=dev)
         for g in range(0, len(order), self.DECODE_GROUP):
             idx = order[g: g + self.DECODE_GROUP]
@@ -240,7 +260,8 @@ class TorchMetadataBuilder:
             prefills.append((s, e, how, mask, False))
         meta.backend = TorchAttentionPlan(rot=rot, write=write,
                                           decode_order=decode_order, decodes=decodes,
-                                          prefills=prefills)
+                                          prefills=prefills,
+                                          decode_kernel=self.decode_kernel)
         return meta
 
 
@@ -270,7 +291,9 @@ class TorchAttentionBackend:
             k, v = self._write_quant(k, v, kv_cache, kv_quant, meta.slot_mapping, plan.write)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
+        if nd and plan.decode_kernel:
+            out[:nd] = self._decode_kernel(q[:nd], kv_cache, meta, scale, kv_quant)
+        elif nd:
             order = plan.decode_order
             qd = q[:nd] if order is None else q[:nd].index_select(0, order)
             od = torch.empty_like(qd)
@@ -292,6 +315,28 @@ class TorchAttentionBackend:
                 enable_gqa=True)
             out[s:e] = o[0].transpose(0, 1)
         return out
+
+    @staticmethod
+    def _decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                       scale: float, quant: KVQuant | None) -> torch.Tensor:
+        """The step's decodes (requests 0..nd-1) through the C++ kernel, straight from
+        the (quantized) cache blocks. q [nd, H, D] -> [nd, H, D]."""
+        from kvflow.kernels.cpu.paged_attention import paged_decode, supports
+
+        nd = q.shape[0]
+        if not supports(q.dtype, kv_cache.dtype, q.device, q.shape[-1]):
+            # A shape the kernel lacks (head dim not a multiple of 8): the torch read,
+            # one request at a time (the plan has no decode groups).
+            bs, tables, lens = kv_cache.shape[2], meta.block_tables, meta.seq_lens_cpu
+            return torch.cat([TorchAttentionBackend._decode(
+                q[i: i + 1], kv_cache, _context(bs, tables[i, :cdiv(lens[i], bs)].tolist(),
+                                                lens[i], q.device), None, scale, quant)
+                for i in range(nd)])
+        if quant is None:
+            return paged_decode(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                scale)
+        return paged_decode(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                            quant.scales, quant.k_scale, quant.v_scale)
 
     @staticmethod
     def _write_quant(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
