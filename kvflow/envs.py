@@ -21,6 +21,19 @@ def disable_triton() -> bool:
     return os.environ.get("KVFLOW_DISABLE_TRITON", "0") == "1"
 
 
+def gemv_mode() -> str:
+    """KVFLOW_GEMV: which decode linears (M <= 8 rows, dense bf16/fp16 on CUDA) take the
+    Triton GEMV instead of cuBLAS: ``auto`` (default: where the per-GPU table in
+    kvflow/kernels/gemv_config.py measured it faster), ``off`` (cuBLAS everywhere) or
+    ``force`` (every shape, heuristic tiles; benchmarks and tests)."""
+    mode = os.environ.get("KVFLOW_GEMV", "auto").lower()
+    if mode not in ("auto", "off", "force"):
+        from kvflow.errors import InvalidParameterError
+
+        raise InvalidParameterError(f"KVFLOW_GEMV must be auto, off or force, not {mode!r}")
+    return mode
+
+
 def no_progress_bar() -> bool:
     """KVFLOW_NO_PROGRESS=1 hides tqdm progress bars (logs and CI)."""
     return os.environ.get("KVFLOW_NO_PROGRESS", "0") == "1"

@@ -24,6 +24,11 @@
 #             at 8B shapes, M 1..256 (fp8-bench.json; FP8_SWEEP=1 adds a tile sweep at M 1, 8);
 #             GPU-A batch 1 none/fp8/fp8-block (fp8-gpu-a.json); GPU-B-style throughput at
 #             W8A8_PROMPTS (default 300) prompts, FP8_GPU_B_QUANTS (none,fp8) (fp8-gpu-b.json)
+#   gemv      dense decode GEMV (~4-6 min): its GPU tests; micro-benchmark vs cuBLAS at the
+#             8B shapes, M = 1..8 (gemv-bench.json; GEMV_SWEEP=1 adds a tile sweep bounded
+#             by GEMV_BUDGET seconds, default 150); GPU-A per KVFLOW_GEMV mode in
+#             GEMV_MODES (default "off auto": gpu-a-gemv-MODE.json); GEMV_PROFILE=1 adds
+#             the batch-1 per-kernel profile per mode (profile-gemv-MODE.json)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/env.sh  # OUT, PYTHONPATH, KVFLOW_GIT_COMMIT, KV
@@ -72,6 +77,14 @@ for stage in "$@"; do
       echo "fp8-gpu-a exit ${PIPESTATUS[0]}"
       timeout ${FP8_E2E_TIMEOUT:-200} $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${W8A8_PROMPTS:-300} --input-len 1024 --output-len 128 --max-model-len 4096 --quantizations ${FP8_GPU_B_QUANTS:-none,fp8} --save-result "$OUT/fp8-gpu-b.json" 2>&1 | grep -v "^INFO" | tail -10
       echo "fp8-gpu-b exit ${PIPESTATUS[0]}";;
+    gemv)
+      timeout ${GEMV_TEST_TIMEOUT:-120} python -m pytest tests/kernels/test_gemv_kernel.py -q -x 2>&1 | tail -4
+      timeout $(( ${GEMV_BUDGET:-150} + 120 )) python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv-bench.json" ${GEMV_SWEEP:+--sweep --budget-s ${GEMV_BUDGET:-150}} 2>&1 | grep -v "^INFO" | tail -40 || echo "gemv-bench failed"
+      for mode in ${GEMV_MODES:-off auto}; do
+        KVFLOW_GEMV=$mode timeout ${GEMV_E2E_TIMEOUT:-150} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --max-num-seqs 8 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-gemv-$mode.json" 2>&1 | grep -E "GEMV|tokens/s|rror|Traceback" | tail -6
+        echo "gpu-a-gemv-$mode exit ${PIPESTATUS[0]}"
+        [ -n "${GEMV_PROFILE:-}" ] && KVFLOW_GEMV=$mode timeout 120 python benchmarks/gpu/profile_steps.py --cases decode1 --out "$OUT/profile-gemv-$mode.json" 2>&1 | grep -v "^INFO" | tail -18
+      done;;
     *) echo "unknown stage $stage"; exit 2;;
   esac
 done

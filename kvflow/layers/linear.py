@@ -46,6 +46,12 @@ class LinearMethod:
     def process_weights_after_loading(self, layer: "LinearBase") -> None:
         pass
 
+    def apply_silu_and_mul(self, layer: "LinearBase", x: torch.Tensor,
+                           act: nn.Module) -> torch.Tensor:
+        """``act(apply(x))`` for a merged [gate; up] layer; a method with a fused form
+        (the activation in the GEMM's epilogue) overrides it."""
+        return act(self.apply(layer, x))
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A dense weight [out_features, in_features] in the model dtype; y = x W^T + b."""
@@ -56,9 +62,30 @@ class UnquantizedLinearMethod(LinearMethod):
         weight.weight_loader = layer.weight_loader
         weight.output_dim, weight.input_dim = 0, 1
         layer.register_parameter("weight", weight)
+        # decode row counts M -> GEMV config where it beats cuBLAS (set after loading)
+        layer.gemv_configs, layer.gemv_silu_configs = {}, {}
+
+    def process_weights_after_loading(self, layer: "LinearBase") -> None:
+        from kvflow.kernels.gemv_dispatch import plan_gemv
+
+        layer.gemv_configs, layer.gemv_silu_configs = plan_gemv(layer)
 
     def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+        cfg = layer.gemv_configs.get(x.shape[0]) if x.dim() == 2 else None
+        if cfg is not None:  # decode batch on CUDA (kvflow/kernels/gemv.py)
+            from kvflow.kernels.gemv import gemv
+
+            return gemv(x, layer.weight, layer.bias, cfg)
         return F.linear(x, layer.weight, layer.bias)
+
+    def apply_silu_and_mul(self, layer: "LinearBase", x: torch.Tensor,
+                           act: nn.Module) -> torch.Tensor:
+        cfg = layer.gemv_silu_configs.get(x.shape[0]) if x.dim() == 2 else None
+        if cfg is not None:  # one launch: gate/up GEMV with silu(gate) * up as epilogue
+            from kvflow.kernels.gemv import gemv_silu_and_mul
+
+            return gemv_silu_and_mul(x, layer.weight, cfg)
+        return act(self.apply(layer, x))
 
 
 class LinearBase(nn.Module):
@@ -106,6 +133,12 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
+
+    def forward_silu_and_mul(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """``act(self(x))`` where this layer is a merged [gate; up] projection and ``act``
+        SiLU-and-multiply: the seam for the fused decode GEMV (no communication, so for
+        column-parallel layers only)."""
+        return self.quant_method.apply_silu_and_mul(self, x, act)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}"

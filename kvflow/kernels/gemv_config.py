@@ -1,0 +1,131 @@
+"""Launch configurations of the dense decode GEMV (``kvflow/kernels/gemv.py``) and the
+per-shape table that decides, per GPU, where it replaces cuBLAS.
+
+The dense linear path (``UnquantizedLinearMethod``) asks ``dispatch_configs`` once per layer
+after loading; it gets {M: config} for the activation row counts 1..8 where the GEMV
+measured faster than cuBLAS on this GPU at this (N, K), and keeps cuBLAS (``F.linear``)
+for every other M and shape. The table holds only measured entries (``MEASURED``, filled
+from ``benchmarks/gpu/bench_gemv.py --sweep`` on the named GPU): an unmeasured GPU or shape
+keeps cuBLAS. ``KVFLOW_GEMV`` (``kvflow.envs.gemv_mode``) overrides: ``off`` keeps cuBLAS
+everywhere, ``force`` takes the heuristic ``default_config`` for every M <= 8 (benchmarks,
+tests), ``auto`` (default) the table.
+
+Everything is decided from Python ints at load and at the call: no host sync, so the
+launches capture in CUDA graphs (one graph per batch size, each with its static M).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+DISPATCH_MAX_M = 8  # the decode batch sizes the dense path sends to the GEMV
+M_BUCKETS = (1, 2, 4, 8)  # measured row counts; M = 3 takes 4's entry, 5..8 take 8's
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tile sizes of one GEMV launch."""
+
+    block_n: int
+    """Weight rows (outputs) per program; with ``silu_and_mul``, gate rows (and as many
+    up rows)."""
+    block_k: int
+    """Inputs per K step (a power of two >= 16)."""
+    split_k: int = 1
+    """Programs sharing one output tile's K range (> 1: in-launch float32 reduction)."""
+    dot: bool = True
+    """tl.dot with the weight as the wide operand and x padded to 16 rows; False: the
+    register form (float32 multiply and tl.sum), for M = 1 only."""
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for v in (self.block_n, self.block_k):
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GEMV tile sizes must be powers of two >= 16: {self}")
+        if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {self}")
+
+    @property
+    def block_m(self) -> int:
+        """Activation rows per program: one MMA tile of 16, or the single row."""
+        return 16 if self.dot else 1
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small shapes, exercise split-K a little
+    from kvflow.kernels.woq_config import num_sms
+
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def default_config(m: int, n: int, k: int, device: torch.device, pairs: bool = False,
+                   sms: int | None = None) -> GemvConfig:
+    """A heuristic configuration (``force`` mode, shapes outside the table, tests).
+
+    64-row tiles of 256 bf16 inputs (32 KiB per stage, 16-byte loads per thread) four
+    stages deep; ``pairs`` (gate + up per program) halves the stages. Split-K until
+    about two programs per SM are in flight (each holds 128 KiB of stages in flight,
+    which at ~1 us of HBM latency is well above one SM's share of 4.8 TB/s)."""
+    sms = sms or _sms(device)
+    bk = min(256, max(16, triton.next_power_of_2(k) // 2 if k < 512 else 256))
+    bn = 64 if n >= 64 * sms // 2 or n > 2048 else 32
+    tiles = triton.cdiv(n, bn)
+    k_tiles = triton.cdiv(k, bk)
+    split = 1
+    if tiles < 2 * sms:
+        split = max(1, min(triton.cdiv(2 * sms, tiles), k_tiles // 2, 16))
+        split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no split left empty
+    return GemvConfig(bn, bk, split, True, 4, 2 if pairs else 4)
+
+
+def _c(bn: int, bk: int, split: int, warps: int, stages: int, dot: bool = True) -> GemvConfig:
+    return GemvConfig(bn, bk, split, dot, warps, stages)
+
+
+# Measured tables: device-name token -> {(kind, N, K): {M bucket: config, or None for
+# cuBLAS}}. kind "linear" (y = x W^T) or "silu_mul" (gate/up with the activation fused,
+# N = d, the output width). Each entry is the best configuration of a sweep on that GPU
+# where it beat cuBLAS (for silu_mul: cuBLAS + the silu_and_mul kernel) at that M.
+MEASURED: dict[str, dict[tuple[str, int, int], dict[int, GemvConfig | None]]] = {}
+
+
+def _bucket(m: int) -> int:
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    raise ValueError(f"no GEMV bucket for {m} rows")
+
+
+@functools.lru_cache(maxsize=16)
+def _device_table(name: str) -> dict:
+    for token, table in MEASURED.items():
+        if token in name:
+            return table
+    return {}
+
+
+def dispatch_configs(kind: str, n: int, k: int, dtype: torch.dtype, device: torch.device,
+                     mode: str) -> dict[int, GemvConfig]:
+    """{M: config} for the row counts 1..DISPATCH_MAX_M that take the GEMV at this shape
+    (empty: cuBLAS for all). ``mode`` is ``kvflow.envs.gemv_mode()``."""
+    if mode == "off" or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return {}
+    if mode == "force":
+        return {m: default_config(m, n, k, device, pairs=kind == "silu_mul")
+                for m in range(1, DISPATCH_MAX_M + 1)}
+    table = _device_table(torch.cuda.get_device_name(device)).get((kind, n, k), {})
+    out = {}
+    for m in range(1, DISPATCH_MAX_M + 1):
+        cfg = table.get(_bucket(m))
+        if cfg is not None:
+            out[m] = cfg
+    return out
