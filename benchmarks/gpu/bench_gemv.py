@@ -5,7 +5,8 @@ at Llama-3.1-8B's linear shapes, M = 1, 2, 4, 8.
 
 Shapes (K -> N): qkv 4096->6144, o 4096->4096, gate_up 4096->28672 (plain, and with
 SiLU-and-multiply fused: against cuBLAS + the ``silu_and_mul`` kernel), down 14336->4096,
-lm_head 4096->128256. Timing is what a decode CUDA graph sees: one graph replays the
+lm_head 4096->128256; and the residual add + RMSNorm folded in (``gemv_norm``) for qkv and
+gate_up+silu, against ``fused_add_rms_norm`` + cuBLAS (+ ``silu_and_mul``). Timing is what a decode CUDA graph sees: one graph replays the
 launch over enough copies of the weight that they do not fit the 50 MB L2 (each layer's
 weight is cold in a real step), median of the replays, per launch. Reported: time, the
 bytes each launch must move (weight + activations + output) as GB/s and as a fraction
@@ -35,13 +36,16 @@ from kvflow.bench.machine import save_result  # noqa: E402
 from kvflow.kernels.gemv import (gemv, gemv_ref, gemv_silu_and_mul,  # noqa: E402
                                  gemv_silu_and_mul_ref)
 from kvflow.kernels.gemv_config import GemvConfig, default_config  # noqa: E402
+from kvflow.kernels.gemv_norm import gemv_rms_norm, gemv_rms_norm_ref  # noqa: E402
+from kvflow.kernels.rms_norm import fused_add_rms_norm  # noqa: E402
 from kvflow.kernels.silu_and_mul import silu_and_mul  # noqa: E402
 
 HBM = 4.8e12
 L2_BYTES = 50 * 2**20
 SHAPES = [("qkv", "linear", 4096, 6144), ("o", "linear", 4096, 4096),
           ("gate_up", "linear", 4096, 28672), ("gate_up", "silu_mul", 4096, 28672),
-          ("down", "linear", 14336, 4096), ("lm_head", "linear", 4096, 128256)]
+          ("down", "linear", 14336, 4096), ("lm_head", "linear", 4096, 128256),
+          ("qkv", "norm_linear", 4096, 6144), ("gate_up", "norm_silu_mul", 4096, 28672)]
 MS = (1, 2, 4, 8)
 DT = torch.bfloat16
 
@@ -86,7 +90,7 @@ def _programs(c: GemvConfig, n: int, k: int) -> int:
 
 def _grid(kind: str, m: int, n: int, k: int, sms: int) -> list[GemvConfig]:
     """Configurations to try, the heuristic first, then tiles by expected promise."""
-    pairs = kind == "silu_mul"
+    pairs = kind.endswith("silu_mul")
     base = default_config(m, n, k, torch.device("cuda"), pairs=pairs)
     out = [base]
     stages = (2, 3) if pairs else (4, 3, 5)
@@ -101,7 +105,7 @@ def _grid(kind: str, m: int, n: int, k: int, sms: int) -> list[GemvConfig]:
             if split > 1 and tiles > 4096:
                 continue
             out.append(GemvConfig(bn, bk, split, True, w, st))
-    if m == 1 and not pairs:  # the register form
+    if m == 1 and kind == "linear":  # the register form
         for bn, bk, w in itertools.product((16, 32, 64), (256, 512), (4, 8)):
             tiles = -(-n // bn)
             for split in (1, 2, 4, 8):
@@ -132,9 +136,23 @@ def bench(sweep: bool, budget_s: float) -> dict:
         copies = max(1, min(8, -(-4 * L2_BYTES // wbytes)))
         ws = [torch.randn(n, k, dtype=DT, device="cuda") * 0.02 for _ in range(copies)]
         x = torch.randn(m, k, dtype=DT, device="cuda")
-        n_out = n // 2 if kind == "silu_mul" else n
+        pairs = kind.endswith("silu_mul")
+        n_out = n // 2 if pairs else n
         total = wbytes + x.nbytes + m * n_out * 2
-        if kind == "silu_mul":
+        if kind.startswith("norm"):  # + residual read, r written, norm weight
+            res = torch.randn(m, k, dtype=DT, device="cuda")
+            nw = torch.rand(k, dtype=DT, device="cuda") + 0.5
+            total += 2 * x.nbytes + nw.nbytes
+
+            def unfused(w):
+                h, _ = fused_add_rms_norm(x, res, nw, 1e-5)
+                return silu_and_mul(F.linear(h, w)) if pairs else F.linear(h, w)
+            cublas = [lambda w=w: unfused(w) for w in ws]
+            ours = lambda cfg: [lambda w=w: gemv_rms_norm(x, res, nw, 1e-5, w, cfg, pairs)  # noqa
+                                for w in ws]
+            ref = gemv_rms_norm_ref(x, res, nw, 1e-5, ws[0], pairs)[0].float()
+            run = lambda cfg: gemv_rms_norm(x, res, nw, 1e-5, ws[0], cfg, pairs)[0]  # noqa
+        elif kind == "silu_mul":
             cublas = [lambda w=w: silu_and_mul(F.linear(x, w)) for w in ws]
             ours = lambda cfg: [lambda w=w: gemv_silu_and_mul(x, w, cfg) for w in ws]  # noqa
             ref = gemv_silu_and_mul_ref(x, ws[0]).float()
@@ -146,7 +164,7 @@ def bench(sweep: bool, budget_s: float) -> dict:
             run = lambda cfg: gemv(x, ws[0], None, cfg)  # noqa: E731
         tol = float(ref.abs().max())
         cub_ms = _graph_ms(cublas)
-        base = default_config(m, n_out, k, x.device, pairs=kind == "silu_mul")
+        base = default_config(m, n_out, k, x.device, pairs=pairs)
         case = {"shape": name, "kind": kind, "k": k, "n": n, "m": m, "bytes": total}
         rows.append({**case, "impl": "cublas", "ms": cub_ms, "gb_per_s": total / cub_ms / 1e6,
                      "hbm_fraction": total / cub_ms / 1e-3 / HBM})

@@ -92,8 +92,9 @@ def _c(bn: int, bk: int, split: int, warps: int, stages: int, dot: bool = True) 
 
 
 # Measured tables: device-name token -> {(kind, N, K): {M bucket: config, or None for
-# cuBLAS}}. kind "linear" (y = x W^T) or "silu_mul" (gate/up with the activation fused,
-# N = d, the output width). Each entry is the best configuration of a sweep on that GPU
+# cuBLAS}}. kind "linear" (y = x W^T), "silu_mul" (gate/up with the activation fused,
+# N = d, the output width), "norm_linear" / "norm_silu_mul" (the same with residual add +
+# RMSNorm folded in, against cuBLAS + fused_add_rms_norm). Each entry is the best configuration of a sweep on that GPU
 # where it beat cuBLAS (for silu_mul: cuBLAS + the silu_and_mul kernel) at that M.
 MEASURED: dict[str, dict[tuple[str, int, int], dict[int, GemvConfig | None]]] = {}
 
@@ -120,7 +121,7 @@ def dispatch_configs(kind: str, n: int, k: int, dtype: torch.dtype, device: torc
     if mode == "off" or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return {}
     if mode == "force":
-        return {m: default_config(m, n, k, device, pairs=kind == "silu_mul")
+        return {m: default_config(m, n, k, device, pairs=kind.endswith("silu_mul"))
                 for m in range(1, DISPATCH_MAX_M + 1)}
     table = _device_table(torch.cuda.get_device_name(device)).get((kind, n, k), {})
     out = {}

@@ -15,27 +15,34 @@ from kvflow import envs
 from kvflow.kernels.gemv_config import GemvConfig, dispatch_configs
 
 
-def plan_gemv(layer: nn.Module) -> tuple[dict[int, GemvConfig], dict[int, GemvConfig]]:
-    """(configs of the plain product, configs of the silu_and_mul-fused product) by M."""
+KINDS = ("linear", "silu_mul", "norm_linear", "norm_silu_mul")
+
+
+def plan_gemv(layer: nn.Module) -> dict[str, dict[int, GemvConfig]]:
+    """Per form ("linear": x W^T; "silu_mul": silu(gate) * up of a merged [gate; up]
+    layer; "norm_*": the same with residual add + RMSNorm in the prologue), {M: config}."""
+    plan: dict[str, dict[int, GemvConfig]] = {kind: {} for kind in KINDS}
     w = getattr(layer, "weight", None)
     if (w is None or w.device.type != "cuda" or w.dim() != 2 or not w.is_contiguous()
             or envs.disable_triton()):
-        return {}, {}
+        return plan
     mode = envs.gemv_mode()
     n, k = w.shape
-    plain = dispatch_configs("linear", n, k, w.dtype, w.device, mode)
-    fused: dict[int, GemvConfig] = {}
-    sizes = getattr(layer, "output_sizes", [])
-    if (len(sizes) == 2 and sizes[0] == sizes[1] and getattr(layer, "bias", None) is None
-            and n == 2 * sizes[0]):
-        fused = dispatch_configs("silu_mul", n // 2, k, w.dtype, w.device, mode)
-    return plain, fused
+    plan["linear"] = dispatch_configs("linear", n, k, w.dtype, w.device, mode)
+    if getattr(layer, "bias", None) is None:  # the fused forms take no bias
+        plan["norm_linear"] = dispatch_configs("norm_linear", n, k, w.dtype, w.device, mode)
+        sizes = getattr(layer, "output_sizes", [])
+        if len(sizes) == 2 and sizes[0] == sizes[1] and n == 2 * sizes[0]:
+            for kind in ("silu_mul", "norm_silu_mul"):
+                plan[kind] = dispatch_configs(kind, n // 2, k, w.dtype, w.device, mode)
+    return plan
 
 
 def describe(model: nn.Module) -> str:
     """How many layers use the GEMV at batch 1 (a log line)."""
-    plain = fused = 0
+    counts = dict.fromkeys(KINDS, 0)
     for m in model.modules():
-        plain += 1 in getattr(m, "gemv_configs", {})
-        fused += 1 in getattr(m, "gemv_silu_configs", {})
-    return f"decode GEMV at M=1 in {plain} linear layers ({fused} with silu_and_mul fused)"
+        for kind, configs in getattr(m, "gemv", {}).items():
+            counts[kind] += 1 in configs
+    return "decode GEMV layers at M=1 by form: " + ", ".join(f"{k} {v}" for k, v in
+                                                             counts.items())

@@ -108,7 +108,7 @@ def test_linear_seam_uses_configs(device):
     """The dense linear method takes the GEMV for the row counts in its plan and cuBLAS /
     F.linear otherwise; the merged gate/up layer fuses silu_and_mul the same way."""
     from kvflow.layers.activation import SiluAndMul
-    from kvflow.layers.linear import MergedLinear, ReplicatedLinear
+    from kvflow.layers.linear import NO_GEMV, MergedLinear, ReplicatedLinear
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -119,8 +119,8 @@ def test_linear_seam_uses_configs(device):
     if lin.bias is not None:
         lin.bias.data.normal_()
     cfg = GemvConfig(16, 32, 2)
-    lin.gemv_configs = {2: cfg}
-    mlp.gemv_silu_configs = {2: cfg}
+    lin.gemv = {**NO_GEMV, "linear": {2: cfg}}
+    mlp.gemv = {**NO_GEMV, "silu_mul": {2: cfg}}
     act = SiluAndMul()
     x = torch.randn(2, 64, dtype=torch.bfloat16, device=device)
     _check(lin(x), gemv_ref(x, lin.weight, lin.bias), x, lin.weight)
@@ -165,3 +165,67 @@ def test_gemv_cuda_graph_capture():
         torch.cuda.synchronize()
         _check(y, gemv_ref(x, w), x, w)
         _check_silu(z, x, wg)
+
+
+def _check_normed(y, r, x, residual, nw, w, act: bool) -> None:
+    """r exact up to the interpreter's truncating bf16 casts (one ulp); y within a few ulps
+    of the float32 reference (the norm scale is applied to the sums, not the tile)."""
+    from kvflow.kernels.gemv_norm import gemv_rms_norm_ref
+
+    y_ref, r_ref = gemv_rms_norm_ref(x, residual, nw, 1e-5, w, act)
+    eps = torch.finfo(x.dtype).eps
+    assert r.shape == r_ref.shape and y.shape == y_ref.shape and y.dtype == y_ref.dtype
+    assert ((r.float() - r_ref.float()).abs() <= eps * r_ref.float().abs()).all()
+    rf = r_ref.float()
+    scale = torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-5)
+    h = ((rf * scale * nw.float()).abs() @ w.float().abs().t())  # |terms| of each sum
+    if act:
+        d = h.shape[-1] // 2
+        h = h[:, :d] * (1 + h[:, d:])
+    bound = 4 * eps * (h + y_ref.float().abs()) + 1e-4
+    err = (y.float() - y_ref.float()).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
+
+
+@pytest.mark.parametrize("cfg", [GemvConfig(32, 32, 3), GemvConfig(16, 64, 1)],
+                         ids=["split3", "nosplit"])
+@pytest.mark.parametrize("m,res,act", [(1, True, False), (3, False, True), (2, True, True)])
+def test_gemv_rms_norm(device, cfg, m, res, act):
+    from kvflow.kernels.gemv_norm import gemv_rms_norm
+
+    n, k = 40, 160
+    g = torch.Generator().manual_seed(10 * m + act)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
+    residual = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device) if res else None
+    nw = (torch.rand(k, generator=g) + 0.5).to(torch.bfloat16).to(device)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16).to(device)
+    y, r = gemv_rms_norm(x, residual, nw, 1e-5, w, cfg, silu_and_mul=act)
+    _check_normed(y, r, x, residual, nw, w, act)
+    if not res:
+        assert r is x  # the first layer: the residual is the input itself
+
+
+def test_normed_seam(device):
+    """forward_normed: the GEMV with the norm folded in where planned (and the norm in
+    kernel mode), else the norm module then the layer, with identical residuals."""
+    from kvflow.layers.activation import SiluAndMul
+    from kvflow.layers.linear import NO_GEMV, MergedLinear
+    from kvflow.layers.norm import RMSNorm
+
+    torch.manual_seed(1)
+    with torch.device(device):
+        mlp = MergedLinear(64, [32, 32], False, torch.bfloat16)
+        norm = RMSNorm(64, 1e-5, torch.bfloat16)
+    mlp.weight.data.normal_()
+    norm.weight.data.uniform_(0.5, 1.5)
+    act = SiluAndMul()
+    x = torch.randn(2, 64, dtype=torch.bfloat16, device=device)
+    res = torch.randn(2, 64, dtype=torch.bfloat16, device=device)
+    plain_y, plain_r = mlp.forward_normed(x, res, norm, act)
+    torch.testing.assert_close(plain_r, x + res)
+    mlp.gemv = {**NO_GEMV, "norm_silu_mul": {2: GemvConfig(16, 32, 2)}}
+    y, r = mlp.forward_normed(x, res, norm, act)
+    assert torch.equal(y, plain_y)  # the norm module is native here: no fusion
+    norm.uses_kernels = True  # (its kernel forward would be the Triton RMSNorm)
+    y, r = mlp.forward_normed(x, res, norm, act)
+    _check_normed(y, r, x, res, norm.weight, mlp.weight, True)
