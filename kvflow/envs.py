@@ -34,6 +34,12 @@ def gemv_mode() -> str:
     return mode
 
 
+def gemv_table() -> str | None:
+    """KVFLOW_GEMV_TABLE: a ``benchmarks/gpu/bench_gemv.py`` result JSON whose measured
+    table replaces the built-in one for the shapes it lists (``auto`` mode)."""
+    return os.environ.get("KVFLOW_GEMV_TABLE") or None
+
+
 def no_progress_bar() -> bool:
     """KVFLOW_NO_PROGRESS=1 hides tqdm progress bars (logs and CI)."""
     return os.environ.get("KVFLOW_NO_PROGRESS", "0") == "1"

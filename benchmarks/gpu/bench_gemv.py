@@ -12,10 +12,12 @@ weight is cold in a real step), median of the replays, per launch. Reported: tim
 bytes each launch must move (weight + activations + output) as GB/s and as a fraction
 of the H200's 4.8 TB/s, speed-up over cuBLAS, error against the reference.
 
-``--sweep`` times a grid of tile configurations per case, most promising first, until
-``--budget-s`` runs out (what is left is timed with the heuristic only); its ``table``
-lists per case the best configuration where it beat cuBLAS by at least 2 % (else null:
-keep cuBLAS), the input to ``gemv_config.MEASURED``.
+Without ``--sweep`` each case times the built-in table's configurations for its shape
+(every M bucket's) and the heuristic. ``--sweep`` (``--sweep-kinds`` picks the kinds)
+also times a grid of tile configurations per case, most promising first, until
+``--budget-s`` runs out. The ``table`` lists per case the best configuration where it beat
+cuBLAS by at least 2 % (else null: keep cuBLAS): the input to ``gemv_config.MEASURED``, or
+read directly with ``KVFLOW_GEMV_TABLE=<this file>``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from kvflow.bench.machine import save_result  # noqa: E402
 from kvflow.kernels.gemv import (gemv, gemv_ref, gemv_silu_and_mul,  # noqa: E402
                                  gemv_silu_and_mul_ref)
-from kvflow.kernels.gemv_config import GemvConfig, default_config  # noqa: E402
+from kvflow.kernels.gemv_config import (GemvConfig, _device_table,  # noqa: E402
+                                        default_config)
 from kvflow.kernels.gemv_norm import gemv_rms_norm, gemv_rms_norm_ref  # noqa: E402
 from kvflow.kernels.rms_norm import fused_add_rms_norm  # noqa: E402
 from kvflow.kernels.silu_and_mul import silu_and_mul  # noqa: E402
@@ -121,17 +124,22 @@ def _grid(kind: str, m: int, n: int, k: int, sms: int) -> list[GemvConfig]:
     return uniq
 
 
-def bench(sweep: bool, budget_s: float) -> dict:
+def bench(sweep: bool, budget_s: float, sweep_kinds: set[str] | None = None,
+          ms: tuple[int, ...] = MS) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, sweeps, table = [], [], []
     end = time.time() + budget_s
-    cases = list(itertools.product(SHAPES, MS))
-    weight = lambda m: 3 if m == 1 else 1  # noqa: E731  (batch 1 is the target)
-    left = sum(weight(m) for _, m in cases)
+    cases = list(itertools.product(SHAPES, ms))
+    swept = lambda kind: sweep and (not sweep_kinds or kind in sweep_kinds)  # noqa: E731
+
+    def weight(kind: str, m: int) -> int:  # batch 1 is the target
+        return (3 if m == 1 else 1) if swept(kind) else 0
+    left = sum(weight(shape[1], m) for shape, m in cases)
     for (name, kind, k, n), m in cases:
         # this case's share of the sweep budget still left
-        deadline = time.time() + max(0.0, end - time.time()) * weight(m) / left
-        left -= weight(m)
+        share = weight(kind, m) / left if left else 0.0
+        deadline = time.time() + max(0.0, end - time.time()) * share
+        left -= weight(kind, m)
         wbytes = n * k * 2
         copies = max(1, min(8, -(-4 * L2_BYTES // wbytes)))
         ws = [torch.randn(n, k, dtype=DT, device="cuda") * 0.02 for _ in range(copies)]
@@ -168,12 +176,19 @@ def bench(sweep: bool, budget_s: float) -> dict:
         case = {"shape": name, "kind": kind, "k": k, "n": n, "m": m, "bytes": total}
         rows.append({**case, "impl": "cublas", "ms": cub_ms, "gb_per_s": total / cub_ms / 1e6,
                      "hbm_fraction": total / cub_ms / 1e-3 / HBM})
-        grid = _grid(kind, m, n_out, k, sms) if sweep else [base]
+        known = _device_table(torch.cuda.get_device_name()).get((kind, n_out, k), {})
+        own = known.get(m)
+        if swept(kind):
+            grid = _grid(kind, m, n_out, k, sms)
+            timed = [own] if own is not None else []
+        else:  # the table's configs for this shape (every bucket) and the heuristic
+            grid = [c for c in [own, *known.values(), base] if c is not None]
+            timed = grid
         # the heuristic's tile at every split first, then the other tiles ordered by
         # how close their program count is to the best so far (compiles cost more than
-        # timings, so the budget goes to the likeliest tiles)
-        first = [c for c in grid if _tile(c) == _tile(base)]
-        rest = [c for c in grid if _tile(c) != _tile(base)]
+        # timings, so the budget goes to the likeliest tiles); table configs always run
+        first = list(dict.fromkeys(timed + [c for c in grid if _tile(c) == _tile(base)]))
+        rest = [c for c in grid if c not in first]
         best = best_cfg = None
         i = 0
         while first or rest:
@@ -183,7 +198,7 @@ def bench(sweep: bool, budget_s: float) -> dict:
                                                          / _programs(best_cfg, n_out, k))))
                 first, rest = rest, []
             cfg = first.pop(0)
-            if i > 0 and time.time() > deadline:
+            if i > 0 and time.time() > deadline and cfg not in timed:
                 break
             i += 1
             try:
@@ -194,12 +209,12 @@ def bench(sweep: bool, budget_s: float) -> dict:
                 continue
             r = {**case, "config": cfg.as_dict(), "ms": ms, "gb_per_s": total / ms / 1e6,
                  "speedup_vs_cublas": cub_ms / ms, "max_abs_err": err}
-            if err > 0.02 * tol:  # a wrong result is never a candidate
+            if err > 0.05 * tol:  # a wrong result is never a candidate
                 sweeps.append({**r, "wrong": True})
                 continue
-            if i == 1:
-                rows.append({**r, "impl": "gemv-default",
-                             "hbm_fraction": total / ms / 1e-3 / HBM})
+            for label, c in (("gemv-table", own), ("gemv-default", base)):
+                if cfg == c:
+                    rows.append({**r, "impl": label, "hbm_fraction": total / ms / 1e-3 / HBM})
             sweeps.append(r)
             if best is None or ms < best["ms"]:
                 best, best_cfg = r, cfg
@@ -224,11 +239,17 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--ms", default="1,2,4,8", help="activation row counts")
+    p.add_argument("--sweep-kinds", default="",
+                   help="sweep only these kinds (comma-separated: linear, silu_mul, "
+                        "norm_linear, norm_silu_mul); the others time the table's configs")
     p.add_argument("--budget-s", type=float, default=150.0,
                    help="seconds of sweeping in all; later cases get the heuristic only")
     ns = p.parse_args()
     start = time.time()
-    result = bench(ns.sweep, ns.budget_s)
+    result = bench(ns.sweep, ns.budget_s,
+                   set(ns.sweep_kinds.split(",")) if ns.sweep_kinds else None,
+                   tuple(int(m) for m in ns.ms.split(",")))
     result.update({"command": "python " + " ".join(sys.argv),
                    "device": torch.cuda.get_device_name(), "hbm_bytes_per_s": HBM,
                    "seconds": time.time() - start,

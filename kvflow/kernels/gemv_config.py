@@ -96,7 +96,74 @@ def _c(bn: int, bk: int, split: int, warps: int, stages: int, dot: bool = True) 
 # N = d, the output width), "norm_linear" / "norm_silu_mul" (the same with residual add +
 # RMSNorm folded in, against cuBLAS + fused_add_rms_norm). Each entry is the best configuration of a sweep on that GPU
 # where it beat cuBLAS (for silu_mul: cuBLAS + the silu_and_mul kernel) at that M.
-MEASURED: dict[str, dict[tuple[str, int, int], dict[int, GemvConfig | None]]] = {}
+#
+# H200 (132 SMs, 4.8 TB/s): benchmarks/gpu/bench_gemv.py --sweep (budget 100 s) at commit
+# 5d978fb, results/gemv-bench-sweep-h200.json. What the sweep taught: split-K rarely pays
+# here (its workspace round trip and last-program tail cost more than idle SMs: qkv at 96
+# programs beats 288; only down at M = 1 and 8 keeps 2-3 splits), BLOCK_N 32 wins where
+# 64 leaves too few programs (o_proj), and the 1 GB lm_head reaches 4.39 TB/s (the launch's fixed cost is
+# what holds the 33-50 MB layers near 3 TB/s). The norm-folded gate_up lost (x side of
+# the K loop not pipelined), so it is absent and gate_up takes norm kernel + silu GEMV.
+MEASURED: dict[str, dict[tuple[str, int, int], dict[int, GemvConfig | None]]] = {
+    "H200": {
+        # qkv
+        ("linear", 6144, 4096): {
+            1: _c(64, 256, 1, 4, 4),
+            2: _c(64, 256, 1, 4, 4),
+            4: _c(64, 256, 1, 4, 5),
+            8: _c(64, 128, 1, 4, 5),
+        },
+        # o
+        ("linear", 4096, 4096): {
+            1: _c(32, 256, 1, 4, 5),
+            2: _c(64, 256, 2, 4, 3),
+            4: _c(32, 256, 1, 4, 5),
+            8: _c(32, 256, 1, 4, 5),
+        },
+        # gate_up
+        ("linear", 28672, 4096): {
+            1: _c(32, 128, 1, 4, 3),
+            2: None,
+            4: _c(128, 256, 1, 8, 3),
+            8: _c(64, 128, 1, 4, 4),
+        },
+        # gate_up + silu_and_mul
+        ("silu_mul", 14336, 4096): {
+            1: _c(64, 128, 1, 8, 3),
+            2: None,
+            4: _c(64, 128, 1, 4, 3),
+            8: _c(64, 128, 1, 4, 3),
+        },
+        # down
+        ("linear", 4096, 14336): {
+            1: _c(64, 256, 2, 4, 4),
+            2: None,
+            4: _c(32, 256, 1, 4, 5),
+            8: _c(32, 128, 3, 4, 4),
+        },
+        # lm_head
+        ("linear", 128256, 4096): {
+            1: _c(128, 128, 1, 4, 3),
+            2: _c(64, 128, 1, 4, 5),
+            4: _c(128, 128, 1, 8, 3),
+            8: _c(128, 128, 1, 4, 3),
+        },
+        # add + norm + qkv
+        ("norm_linear", 6144, 4096): {
+            1: _c(64, 256, 1, 4, 4),
+            2: None,
+            4: None,
+            8: None,
+        },
+        # add + norm + gate_up + silu
+        ("norm_silu_mul", 14336, 4096): {
+            1: None,
+            2: None,
+            4: None,
+            8: None,
+        },
+    },
+}
 
 
 def _bucket(m: int) -> int:
@@ -106,12 +173,34 @@ def _bucket(m: int) -> int:
     raise ValueError(f"no GEMV bucket for {m} rows")
 
 
+def table_from_bench(path: str) -> dict[tuple[str, int, int], dict[int, GemvConfig | None]]:
+    """The ``table`` of a ``bench_gemv.py`` result file, in ``MEASURED``'s form."""
+    import json
+
+    with open(path) as f:
+        rows = json.load(f)["table"]
+    out: dict[tuple[str, int, int], dict[int, GemvConfig | None]] = {}
+    for r in rows:
+        n = r["n"] // 2 if r["kind"].endswith("silu_mul") else r["n"]  # key: output width
+        cfg = r["config"]
+        out.setdefault((r["kind"], n, r["k"]), {})[r["m"]] = (
+            None if cfg is None else GemvConfig(**cfg))
+    return out
+
+
 @functools.lru_cache(maxsize=16)
 def _device_table(name: str) -> dict:
-    for token, table in MEASURED.items():
+    from kvflow import envs
+
+    table: dict = {}
+    for token, measured in MEASURED.items():
         if token in name:
-            return table
-    return {}
+            table = dict(measured)
+            break
+    path = envs.gemv_table()
+    if path:  # a fresh measurement on this machine replaces the built-in entries
+        table.update(table_from_bench(path))
+    return table
 
 
 def dispatch_configs(kind: str, n: int, k: int, dtype: torch.dtype, device: torch.device,

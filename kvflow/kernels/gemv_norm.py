@@ -55,8 +55,16 @@ def _gemv_norm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, wu_ptr, out_ptr, r_out_ptr,
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     first_col = (offs_m * 0 + pid_n) == 0  # [BM]: this program writes r
+    # The x side (x, residual, norm weight) does not feed tl.dot as loaded, so the
+    # pipeliner leaves its loads synchronous: an L2 round trip per K step, exposed. It is
+    # prefetched by hand one step ahead instead (registers: [BM, BK] each).
+    ar_k = tl.arange(0, BLOCK_K)
+    k_end = t_end * BLOCK_K
+    x_nxt, res_nxt, nw_nxt = _load_x_side(x_ptr, res_ptr, nw_ptr, offs_m, m_ok,
+                                          t_start * BLOCK_K + ar_k, K, k_end, stride_xm,
+                                          stride_rm, HAS_RES)
     for t in range(t_start, t_end):
-        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
+        offs_k = t * BLOCK_K + ar_k  # [BK]
         k_ok = offs_k < K
         if EVEN_K:
             w_mask = n_ok[:, None]
@@ -65,18 +73,17 @@ def _gemv_norm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, wu_ptr, out_ptr, r_out_ptr,
         x_mask = m_ok[:, None] & k_ok[None, :]
         w = tl.load(w_ptr + rows_w + offs_k[None, :], mask=w_mask, other=0.0,
                     eviction_policy="evict_first")  # [BN, BK]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask,
-                    other=0.0)  # [BM, BK]
+        x, res, nw = x_nxt, res_nxt, nw_nxt  # [BM, BK], [BM, BK], [BK]
+        x_nxt, res_nxt, nw_nxt = _load_x_side(x_ptr, res_ptr, nw_ptr, offs_m, m_ok,
+                                              offs_k + BLOCK_K, K, k_end, stride_xm,
+                                              stride_rm, HAS_RES)
         if HAS_RES:
-            res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :],
-                          mask=x_mask, other=0.0)
             x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
             tl.store(r_out_ptr + offs_m[:, None] * K + offs_k[None, :], x,
                      mask=x_mask & first_col[:, None])
         xf = x.to(tl.float32)
         ssq += tl.sum(xf * xf, axis=1)
-        nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
-        a = (xf * nw[None, :]).to(x.dtype)  # [BM, BK] the activation tile, unscaled
+        a = (xf * nw.to(tl.float32)[None, :]).to(x.dtype)  # [BM, BK] the activation tile, unscaled
         if UPCAST:  # CPU interpreter: its tl.dot multiplies bf16 as raw uint16
             acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
         else:
@@ -116,6 +123,22 @@ def _gemv_norm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, wu_ptr, out_ptr, r_out_ptr,
             tl.atomic_xchg(lock_ptr + pid_n, 0)  # zero again for the next launch
     else:
         _epilogue(gate, up, ssq, K, eps, out_ptr, offs_m, offs_n, stride_om, o_mask, ACT)
+
+
+@triton.jit
+def _load_x_side(x_ptr, res_ptr, nw_ptr, offs_m, m_ok, offs_k, K, k_end, stride_xm,
+                 stride_rm, HAS_RES: tl.constexpr):
+    """x, residual [BM, BK] and norm weight [BK] at offs_k (zeros past K or this split)."""
+    k_ok = (offs_k < K) & (offs_k < k_end)
+    mask = m_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mask,
+                      other=0.0)
+    else:
+        res = x
+    nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0)
+    return x, res, nw
 
 
 @triton.jit
