@@ -7,8 +7,9 @@ measured faster than cuBLAS on this GPU at this (N, K), and keeps cuBLAS (``F.li
 for every other M and shape. The table holds only measured entries (``MEASURED``, filled
 from ``benchmarks/gpu/bench_gemv.py --sweep`` on the named GPU): an unmeasured GPU or shape
 keeps cuBLAS. ``KVFLOW_GEMV`` (``kvflow.envs.gemv_mode``) overrides: ``off`` keeps cuBLAS
-everywhere, ``force`` takes the heuristic ``default_config`` for every M <= 8 (benchmarks,
-tests), ``auto`` (default) the table.
+everywhere, ``force`` takes the GEMV for every M <= 8 (the table's config where it
+measured a win, else the heuristic ``default_config``; benchmarks, tests), ``auto``
+(default) the table's wins only.
 
 Everything is decided from Python ints at load and at the call: no host sync, so the
 launches capture in CUDA graphs (one graph per batch size, each with its static M).
@@ -69,22 +70,27 @@ def _sms(device: torch.device) -> int:
 
 def default_config(m: int, n: int, k: int, device: torch.device, pairs: bool = False,
                    sms: int | None = None) -> GemvConfig:
-    """A heuristic configuration (``force`` mode, shapes outside the table, tests).
+    """A heuristic configuration (``force`` mode outside the table, tests).
 
-    64-row tiles of 256 bf16 inputs (32 KiB per stage, 16-byte loads per thread) four
-    stages deep; ``pairs`` (gate + up per program) halves the stages. Split-K until
-    about two programs per SM are in flight (each holds 128 KiB of stages in flight,
-    which at ~1 us of HBM latency is well above one SM's share of 4.8 TB/s)."""
+    Tiles of 256 bf16 inputs (16-byte loads per thread), four stages deep (pairs: gate +
+    up per program, three). BLOCK_N 64 or 32, whichever fills the last wave of programs
+    better (ties: 64). Split-K only when even 32-row tiles leave over half the SMs idle:
+    on the H200 the in-launch reduction cost more than idle SMs at every 8B shape but
+    o_proj (``MEASURED``)."""
     sms = sms or _sms(device)
-    bk = min(256, max(16, triton.next_power_of_2(k) // 2 if k < 512 else 256))
-    bn = 64 if n >= 64 * sms // 2 or n > 2048 else 32
+    bk = 256 if k >= 512 else max(16, triton.next_power_of_2(k) // 2)
+
+    def fill(bn: int) -> float:
+        tiles = triton.cdiv(n, bn)
+        return tiles / (triton.cdiv(tiles, sms) * sms)
+    bn = 64 if fill(64) >= fill(32) else 32
     tiles = triton.cdiv(n, bn)
     k_tiles = triton.cdiv(k, bk)
     split = 1
-    if tiles < 2 * sms:
-        split = max(1, min(triton.cdiv(2 * sms, tiles), k_tiles // 2, 16))
+    if tiles < sms // 2:
+        split = max(1, min(sms // tiles, k_tiles // 2, 16))
         split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no split left empty
-    return GemvConfig(bn, bk, split, True, 4, 2 if pairs else 4)
+    return GemvConfig(bn, bk, split, True, 4, 3 if pairs else 4)
 
 
 def _c(bn: int, bk: int, split: int, warps: int, stages: int, dot: bool = True) -> GemvConfig:
@@ -209,13 +215,12 @@ def dispatch_configs(kind: str, n: int, k: int, dtype: torch.dtype, device: torc
     (empty: cuBLAS for all). ``mode`` is ``kvflow.envs.gemv_mode()``."""
     if mode == "off" or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return {}
-    if mode == "force":
-        return {m: default_config(m, n, k, device, pairs=kind.endswith("silu_mul"))
-                for m in range(1, DISPATCH_MAX_M + 1)}
     table = _device_table(torch.cuda.get_device_name(device)).get((kind, n, k), {})
     out = {}
     for m in range(1, DISPATCH_MAX_M + 1):
         cfg = table.get(_bucket(m))
+        if cfg is None and mode == "force":  # force: the heuristic where none was measured
+            cfg = default_config(m, n, k, device, pairs=kind.endswith("silu_mul"))
         if cfg is not None:
             out[m] = cfg
     return out

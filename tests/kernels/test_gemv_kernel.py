@@ -79,7 +79,10 @@ def test_config_validation_and_defaults():
         GemvConfig(64, 64, split_k=0)
     cfg = default_config(1, 4096, 4096, torch.device("cpu"), sms=132)
     assert cfg.dot and cfg.block_m == 16
-    assert cfg.split_k > 1  # 64 column tiles alone leave most of 132 SMs idle
+    # 32-row tiles fill 132 SMs (128 programs) where 64-row ones leave half idle
+    assert (cfg.block_n, cfg.split_k) == (32, 1)
+    small = default_config(1, 1024, 4096, torch.device("cpu"), sms=132)
+    assert small.split_k > 1  # 32 tiles: the K loop is split
     big = default_config(1, 128256, 4096, torch.device("cpu"), sms=132)
     assert big.split_k == 1
 
@@ -152,8 +155,7 @@ def test_gemv_cuda_graph_capture():
     w = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda") * 0.02
     wg = torch.randn(2 * 14336, 4096, dtype=torch.bfloat16, device="cuda") * 0.02
     x = torch.randn(2, 4096, dtype=torch.bfloat16, device="cuda")
-    cfg = default_config(2, 4096, 4096, x.device)
-    assert cfg.split_k > 1
+    cfg = GemvConfig(64, 256, 4)  # split-K: the arrival counters must reset each replay
     gemv(x, w, None, cfg), gemv_silu_and_mul(x, wg)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -229,3 +231,35 @@ def test_normed_seam(device):
     norm.uses_kernels = True  # (its kernel forward would be the Triton RMSNorm)
     y, r = mlp.forward_normed(x, res, norm, act)
     _check_normed(y, r, x, res, norm.weight, mlp.weight, True)
+
+
+def test_h200_table_is_the_recorded_sweep():
+    """The built-in H200 entries are exactly the table of the recorded GPU sweep (no
+    hand-picked or assumed configs)."""
+    from pathlib import Path
+
+    from kvflow.kernels.gemv_config import table_from_bench
+
+    path = Path(__file__).parents[2] / "benchmarks/results/gemv-bench-sweep-h200.json"
+    assert table_from_bench(str(path)) == MEASURED["H200"]
+
+
+def test_gemv_table_env_overrides(monkeypatch, tmp_path):
+    import json
+
+    from kvflow.kernels import gemv_config
+
+    cfg = GemvConfig(32, 128, 1, num_stages=3)
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"table": [
+        {"kind": "silu_mul", "n": 28672, "k": 4096, "m": 1, "config": cfg.as_dict()},
+        {"kind": "linear", "n": 4096, "k": 4096, "m": 1, "config": None}]}))
+    monkeypatch.setenv("KVFLOW_GEMV_TABLE", str(path))
+    gemv_config._device_table.cache_clear()
+    try:
+        table = gemv_config._device_table("NVIDIA H200")
+    finally:
+        gemv_config._device_table.cache_clear()
+    assert table[("silu_mul", 14336, 4096)] == {1: cfg}  # keyed by the output width d
+    assert table[("linear", 4096, 4096)] == {1: None}  # a fresh loss replaces a win
+    assert table[("linear", 6144, 4096)] == MEASURED["H200"][("linear", 6144, 4096)]
