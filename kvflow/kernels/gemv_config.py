@@ -204,8 +204,9 @@ def _device_table(name: str) -> dict:
             table = dict(measured)
             break
     path = envs.gemv_table()
-    if path:  # a fresh measurement on this machine replaces the built-in entries
-        table.update(table_from_bench(path))
+    if path:  # a fresh measurement on this machine replaces the built-in buckets it has
+        for key, buckets in table_from_bench(path).items():
+            table[key] = {**table.get(key, {}), **buckets}
     return table
 
 

@@ -260,6 +260,7 @@ def test_gemv_table_env_overrides(monkeypatch, tmp_path):
         table = gemv_config._device_table("NVIDIA H200")
     finally:
         gemv_config._device_table.cache_clear()
-    assert table[("silu_mul", 14336, 4096)] == {1: cfg}  # keyed by the output width d
-    assert table[("linear", 4096, 4096)] == {1: None}  # a fresh loss replaces a win
+    assert table[("silu_mul", 14336, 4096)][1] == cfg  # keyed by the output width d
+    o_proj = table[("linear", 4096, 4096)]  # a fresh loss replaces that bucket's win only
+    assert o_proj == {**MEASURED["H200"][("linear", 4096, 4096)], 1: None}
     assert table[("linear", 6144, 4096)] == MEASURED["H200"][("linear", 6144, 4096)]
