@@ -6,9 +6,10 @@ at Llama-3.1-8B's linear shapes, M = 1, 2, 4, 8.
 Shapes (K -> N): qkv 4096->6144, o 4096->4096, gate_up 4096->28672 (plain, and with
 SiLU-and-multiply fused: against cuBLAS + the ``silu_and_mul`` kernel), down 14336->4096,
 lm_head 4096->128256; and the residual add + RMSNorm folded in (``gemv_norm``) for qkv and
-gate_up+silu, against ``fused_add_rms_norm`` + cuBLAS (+ ``silu_and_mul``). Timing is what a decode CUDA graph sees: one graph replays the
-launch over enough copies of the weight that they do not fit the 50 MB L2 (each layer's
-weight is cold in a real step), median of the replays, per launch. Reported: time, the
+gate_up+silu, against ``fused_add_rms_norm`` + cuBLAS (+ ``silu_and_mul``). Timing is
+what a decode CUDA graph sees: one graph replays the launch over enough copies of the
+weight that they do not fit the 50 MB L2 (each layer's weight is cold in a real step),
+median of the replays, per launch. Reported: time, the
 bytes each launch must move (weight + activations + output) as GB/s and as a fraction
 of the H200's 4.8 TB/s, speed-up over cuBLAS, error against the reference.
 
@@ -230,7 +231,7 @@ def bench(sweep: bool, budget_s: float, sweep_kinds: set[str] | None = None,
                   f"{total / cub_ms / 1e6:5.0f} GB/s | gemv {best['ms'] * 1e3:6.1f} us "
                   f"{best['gb_per_s']:5.0f} GB/s x{best['speedup_vs_cublas']:.2f}  "
                   f"{best['config']}", flush=True)
-        del ws
+        ws = cublas = None  # free the copies before the next shape
         torch.cuda.empty_cache()
     return {"rows": rows, "sweep": sweeps, "table": table}
 

@@ -220,7 +220,8 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
         ws = torch.empty((cfg.split_k, 2, m, d), dtype=torch.float32, device=x.device)
         locks = split_buffers(cfg, m, d, x.device)[1]
     _gemv_silu_mul_kernel[(tiles, cfg.split_k)](
-        x, weight, weight[d:], out, out if ws is None else ws, out if locks is None else locks, m, d, k,
+        x, weight, weight[d:], out, out if ws is None else ws,
+        out if locks is None else locks, m, d, k,
         x.stride(0), d, cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SPLIT=ws is not None,
         DOT=cfg.dot, UPCAST=_interp(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)

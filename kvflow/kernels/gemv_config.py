@@ -100,16 +100,18 @@ def _c(bn: int, bk: int, split: int, warps: int, stages: int, dot: bool = True) 
 # Measured tables: device-name token -> {(kind, N, K): {M bucket: config, or None for
 # cuBLAS}}. kind "linear" (y = x W^T), "silu_mul" (gate/up with the activation fused,
 # N = d, the output width), "norm_linear" / "norm_silu_mul" (the same with residual add +
-# RMSNorm folded in, against cuBLAS + fused_add_rms_norm). Each entry is the best configuration of a sweep on that GPU
-# where it beat cuBLAS (for silu_mul: cuBLAS + the silu_and_mul kernel) at that M.
+# RMSNorm folded in, against cuBLAS + fused_add_rms_norm). Each entry is the best
+# configuration of a sweep on that GPU where it beat cuBLAS (for silu_mul: cuBLAS + the
+# silu_and_mul kernel) by >= 2 % at that M.
 #
 # H200 (132 SMs, 4.8 TB/s): benchmarks/gpu/bench_gemv.py --sweep (budget 100 s) at commit
 # 5d978fb, results/gemv-bench-sweep-h200.json. What the sweep taught: split-K rarely pays
 # here (its workspace round trip and last-program tail cost more than idle SMs: qkv at 96
 # programs beats 288; only down at M = 1 and 8 keeps 2-3 splits), BLOCK_N 32 wins where
-# 64 leaves too few programs (o_proj), and the 1 GB lm_head reaches 4.39 TB/s (the launch's fixed cost is
-# what holds the 33-50 MB layers near 3 TB/s). The norm-folded gate_up lost (x side of
-# the K loop not pipelined), so it is absent and gate_up takes norm kernel + silu GEMV.
+# 64 leaves too few programs (o_proj), and the 1 GB lm_head reaches 4.39 TB/s (the
+# launch's fixed cost is what holds the 33-50 MB layers near 3 TB/s). The norm-folded
+# gate_up lost (its x side was not pipelined then), so it is absent and gate_up takes the
+# norm kernel + the silu GEMV.
 MEASURED: dict[str, dict[tuple[str, int, int], dict[int, GemvConfig | None]]] = {
     "H200": {
         # qkv

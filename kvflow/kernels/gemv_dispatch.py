@@ -21,11 +21,13 @@ KINDS = ("linear", "silu_mul", "norm_linear", "norm_silu_mul")
 def plan_gemv(layer: nn.Module) -> dict[str, dict[int, GemvConfig]]:
     """Per form ("linear": x W^T; "silu_mul": silu(gate) * up of a merged [gate; up]
     layer; "norm_*": the same with residual add + RMSNorm in the prologue), {M: config}."""
+    from kvflow.layers.linear import NO_GEMV
+
     plan: dict[str, dict[int, GemvConfig]] = {kind: {} for kind in KINDS}
     w = getattr(layer, "weight", None)
     if (w is None or w.device.type != "cuda" or w.dim() != 2 or not w.is_contiguous()
             or envs.disable_triton()):
-        return plan
+        return NO_GEMV
     mode = envs.gemv_mode()
     n, k = w.shape
     plan["linear"] = dispatch_configs("linear", n, k, w.dtype, w.device, mode)
@@ -35,7 +37,7 @@ def plan_gemv(layer: nn.Module) -> dict[str, dict[int, GemvConfig]]:
         if len(sizes) == 2 and sizes[0] == sizes[1] and n == 2 * sizes[0]:
             for kind in ("silu_mul", "norm_silu_mul"):
                 plan[kind] = dispatch_configs(kind, n // 2, k, w.dtype, w.device, mode)
-    return plan
+    return plan if any(plan.values()) else NO_GEMV  # NO_GEMV: one identity test per call
 
 
 def describe(model: nn.Module) -> str:

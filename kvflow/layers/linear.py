@@ -90,7 +90,8 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.gemv = plan_gemv(layer)
 
     def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
-        cfg = layer.gemv["linear"].get(x.shape[0]) if x.dim() == 2 else None
+        plan = layer.gemv  # NO_GEMV itself on CPU and wherever nothing was planned
+        cfg = plan["linear"].get(x.shape[0]) if plan is not NO_GEMV and x.dim() == 2 else None
         if cfg is not None:  # decode batch on CUDA (kvflow/kernels/gemv.py)
             from kvflow.kernels.gemv import gemv
 
@@ -99,7 +100,8 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply_silu_and_mul(self, layer: "LinearBase", x: torch.Tensor,
                            act: nn.Module) -> torch.Tensor:
-        cfg = layer.gemv["silu_mul"].get(x.shape[0]) if x.dim() == 2 else None
+        plan = layer.gemv
+        cfg = plan["silu_mul"].get(x.shape[0]) if plan is not NO_GEMV and x.dim() == 2 else None
         if cfg is not None:  # one launch: gate/up GEMV with silu(gate) * up as epilogue
             from kvflow.kernels.gemv import gemv_silu_and_mul
 
@@ -109,8 +111,9 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply_normed(self, layer: "LinearBase", x: torch.Tensor,
                      residual: torch.Tensor | None, norm: nn.Module,
                      act: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = layer.gemv
         kind = "norm_linear" if act is None else "norm_silu_mul"
-        cfg = layer.gemv[kind].get(x.shape[0]) if x.dim() == 2 else None
+        cfg = plan[kind].get(x.shape[0]) if plan is not NO_GEMV and x.dim() == 2 else None
         if cfg is not None and getattr(norm, "uses_kernels", False):
             # one launch: residual add + RMSNorm folded into the GEMV (kvflow/kernels/gemv_norm.py)
             from kvflow.kernels.gemv_norm import gemv_rms_norm
