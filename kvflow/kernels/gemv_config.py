@@ -110,8 +110,10 @@ def _c(bn: int, bk: int, split: int, warps: int, stages: int, dot: bool = True) 
 # programs beats 288; only down at M = 1 and 8 keeps 2-3 splits), BLOCK_N 32 wins where
 # 64 leaves too few programs (o_proj), and the 1 GB lm_head reaches 4.39 TB/s (the
 # launch's fixed cost is what holds the 33-50 MB layers near 3 TB/s). The norm-folded
-# gate_up lost (its x side was not pipelined then), so it is absent and gate_up takes the
-# norm kernel + the silu GEMV.
+# gate_up lost then (its x side was not pipelined). The M = 1 buckets are overlaid from
+# the later bench at e3b684715 (results/gemv-bench-m1-h200.json: every table config per
+# shape re-timed, a 20 s sweep of the norm-folded gate_up, which now wins 1.15x with its
+# x side prefetched; down at M = 1 fell under 2 % and keeps cuBLAS).
 MEASURED: dict[str, dict[tuple[str, int, int], dict[int, GemvConfig | None]]] = {
     "H200": {
         # qkv
@@ -130,28 +132,28 @@ MEASURED: dict[str, dict[tuple[str, int, int], dict[int, GemvConfig | None]]] = 
         },
         # gate_up
         ("linear", 28672, 4096): {
-            1: _c(32, 128, 1, 4, 3),
+            1: _c(64, 128, 1, 4, 4),
             2: None,
             4: _c(128, 256, 1, 8, 3),
             8: _c(64, 128, 1, 4, 4),
         },
         # gate_up + silu_and_mul
         ("silu_mul", 14336, 4096): {
-            1: _c(64, 128, 1, 8, 3),
+            1: _c(64, 128, 1, 4, 3),
             2: None,
             4: _c(64, 128, 1, 4, 3),
             8: _c(64, 128, 1, 4, 3),
         },
         # down
         ("linear", 4096, 14336): {
-            1: _c(64, 256, 2, 4, 4),
+            1: None,
             2: None,
             4: _c(32, 256, 1, 4, 5),
             8: _c(32, 128, 3, 4, 4),
         },
         # lm_head
         ("linear", 128256, 4096): {
-            1: _c(128, 128, 1, 4, 3),
+            1: _c(32, 256, 1, 4, 4),
             2: _c(64, 128, 1, 4, 5),
             4: _c(128, 128, 1, 8, 3),
             8: _c(128, 128, 1, 4, 3),
@@ -165,7 +167,7 @@ MEASURED: dict[str, dict[tuple[str, int, int], dict[int, GemvConfig | None]]] = 
         },
         # add + norm + gate_up + silu
         ("norm_silu_mul", 14336, 4096): {
-            1: None,
+            1: _c(64, 128, 1, 4, 3),
             2: None,
             4: None,
             8: None,
