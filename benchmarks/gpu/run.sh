@@ -80,9 +80,11 @@ for stage in "$@"; do
       timeout ${FP8_E2E_TIMEOUT:-200} $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${W8A8_PROMPTS:-300} --input-len 1024 --output-len 128 --max-model-len 4096 --quantizations ${FP8_GPU_B_QUANTS:-none,fp8} --save-result "$OUT/fp8-gpu-b.json" 2>&1 | grep -v "^INFO" | tail -10
       echo "fp8-gpu-b exit ${PIPESTATUS[0]}";;
     gemv)
+      if [ -z "${GEMV_E2E_ONLY:-}" ]; then  # GEMV_E2E_ONLY=1: only the GPU-A runs and profiles
       timeout ${GEMV_TEST_TIMEOUT:-120} python -m pytest tests/kernels/test_gemv_kernel.py -q -x 2>&1 | tail -4
       [ -n "${GEMV_PARITY:-}" ] && KVFLOW_GEMV=force KVFLOW_TEST_REPORT="$OUT/parity-gemv-force.json" timeout 240 python -m pytest tests/test_gpu_parity.py -q -x -k "llama31 or agree" 2>&1 | tail -4
       timeout $(( ${GEMV_BUDGET:-150} + 120 )) python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv-bench.json" --ms ${GEMV_MS:-1,2,4,8} ${GEMV_SWEEP:+--sweep --budget-s ${GEMV_BUDGET:-150} --sweep-kinds "${GEMV_SWEEP_KINDS:-}"} 2>&1 | grep -v "^INFO" | tail -40 || echo "gemv-bench failed"
+      fi
       for mode in ${GEMV_MODES:-off auto}; do  # auto-fresh: auto with the table measured just now
         table=$([ $mode = auto-fresh ] && echo "$OUT/gemv-bench.json")
         KVFLOW_GEMV=${mode%-fresh} KVFLOW_GEMV_TABLE=$table timeout ${GEMV_E2E_TIMEOUT:-150} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --max-num-seqs 8 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-gemv-$mode.json" 2>&1 | grep -E "GEMV|tokens/s|rror|Traceback" | tail -6
