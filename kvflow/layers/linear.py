@@ -53,9 +53,10 @@ class LinearMethod:
 
     def apply_silu_and_mul(self, layer: "LinearBase", x: torch.Tensor,
                            act: nn.Module) -> torch.Tensor:
-        """``act(apply(x))`` for a merged [gate; up] layer; a method with a fused form
-        (the activation in the GEMM's epilogue) overrides it."""
-        return act(self.apply(layer, x))
+        """``act(layer(x))`` for a merged [gate; up] layer; a method with a fused form
+        (the activation in the GEMM's epilogue) overrides it. The unfused path calls the
+        module, so its forward hooks (SmoothQuant calibration) still see the input."""
+        return act(layer(x))
 
     def apply_normed(self, layer: "LinearBase", x: torch.Tensor,
                      residual: torch.Tensor | None, norm: nn.Module,
@@ -67,8 +68,8 @@ class LinearMethod:
             h, r = norm(x), x
         else:
             h, r = norm(x, residual)
-        y = self.apply(layer, h) if act is None else self.apply_silu_and_mul(layer, h, act)
-        return y, r
+        y = layer(h) if act is None else self.apply_silu_and_mul(layer, h, act)
+        return y, r  # (layer(h): through the module, so its forward hooks fire)
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -106,7 +107,7 @@ class UnquantizedLinearMethod(LinearMethod):
             from kvflow.kernels.gemv import gemv_silu_and_mul
 
             return gemv_silu_and_mul(x, layer.weight, cfg)
-        return act(self.apply(layer, x))
+        return act(layer(x))
 
     def apply_normed(self, layer: "LinearBase", x: torch.Tensor,
                      residual: torch.Tensor | None, norm: nn.Module,

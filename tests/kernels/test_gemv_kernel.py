@@ -223,8 +223,12 @@ def test_normed_seam(device):
     act = SiluAndMul()
     x = torch.randn(2, 64, dtype=torch.bfloat16, device=device)
     res = torch.randn(2, 64, dtype=torch.bfloat16, device=device)
+    seen = []  # the unfused path goes through the module: its hooks see the normed input
+    hook = mlp.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
     plain_y, plain_r = mlp.forward_normed(x, res, norm, act)
+    hook.remove()
     torch.testing.assert_close(plain_r, x + res)
+    assert len(seen) == 1 and torch.equal(seen[0], norm(x, res)[0])
     mlp.gemv = {**NO_GEMV, "norm_silu_mul": {2: GemvConfig(16, 32, 2)}}
     y, r = mlp.forward_normed(x, res, norm, act)
     assert torch.equal(y, plain_y)  # the norm module is native here: no fusion
