@@ -21,6 +21,25 @@ def disable_triton() -> bool:
     return os.environ.get("KVFLOW_DISABLE_TRITON", "0") == "1"
 
 
+def gemv_mode() -> str:
+    """KVFLOW_GEMV: which decode linears (M <= 8 rows, dense bf16/fp16 on CUDA) take the
+    Triton GEMV instead of cuBLAS: ``auto`` (default: where the per-GPU table in
+    kvflow/kernels/gemv_config.py measured it faster), ``off`` (cuBLAS everywhere) or
+    ``force`` (every shape, heuristic tiles; benchmarks and tests)."""
+    mode = os.environ.get("KVFLOW_GEMV", "auto").lower()
+    if mode not in ("auto", "off", "force"):
+        from kvflow.errors import InvalidParameterError
+
+        raise InvalidParameterError(f"KVFLOW_GEMV must be auto, off or force, not {mode!r}")
+    return mode
+
+
+def gemv_table() -> str | None:
+    """KVFLOW_GEMV_TABLE: a ``benchmarks/gpu/bench_gemv.py`` result JSON whose measured
+    table replaces the built-in one for the shapes it lists (``auto`` mode)."""
+    return os.environ.get("KVFLOW_GEMV_TABLE") or None
+
+
 def no_progress_bar() -> bool:
     """KVFLOW_NO_PROGRESS=1 hides tqdm progress bars (logs and CI)."""
     return os.environ.get("KVFLOW_NO_PROGRESS", "0") == "1"

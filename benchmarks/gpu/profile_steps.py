@@ -91,13 +91,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--cases", default="decode1,decode256,prefill",
+                    help="comma-separated subset of decode1, decode256, prefill")
     ns = ap.parse_args()
+    cases = dict(zip(("decode1", "decode256", "prefill"), range(3)))
+    wanted = {cases[c] for c in ns.cases.split(",")}
     results = []
-    for label, batch, prompt, eager, extra in [
+    for i, (label, batch, prompt, eager, extra) in enumerate([
         ("decode batch 1 (ctx ~1k, eager)", 1, 1024, True, {}),
         ("decode batch 256 (ctx ~1k, eager)", 256, 1024, True, {}),
         ("prefill 8192 tokens", 1, 8192, True, {"max_num_batched_tokens": 8192}),
-    ]:
+    ]):
+        if i not in wanted:
+            continue
         args = EngineArgs(model=ns.model, load_format="dummy", enforce_eager=eager,
                           max_model_len=16384, max_num_seqs=256, **extra)
         engine = LLMEngine.from_engine_args(args)

@@ -24,6 +24,13 @@
 #             at 8B shapes, M 1..256 (fp8-bench.json; FP8_SWEEP=1 adds a tile sweep at M 1, 8);
 #             GPU-A batch 1 none/fp8/fp8-block (fp8-gpu-a.json); GPU-B-style throughput at
 #             W8A8_PROMPTS (default 300) prompts, FP8_GPU_B_QUANTS (none,fp8) (fp8-gpu-b.json)
+#   gemv      dense decode GEMV (~4-6 min): its GPU tests; micro-benchmark vs cuBLAS at the
+#             8B shapes, M = 1..8 (gemv-bench.json; GEMV_SWEEP=1 adds a tile sweep bounded
+#             by GEMV_BUDGET seconds, default 150, GEMV_SWEEP_KINDS picks kinds, GEMV_MS the
+#             row counts); GPU-A per KVFLOW_GEMV mode in GEMV_MODES (default "off auto";
+#             auto-fresh: the table just measured; gpu-a-gemv-MODE.json); GEMV_PROFILE_MODES
+#             adds the batch-1 per-kernel profile per mode (profile-gemv-MODE.json);
+#             GEMV_PARITY=1 first runs the 8B bf16 parity test vs transformers, GEMV forced
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/env.sh  # OUT, PYTHONPATH, KVFLOW_GIT_COMMIT, KV
@@ -72,6 +79,20 @@ for stage in "$@"; do
       echo "fp8-gpu-a exit ${PIPESTATUS[0]}"
       timeout ${FP8_E2E_TIMEOUT:-200} $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${W8A8_PROMPTS:-300} --input-len 1024 --output-len 128 --max-model-len 4096 --quantizations ${FP8_GPU_B_QUANTS:-none,fp8} --save-result "$OUT/fp8-gpu-b.json" 2>&1 | grep -v "^INFO" | tail -10
       echo "fp8-gpu-b exit ${PIPESTATUS[0]}";;
+    gemv)
+      if [ -z "${GEMV_E2E_ONLY:-}" ]; then  # GEMV_E2E_ONLY=1: only the GPU-A runs and profiles
+      timeout ${GEMV_TEST_TIMEOUT:-120} python -m pytest tests/kernels/test_gemv_kernel.py -q -x 2>&1 | tail -4
+      [ -n "${GEMV_PARITY:-}" ] && KVFLOW_GEMV=force KVFLOW_TEST_REPORT="$OUT/parity-gemv-force.json" timeout 240 python -m pytest tests/test_gpu_parity.py -q -x -k "llama31 or agree" 2>&1 | tail -4
+      timeout $(( ${GEMV_BUDGET:-150} + 120 )) python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv-bench.json" --ms ${GEMV_MS:-1,2,4,8} ${GEMV_SWEEP:+--sweep --budget-s ${GEMV_BUDGET:-150} --sweep-kinds "${GEMV_SWEEP_KINDS:-}"} 2>&1 | grep -v "^INFO" | tail -40 || echo "gemv-bench failed"
+      fi
+      for mode in ${GEMV_MODES:-off auto}; do  # auto-fresh: auto with the table measured just now
+        table=$([ $mode = auto-fresh ] && echo "$OUT/gemv-bench.json")
+        KVFLOW_GEMV=${mode%-fresh} KVFLOW_GEMV_TABLE=$table timeout ${GEMV_E2E_TIMEOUT:-150} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --max-num-seqs 8 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-gemv-$mode.json" 2>&1 | grep -E "GEMV|tokens/s|rror|Traceback" | tail -6
+        echo "gpu-a-gemv-$mode exit ${PIPESTATUS[0]}"
+      done
+      for mode in ${GEMV_PROFILE_MODES:-}; do  # per-kernel breakdown of a batch-1 decode step
+        KVFLOW_GEMV=$mode timeout 120 python benchmarks/gpu/profile_steps.py --cases decode1 --out "$OUT/profile-gemv-$mode.json" 2>&1 | grep -v "^INFO" | tail -18
+      done;;
     *) echo "unknown stage $stage"; exit 2;;
   esac
 done

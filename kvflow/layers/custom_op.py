@@ -13,6 +13,7 @@ class CustomOp(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._impl = self.forward_native
+        self.uses_kernels = False  # read by layers that fuse this op into their kernels
 
     def forward(self, *args, **kwargs):
         return self._impl(*args, **kwargs)
@@ -25,6 +26,7 @@ class CustomOp(nn.Module):
 
     def use_kernels(self, enabled: bool) -> None:
         self._impl = self.forward_kernel if enabled else self.forward_native
+        self.uses_kernels = enabled
 
 
 def use_kernels(model: nn.Module, enabled: bool) -> None:

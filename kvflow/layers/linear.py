@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from kvflow.layers.quantization import QuantizationConfig
 
 
+# a layer without decode GEMV configurations (CPU, quantized, unmeasured shapes)
+NO_GEMV: dict[str, dict] = {"linear": {}, "silu_mul": {}, "norm_linear": {},
+                            "norm_silu_mul": {}}
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     """Copy a checkpoint tensor into a parameter of the same shape."""
     if param.shape != loaded.shape:
@@ -46,6 +51,26 @@ class LinearMethod:
     def process_weights_after_loading(self, layer: "LinearBase") -> None:
         pass
 
+    def apply_silu_and_mul(self, layer: "LinearBase", x: torch.Tensor,
+                           act: nn.Module) -> torch.Tensor:
+        """``act(layer(x))`` for a merged [gate; up] layer; a method with a fused form
+        (the activation in the GEMM's epilogue) overrides it. The unfused path calls the
+        module, so its forward hooks (SmoothQuant calibration) still see the input."""
+        return act(layer(x))
+
+    def apply_normed(self, layer: "LinearBase", x: torch.Tensor,
+                     residual: torch.Tensor | None, norm: nn.Module,
+                     act: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h, r = norm(x, residual)`` (without a residual: ``r = x``, ``h = norm(x)``),
+        then this layer (and ``act``) on h -> (output, r). A method that folds the norm
+        into its GEMM overrides it."""
+        if residual is None:
+            h, r = norm(x), x
+        else:
+            h, r = norm(x, residual)
+        y = layer(h) if act is None else self.apply_silu_and_mul(layer, h, act)
+        return y, r  # (layer(h): through the module, so its forward hooks fire)
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A dense weight [out_features, in_features] in the model dtype; y = x W^T + b."""
@@ -56,9 +81,47 @@ class UnquantizedLinearMethod(LinearMethod):
         weight.weight_loader = layer.weight_loader
         weight.output_dim, weight.input_dim = 0, 1
         layer.register_parameter("weight", weight)
+        # per fused form, decode row counts M -> GEMV config where it beats cuBLAS
+        # (kvflow/kernels/gemv_dispatch.py; set after loading, empty off CUDA)
+        layer.gemv = NO_GEMV
+
+    def process_weights_after_loading(self, layer: "LinearBase") -> None:
+        from kvflow.kernels.gemv_dispatch import plan_gemv
+
+        layer.gemv = plan_gemv(layer)
 
     def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+        plan = layer.gemv  # NO_GEMV itself on CPU and wherever nothing was planned
+        cfg = plan["linear"].get(x.shape[0]) if plan is not NO_GEMV and x.dim() == 2 else None
+        if cfg is not None:  # decode batch on CUDA (kvflow/kernels/gemv.py)
+            from kvflow.kernels.gemv import gemv
+
+            return gemv(x, layer.weight, layer.bias, cfg)
         return F.linear(x, layer.weight, layer.bias)
+
+    def apply_silu_and_mul(self, layer: "LinearBase", x: torch.Tensor,
+                           act: nn.Module) -> torch.Tensor:
+        plan = layer.gemv
+        cfg = plan["silu_mul"].get(x.shape[0]) if plan is not NO_GEMV and x.dim() == 2 else None
+        if cfg is not None:  # one launch: gate/up GEMV with silu(gate) * up as epilogue
+            from kvflow.kernels.gemv import gemv_silu_and_mul
+
+            return gemv_silu_and_mul(x, layer.weight, cfg)
+        return act(layer(x))
+
+    def apply_normed(self, layer: "LinearBase", x: torch.Tensor,
+                     residual: torch.Tensor | None, norm: nn.Module,
+                     act: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = layer.gemv
+        kind = "norm_linear" if act is None else "norm_silu_mul"
+        cfg = plan[kind].get(x.shape[0]) if plan is not NO_GEMV and x.dim() == 2 else None
+        if cfg is not None and getattr(norm, "uses_kernels", False):
+            # one launch: residual add + RMSNorm folded into the GEMV (kvflow/kernels/gemv_norm.py)
+            from kvflow.kernels.gemv_norm import gemv_rms_norm
+
+            return gemv_rms_norm(x, residual, norm.weight, norm.eps, layer.weight, cfg,
+                                 silu_and_mul=act is not None)
+        return super().apply_normed(layer, x, residual, norm, act)
 
 
 class LinearBase(nn.Module):
@@ -106,6 +169,20 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
+
+    def forward_silu_and_mul(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """``act(self(x))`` where this layer is a merged [gate; up] projection and ``act``
+        SiLU-and-multiply: the seam for the fused decode GEMV (no communication, so for
+        column-parallel layers only)."""
+        return self.quant_method.apply_silu_and_mul(self, x, act)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       norm: nn.Module, act: nn.Module | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h, r = norm(x, residual)`` then ``self(h)`` (``act(self(h))`` with ``act``)
+        -> (output, r): the seam for the decode GEMV with the residual add and RMSNorm in
+        its prologue (no communication, so for column-parallel layers only)."""
+        return self.quant_method.apply_normed(self, x, residual, norm, act)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}"

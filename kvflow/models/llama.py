@@ -57,15 +57,18 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, cfg.head_dim, self.num_kv_heads, rotary, backend)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)  # [T, (H + 2 KVH) * D]
+                residual: torch.Tensor | None, norm: RMSNorm, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention output, residual): ``norm`` (the layer's input norm, with the residual
+        add) is applied by the QKV projection, which may fold it into its GEMM."""
+        qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)  # [T, (H+2KVH)D]
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size,
                              self.qkv_proj.kv_size], dim=-1)
         if hasattr(self, "q_norm"):
             t = hidden.shape[0]
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
-        return self.o_proj(self.attn(positions, q, k, v, meta))
+        return self.o_proj(self.attn(positions, q, k, v, meta)), residual
 
 
 class LlamaMLP(nn.Module):
@@ -81,8 +84,12 @@ class LlamaMLP(nn.Module):
                                            prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual) of ``norm(x, residual)``: the add, the norm and the
+        activation go through gate_up_proj, which may fold them into one launch."""
+        h, residual = self.gate_up_proj.forward_normed(x, residual, norm, self.act_fn)
+        return self.down_proj(h), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -98,14 +105,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # Each norm (with the residual add before it) is applied by the projection that
+        # consumes it: the seam where the decode GEMV folds it into its own launch.
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm,
+                                          meta)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

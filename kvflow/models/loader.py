@@ -117,6 +117,10 @@ def load_model(config: ModelConfig, device: torch.device, backend: AttentionBack
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    if torch.device(device).type == "cuda":
+        from kvflow.kernels.gemv_dispatch import describe
+
+        logger.info("%s", describe(model))
     model.quant_config = quant
     logger.info("weights: %s, %.1f MiB", _describe(model, quant), weight_bytes(model) / 2**20)
     return model.eval()
