@@ -42,6 +42,7 @@ namespace {
 // A linear layer: a dense weight [N, K] (+ bias [N]) or a Python callable x -> y.
 struct Linear {
   at::Tensor weight;
+  at::Tensor wt;  // a small float32 weight transposed [K, N], else undefined
   c10::optional<at::Tensor> bias;
   py::object fn;  // None when dense
   bool dense() const { return fn.is_none(); }
@@ -77,15 +78,34 @@ inline float dot_row(const float* q, const T* k, int64_t n) {
   return s;
 }
 
-// y [T, N] = x [T, K] W^T + b for float32 and few rows: a GEMV per row, split over
-// output features. Library GEMMs cost microseconds of setup per call at these sizes.
-at::Tensor small_linear_f32(const at::Tensor& x, const Linear& l) {
+// Weights up to this size also keep a transposed copy [K, N] for the GEMV below: with
+// few inputs (hidden 64) a dot product per output is mostly its horizontal sum.
+constexpr int64_t kTransposeBytes = 256 * 1024;
+
+// y [T, N] = x [T, K] W^T + b for float32 and few rows, into `y`: a GEMV per row. Library
+// GEMMs cost microseconds of setup per call at these sizes.
+void small_linear_f32(const at::Tensor& x, const Linear& l, at::Tensor& y) {
   const int64_t t = x.size(0), k = x.size(1), n = l.weight.size(0);
-  auto y = at::empty({t, n}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = l.weight.data_ptr<float>();
   const float* bp = l.bias.has_value() ? l.bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  if (l.wt.defined()) {  // y[n] = sum_k x[k] Wt[k, n]: vectorized over n
+    const float* wt = l.wt.data_ptr<float>();
+    for (int64_t i = 0; i < t; ++i) {
+      float* yr = yp + i * n;
+      const float* xr = xp + i * k;
+      for (int64_t j = 0; j < n; ++j) yr[j] = 0.f;
+      for (int64_t c = 0; c < k; ++c) {
+        const float xv = xr[c];
+        const float* w = wt + c * n;
+        for (int64_t j = 0; j < n; ++j) yr[j] += xv * w[j];
+      }
+      if (bp)
+        for (int64_t j = 0; j < n; ++j) yr[j] += bp[j];
+    }
+    return;
+  }
+  const float* wp = l.weight.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, k * t));
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t i = 0; i < t; ++i)
@@ -94,14 +114,18 @@ at::Tensor small_linear_f32(const at::Tensor& x, const Linear& l) {
         yp[i * n + j] = bp ? s + bp[j] : s;
       }
   });
-  return y;
 }
 
-at::Tensor linear(const at::Tensor& x, const Linear& l) {
-  if (!l.dense()) return l.fn(x).cast<at::Tensor>();
-  if (x.scalar_type() == at::kFloat && l.weight.scalar_type() == at::kFloat && x.size(0) <= 4)
-    return small_linear_f32(x, l);
-  return at::linear(x, l.weight, l.bias);
+// x [T, K] -> [T, N]: into `buf` (a [T, N] workspace) on the small float32 path, else a
+// new tensor from ATen (at::linear, as F.linear) or the layer's Python method.
+at::Tensor linear(const at::Tensor& x, const Linear& l, at::Tensor& buf) {
+  if (!l.dense()) return l.fn(x).cast<at::Tensor>().contiguous();
+  if (x.scalar_type() == at::kFloat && l.weight.scalar_type() == at::kFloat &&
+      x.size(0) <= 4) {
+    small_linear_f32(x, l, buf);
+    return buf;
+  }
+  return at::linear(x, l.weight, l.bias).contiguous();
 }
 
 template <typename T>
@@ -157,6 +181,9 @@ class DecodeStep {
         lins[j]->fn = fns[4 * i + j];
         if (lins[j]->dense()) {
           lins[j]->weight = dense[8 * i + 2 * j].contiguous();
+          const at::Tensor& w = lins[j]->weight;
+          if (w.scalar_type() == at::kFloat && w.numel() * 4 <= kTransposeBytes)
+            lins[j]->wt = w.t().contiguous();
           const at::Tensor& b = dense[8 * i + 2 * j + 1];
           if (b.defined() && b.numel() > 0) lins[j]->bias = b.contiguous();
         }
@@ -214,19 +241,31 @@ class DecodeStep {
     at::Tensor residual = hidden_in.clone();  // the residual stream [T, E]
     at::Tensor hidden;  // the last sublayer's output, not yet added
     auto normed = at::empty_like(residual);
+    // Workspaces reused by every layer (sized by the first one: all layers are alike).
+    const Layer& L0 = layers_[0];
+    const auto opts = residual.options();
+    const int64_t qkv_w = (h_ + 2 * kvh_) * d_;
+    const int64_t inter2 = L0.gate_up.dense() ? L0.gate_up.weight.size(0) : 0;
+    at::Tensor qkv_buf = at::empty({t, qkv_w}, opts), attn_buf = at::empty({t, h_ * d_}, opts);
+    at::Tensor o_buf = at::empty({t, e}, opts), down_buf = at::empty({t, e}, opts);
+    at::Tensor gu_buf = at::empty({t, inter2}, opts);
+    at::Tensor act_buf;
     for (size_t li = 0; li < layers_.size(); ++li) {
       Layer& L = layers_[li];
       T* res = residual.data_ptr<T>();
       if (li > 0) add_into<T>(hidden.data_ptr<T>(), res, t * e);
       rms_norm_rows<T>(res, L.in_norm.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
-      at::Tensor qkv = linear(normed, L.qkv).contiguous();  // [T, (H + 2 KVH) D]
-      at::Tensor attn = attention<T>(qkv, L.cache, pos, slots, tok_req, tok_ctx, max_ctx,
-                                     tables);  // [T, H D]
-      hidden = linear(attn, L.o).contiguous();  // [T, E]
+      at::Tensor qkv = linear(normed, L.qkv, qkv_buf);  // [T, (H + 2 KVH) D]
+      attention<T>(qkv, L.cache, pos, slots, tok_req, tok_ctx, max_ctx, tables,
+                   attn_buf);  // [T, H D]
+      hidden = linear(attn_buf, L.o, o_buf);  // [T, E]
       add_into<T>(hidden.data_ptr<T>(), res, t * e);
       rms_norm_rows<T>(res, L.post_norm.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
-      at::Tensor gu = linear(normed, L.gate_up).contiguous();  // [T, 2 I]
-      hidden = linear(silu_mul<T>(gu), L.down).contiguous();  // [T, E]
+      at::Tensor gu = linear(normed, L.gate_up, gu_buf);  // [T, 2 I]
+      if (!act_buf.defined() || act_buf.size(1) != gu.size(1) / 2)
+        act_buf = at::empty({t, gu.size(1) / 2}, opts);
+      silu_mul<T>(gu, act_buf);
+      hidden = linear(act_buf, L.down, down_buf);  // [T, E]
     }
     add_into<T>(hidden.data_ptr<T>(), residual.data_ptr<T>(), t * e);
     auto out = at::empty_like(residual);
@@ -238,9 +277,8 @@ class DecodeStep {
   // [T, 2 I] = [gate | up] -> silu(gate) * up [T, I]; silu rounds to the model dtype
   // before the product, as F.silu(gate) * up does.
   template <typename T>
-  at::Tensor silu_mul(const at::Tensor& gu) {
+  void silu_mul(const at::Tensor& gu, at::Tensor& out) {
     const int64_t t = gu.size(0), i2 = gu.size(1), half = i2 / 2;
-    auto out = at::empty({t, half}, gu.options());
     const T* g = gu.data_ptr<T>();
     T* o = out.data_ptr<T>();
     for (int64_t r = 0; r < t; ++r)
@@ -250,7 +288,6 @@ class DecodeStep {
         o[r * half + i] = round_to<T>(static_cast<float>(s) *
                                       static_cast<float>(g[r * i2 + half + i]));
       }
-    return out;
   }
 
   // Rotary (rotate-half) of one head in place: x * (cos|cos) + roll(x, D/2) * (-sin|sin),
@@ -276,10 +313,10 @@ class DecodeStep {
   // Rotary on q and k, cache write of k and v at the token slots (-1 skips), then each
   // token attends to its request's first tok_ctx positions through the block table.
   template <typename T>
-  at::Tensor attention(at::Tensor& qkv, at::Tensor& cache, const int64_t* pos,
-                       const int64_t* slots, const std::vector<int32_t>& tok_req,
-                       const std::vector<int32_t>& tok_ctx, int32_t max_ctx,
-                       const at::Tensor& tables) {
+  void attention(at::Tensor& qkv, at::Tensor& cache, const int64_t* pos,
+                 const int64_t* slots, const std::vector<int32_t>& tok_req,
+                 const std::vector<int32_t>& tok_ctx, int32_t max_ctx,
+                 const at::Tensor& tables, at::Tensor& out) {
     const int64_t t = qkv.size(0), width = qkv.size(1), d = d_, h = h_, kvh = kvh_;
     TORCH_CHECK(width == (h + 2 * kvh) * d, "DecodeStep: qkv width");
     TORCH_CHECK(d <= 512, "DecodeStep: head_dim above 512");
@@ -299,7 +336,6 @@ class DecodeStep {
       std::copy(tok + h * d, tok + (h + kvh) * d, kc + slot * row);
       std::copy(tok + (h + kvh) * d, tok + (h + 2 * kvh) * d, vc + slot * row);
     }
-    auto out = at::empty({t, h * d}, qkv.options());
     T* op = out.data_ptr<T>();
     const int32_t* tab = tables.data_ptr<int32_t>();
     const int64_t tw = tables.size(1), group = h / kvh;
@@ -346,7 +382,6 @@ class DecodeStep {
         for (int64_t j = 0; j < d; ++j) o[j] = round_to<T>(acc[j] * inv);
       }
     });
-    return out;
   }
 
   std::vector<Layer> layers_;
