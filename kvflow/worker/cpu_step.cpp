@@ -18,9 +18,9 @@
 //   a layer's cache [2, NB, BS, KVH, D]; rotary cos_sin [max_pos, D] float32 = (cos|sin).
 //
 // Built with -ffp-contract=off so element-wise math rounds like the eager ops (no fused
-// multiply-adds): rotary, residual adds and the cache write are then bit-exact with the
-// torch backend; norms, SiLU, small GEMVs and attention sum in another order (rounding
-// differences only).
+// multiply-adds unless written as std::fma): rotary, residual adds and the cache write
+// are then bit-exact with the torch backend; norms, SiLU, GEMVs (std::fma) and attention
+// sum in another order (rounding differences only).
 
 // Only the headers used (not torch/extension.h): the build takes a fraction of the time.
 #include <ATen/Dispatch.h>
@@ -32,6 +32,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -60,10 +61,31 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t k = 0;
   for (; k + 8 <= n; k += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[k + j] * b[k + j];
+    for (int j = 0; j < 8; ++j) acc[j] = std::fma(a[k + j], b[k + j], acc[j]);
   float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   for (; k < n; ++k) s += a[k] * b[k];
   return s;
+}
+
+// e^x for x <= 0 (softmax numerators), in plain arithmetic the compiler vectorizes (a
+// libm call per score is most of a small attention's time): x = n ln2 + r, |r| <= ln2/2,
+// e^r by a degree-6 polynomial, 2^n through the exponent bits. About 1 ulp; 0 below -87.
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.f);
+  // Round to nearest with the 1.5 * 2^23 trick (vectorizes where nearbyint may not).
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, x));
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p * r, r, r) + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
 }
 
 // q . k for a float query and a cache row of the model dtype, 8 partial sums.
@@ -72,7 +94,7 @@ inline float dot_row(const float* q, const T* k, int64_t n) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t j = 0;
   for (; j + 8 <= n; j += 8)
-    for (int u = 0; u < 8; ++u) acc[u] += q[j + u] * static_cast<float>(k[j + u]);
+    for (int u = 0; u < 8; ++u) acc[u] = std::fma(q[j + u], static_cast<float>(k[j + u]), acc[u]);
   float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   for (; j < n; ++j) s += q[j] * static_cast<float>(k[j]);
   return s;
@@ -98,7 +120,7 @@ void small_linear_f32(const at::Tensor& x, const Linear& l, at::Tensor& y) {
       for (int64_t c = 0; c < k; ++c) {
         const float xv = xr[c];
         const float* w = wt + c * n;
-        for (int64_t j = 0; j < n; ++j) yr[j] += xv * w[j];
+        for (int64_t j = 0; j < n; ++j) yr[j] = std::fma(xv, w[j], yr[j]);
       }
       if (bp)
         for (int64_t j = 0; j < n; ++j) yr[j] += bp[j];
@@ -362,11 +384,9 @@ class DecodeStep {
             mx = std::max(mx, s);
           }
         }
+        for (int32_t c = 0; c < ctx; ++c) scores[c] = exp_nonpos(scores[c] - mx);
         float sum = 0.f;
-        for (int32_t c = 0; c < ctx; ++c) {
-          scores[c] = std::exp(scores[c] - mx);
-          sum += scores[c];
-        }
+        for (int32_t c = 0; c < ctx; ++c) sum += scores[c];
         for (int64_t j = 0; j < d; ++j) acc[j] = 0.f;
         for (int64_t c0 = 0, blk = 0; c0 < ctx; c0 += bs, ++blk) {
           const T* vb = vc + static_cast<int64_t>(trow[blk]) * bs * row + g * d;

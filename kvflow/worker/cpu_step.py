@@ -185,7 +185,9 @@ class CppDecodeStep:
             runner.attn_spec.rotary.cos_sin_cache, first.num_heads, first.num_kv_heads,
             first.head_dim, eps, first.attn.scale)
         self.step_builder = runner.step_builder
-        self._eager_builder = runner.step_builder.attn_builder
+        builder = runner.step_builder.attn_builder
+        self._eager_builder = builder.inner if isinstance(builder, CppMetadataBuilder) \
+            else builder
         self.step_builder.attn_builder = CppMetadataBuilder(self._eager_builder)
         self.hidden_size = cfg.hidden_size
 
@@ -277,8 +279,17 @@ def cpu_decode_step(runner):
         logger.warning("building the C++ CPU decode step failed, decoding eagerly: %s: %s",
                        type(e).__name__, first_line)
         return None
-    step = CppDecodeStep(runner, module)
-    error = step.self_check(runner.kv_caches, runner.block_size)
+    step = None
+    try:
+        step = CppDecodeStep(runner, module)
+        error = step.self_check(runner.kv_caches, runner.block_size)
+    except Exception as e:  # e.g. a layout the C++ side rejects: eager, not a dead engine
+        if step is not None:
+            step.detach()
+        logger.warning("the C++ CPU decode step failed its warm-up check, decoding eagerly: "
+                       "%s: %s", type(e).__name__, str(e).strip().splitlines()[0] if
+                       str(e).strip() else "")
+        return None
     tolerance = 1e-3 if runner.kv_caches.dtype == torch.float32 else 5e-2
     if not error <= tolerance:
         step.detach()
