@@ -290,7 +290,11 @@ def cpu_decode_step(runner):
                        "%s: %s", type(e).__name__, str(e).strip().splitlines()[0] if
                        str(e).strip() else "")
         return None
-    tolerance = 1e-3 if runner.kv_caches.dtype == torch.float32 else 5e-2
+    # Rounding differences stay far below these; a wrong step (a layer skipped, rotary
+    # misplaced) is off by order one. Quantized linears (the int4 GEMM rounds its
+    # inputs to bf16) amplify the float32 rounding differences like a 16-bit model.
+    exact = runner.kv_caches.dtype == torch.float32 and step.num_callbacks == 0
+    tolerance = 1e-2 if exact else 1e-1
     if not error <= tolerance:
         step.detach()
         logger.warning("the C++ CPU decode step disagrees with eager (relative error %.2g "
