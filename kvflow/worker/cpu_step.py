@@ -118,11 +118,14 @@ def why_unsupported(runner) -> str | None:
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "norm") or not hasattr(inner, "embed_tokens"):
         return "not a Llama-family decoder stack"
+    from kvflow.layers.activation import SiluAndMul
+    from kvflow.models.llama import LlamaDecoderLayer
+
     for layer in layers:
-        attn = getattr(layer, "self_attn", None)
-        if attn is None or not hasattr(layer, "mlp") or not hasattr(attn, "qkv_proj"):
+        if not isinstance(layer, LlamaDecoderLayer) or not isinstance(layer.mlp.act_fn,
+                                                                      SiluAndMul):
             return "not a Llama-family decoder layer"
-        if hasattr(attn, "q_norm"):
+        if hasattr(layer.self_attn, "q_norm"):
             return "q/k norms"
     if runner.kv_caches.dtype != torch.float32 and runner.kv_caches.dtype not in (
             torch.bfloat16, torch.float16):
