@@ -99,9 +99,22 @@ def load_extension():
 
 
 def build_root() -> Path:
+    """This source's build folder in torch's extension cache. Its name carries a hash of
+    the source, the flags, torch's version and the CPU's feature flags (-march=native):
+    ninja alone compares times, so another checkout's older but different copy, or a
+    cache shared with another CPU, would load a library built from something else."""
+    import hashlib
+
     from torch.utils import cpp_extension
 
-    return Path(cpp_extension.get_default_build_root()) / EXTENSION
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
+    try:
+        with open("/proc/cpuinfo") as f:
+            key.update(next((line for line in f if line.startswith("flags")), "").encode())
+    except OSError:
+        pass
+    return Path(cpp_extension.get_default_build_root()) / f"{EXTENSION}-{key.hexdigest()[:12]}"
 
 
 def why_unsupported(runner) -> str | None:
