@@ -76,6 +76,12 @@ def torch_extensions_dir() -> str | None:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or None
 
 
+def cpu_cpp_step() -> bool:
+    """KVFLOW_CPU_CPP_STEP=0 turns off the C++ CPU decode step (worker/cpu_step.py; on by
+    default where it applies; --enforce-eager always keeps it off)."""
+    return os.environ.get("KVFLOW_CPU_CPP_STEP", "1") != "0"
+
+
 def api_key() -> str | None:
     """KVFLOW_API_KEY: the server's API key when --api-key is not given."""
     return os.environ.get("KVFLOW_API_KEY") or None

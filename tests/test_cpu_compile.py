@@ -79,10 +79,11 @@ def test_enforce_eager_and_env_turn_it_off(compile_on, caplog, monkeypatch):
         llm = _tiny(enforce_eager=True)
     assert _runner(llm).graphs is None
     assert "compiled CPU decode step off (--enforce-eager)" in caplog.text
+    # Opt-in: off unless asked for (the default CPU step is then the C++ one).
     monkeypatch.setenv("KVFLOW_CPU_COMPILE", "0")
-    assert _runner(_tiny()).graphs is None
-    monkeypatch.delenv("KVFLOW_CPU_COMPILE")  # opt-in: off unless asked for
-    assert _runner(_tiny()).graphs is None
+    assert not isinstance(_runner(_tiny()).graphs, cpu_compile.CpuCompiledStep)
+    monkeypatch.delenv("KVFLOW_CPU_COMPILE")
+    assert not isinstance(_runner(_tiny()).graphs, cpu_compile.CpuCompiledStep)
 
 
 def test_no_cxx_compiler_falls_back_to_eager(compile_on, caplog, monkeypatch):

@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvflow import LLM, SamplingParams  # noqa: E402
 from kvflow.models.registry import embedded_model_path  # noqa: E402
+from kvflow.worker.cpu_step import CppDecodeStep, find_compiler  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",
@@ -70,6 +71,8 @@ def test_all_together_chunked_with_preemption(prompt_ids, hf_greedy):
     # 24 blocks of 16 tokens hold 384 tokens; the 8 requests need ~870 at their longest.
     llm = LLM("smollm2-135m", device="cpu", max_model_len=256, num_gpu_blocks_override=24,
               max_num_batched_tokens=48, max_num_seqs=8, quantization="none")
+    if find_compiler() is not None:  # decodes and short chunks run in the C++ step
+        assert isinstance(llm.engine.core.executor.runner.graphs, CppDecodeStep)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(prompt_ids, params, use_tqdm=False)
     assert llm.engine.core.scheduler.num_preemptions > 0

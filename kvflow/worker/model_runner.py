@@ -28,6 +28,7 @@ from kvflow.worker.transfer import to_device, to_host_async
 
 if TYPE_CHECKING:
     from kvflow.worker.cpu_compile import CpuCompiledStep
+    from kvflow.worker.cpu_step import CppDecodeStep
     from kvflow.worker.cuda_graphs import CudaGraphRunner
 
 logger = init_logger(__name__)
@@ -113,7 +114,8 @@ class ModelRunner:
         # An int8 cache's scales: [L, 2, NB, BS, KVH] and [NH, L, 2, BS, KVH] in swap.
         self.kv_scales: torch.Tensor | None = None
         self.host_scales: torch.Tensor | None = None
-        self.graphs: CudaGraphRunner | CpuCompiledStep | None = None  # once captured
+        # Once captured / built:
+        self.graphs: CudaGraphRunner | CpuCompiledStep | CppDecodeStep | None = None
         self.idle_meter = None  # a GpuIdleMeter while a benchmark measures GPU idle time
         # CPU: small steps run on one thread or all of them, whichever measures faster
         # (worker/cpu_threads.py); made at the first step, when the thread count is set.
@@ -156,17 +158,17 @@ class ModelRunner:
                         "pinned" if self.device.type == "cuda" else "plain")
 
     def warmup(self) -> None:
-        """Compile kernels and capture CUDA graphs before serving; on CPU, compile the
-        decode step (worker/cpu_compile.py)."""
+        """Compile kernels and capture CUDA graphs before serving; on CPU, build the C++
+        decode step (worker/cpu_step.py) or the opt-in compiled one (cpu_compile.py)."""
         if self.device.type == "cpu":
             if self.parallel.world.world_size > 1:
                 # The compiled step would have to trace the collectives; ranks run eager.
                 logger.info("compiled CPU decode step off with %d ranks",
                             self.parallel.world.world_size)
                 return
-            from kvflow.worker.cpu_compile import compile_decode_step
+            from kvflow.worker.cpu_step import cpu_decode_step
 
-            self.graphs = compile_decode_step(self)
+            self.graphs = cpu_decode_step(self)
             return
         if self.device.type != "cuda" or self.parallel.pp.world_size > 1:
             return  # graphs do not hold the stage-to-stage sends (pipeline parallel)

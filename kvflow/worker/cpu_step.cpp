@@ -1,0 +1,423 @@
+// The C++ CPU decode step: every decoder layer of a Llama-family model in one call.
+//
+// Why: on CPU a decode step of a small model is mostly host work. In eager PyTorch a
+// layer is ~180 aten calls, each paying Python and dispatcher overhead; with hidden size
+// 64 almost none of them does arithmetic. Here one call from Python runs all layers:
+// RMSNorm, QKV projection, rotary, paged cache write, paged attention over the block
+// tables, o_proj, residual adds, post-norm, gate_up, SiLU-mul and down projection.
+//
+// The weights are handed over once (DecodeStep's constructor); per step only the small
+// step tensors cross (hidden states after the embedding, positions, slots, query start
+// offsets, context lengths, block tables). A linear layer whose weight is not a dense
+// tensor (quantized through kvflow's quantization seam) is a Python callable instead,
+// called back with the activations.
+//
+// Tensor layouts (T tokens, R requests, D head dim, H / KVH query / KV heads):
+//   hidden [T, E]; positions, slots [T] int64; query_start_loc [R + 1] int32;
+//   seq_lens [R] int32 (context length after this step); block_tables [R, W] int32;
+//   a layer's cache [2, NB, BS, KVH, D]; rotary cos_sin [max_pos, D] float32 = (cos|sin).
+//
+// Built with -ffp-contract=off so element-wise math rounds like the eager ops (no fused
+// multiply-adds unless written as std::fma): rotary, residual adds and the cache write
+// are then bit-exact with the torch backend; norms, SiLU, GEMVs (std::fma) and attention
+// sum in another order (rounding differences only).
+
+// Only the headers used (not torch/extension.h): the build takes a fraction of the time.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// A linear layer: a dense weight [N, K] (+ bias [N]) or a Python callable x -> y.
+struct Linear {
+  at::Tensor weight;
+  at::Tensor wt;  // a small float32 weight transposed [K, N], else undefined
+  c10::optional<at::Tensor> bias;
+  py::object fn;  // None when dense
+  bool dense() const { return fn.is_none(); }
+};
+
+struct Layer {
+  at::Tensor in_norm, post_norm;  // [E]
+  Linear qkv, o, gate_up, down;
+  at::Tensor cache;  // [2, NB, BS, KVH, D]
+};
+
+// Dot product of two float rows with 8 independent partial sums (vectorizes without
+// -ffast-math; the order is fixed, so results are deterministic).
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8)
+    for (int j = 0; j < 8; ++j) acc[j] = std::fma(a[k + j], b[k + j], acc[j]);
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; k < n; ++k) s += a[k] * b[k];
+  return s;
+}
+
+// e^x for x <= 0 (softmax numerators), in plain arithmetic the compiler vectorizes (a
+// libm call per score is most of a small attention's time): x = n ln2 + r, |r| <= ln2/2,
+// e^r by a degree-6 polynomial, 2^n through the exponent bits. About 1 ulp; 0 below -87.
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.f);
+  // Round to nearest with the 1.5 * 2^23 trick (vectorizes where nearbyint may not).
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, x));
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p * r, r, r) + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// q . k for a float query and a cache row of the model dtype, 8 partial sums.
+template <typename T>
+inline float dot_row(const float* q, const T* k, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int u = 0; u < 8; ++u) acc[u] = std::fma(q[j + u], static_cast<float>(k[j + u]), acc[u]);
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; j < n; ++j) s += q[j] * static_cast<float>(k[j]);
+  return s;
+}
+
+// Weights up to this size also keep a transposed copy [K, N] for the GEMV below: with
+// few inputs (hidden 64) a dot product per output is mostly its horizontal sum.
+constexpr int64_t kTransposeBytes = 256 * 1024;
+
+// y [T, N] = x [T, K] W^T + b for float32 and few rows, into `y`: a GEMV per row. Library
+// GEMMs cost microseconds of setup per call at these sizes.
+void small_linear_f32(const at::Tensor& x, const Linear& l, at::Tensor& y) {
+  const int64_t t = x.size(0), k = x.size(1), n = l.weight.size(0);
+  const float* xp = x.data_ptr<float>();
+  const float* bp = l.bias.has_value() ? l.bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  if (l.wt.defined()) {  // y[n] = sum_k x[k] Wt[k, n]: vectorized over n
+    const float* wt = l.wt.data_ptr<float>();
+    for (int64_t i = 0; i < t; ++i) {
+      float* yr = yp + i * n;
+      const float* xr = xp + i * k;
+      for (int64_t j = 0; j < n; ++j) yr[j] = 0.f;
+      for (int64_t c = 0; c < k; ++c) {
+        const float xv = xr[c];
+        const float* w = wt + c * n;
+        for (int64_t j = 0; j < n; ++j) yr[j] = std::fma(xv, w[j], yr[j]);
+      }
+      if (bp)
+        for (int64_t j = 0; j < n; ++j) yr[j] += bp[j];
+    }
+    return;
+  }
+  const float* wp = l.weight.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, k * t));
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t j = n0; j < n1; ++j) {
+        float s = dot_f32(xp + i * k, wp + j * k, k);
+        yp[i * n + j] = bp ? s + bp[j] : s;
+      }
+  });
+}
+
+// x [T, K] -> [T, N]: into `buf` (a [T, N] workspace) on the small float32 path, else a
+// new tensor from ATen (at::linear, as F.linear) or the layer's Python method.
+at::Tensor linear(const at::Tensor& x, const Linear& l, at::Tensor& buf) {
+  if (!l.dense()) return l.fn(x).cast<at::Tensor>().contiguous();
+  if (x.scalar_type() == at::kFloat && l.weight.scalar_type() == at::kFloat &&
+      x.size(0) <= 4) {
+    small_linear_f32(x, l, buf);
+    return buf;
+  }
+  return at::linear(x, l.weight, l.bias).contiguous();
+}
+
+template <typename T>
+inline T round_to(float v) { return static_cast<T>(v); }
+
+// out = norm(x) * w, as the eager RMSNorm: normalize in float32, round to the model
+// dtype, then scale in the model dtype. Rows of width e.
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t e, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * e;
+    float ss = 0.f;
+    for (int64_t i = 0; i < e; ++i) {
+      float v = static_cast<float>(xr[i]);
+      ss += v * v;
+    }
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(e) + eps);
+    T* o = out + r * e;
+    for (int64_t i = 0; i < e; ++i) {
+      T normed = round_to<T>(static_cast<float>(xr[i]) * inv);
+      o[i] = round_to<T>(static_cast<float>(w[i]) * static_cast<float>(normed));
+    }
+  }
+}
+
+// acc := a + acc in the model dtype (the residual stream), n elements.
+template <typename T>
+void add_into(const T* a, T* acc, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    acc[i] = round_to<T>(static_cast<float>(a[i]) + static_cast<float>(acc[i]));
+}
+
+class DecodeStep {
+ public:
+  DecodeStep(std::vector<at::Tensor> norms, std::vector<at::Tensor> dense,
+             std::vector<py::object> fns, std::vector<at::Tensor> caches,
+             at::Tensor final_norm, at::Tensor cos_sin, int64_t num_heads,
+             int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+      : final_norm_(final_norm), cos_sin_(cos_sin.contiguous()), h_(num_heads),
+        kvh_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale) {
+    // Per layer: norms [in, post]; dense [weight, bias or empty] x 4 linears (qkv, o,
+    // gate_up, down); fns: the callable or None per linear.
+    const size_t nl = caches.size();
+    TORCH_CHECK(norms.size() == 2 * nl && dense.size() == 8 * nl && fns.size() == 4 * nl,
+                "DecodeStep: weights and caches disagree on the number of layers");
+    TORCH_CHECK(d_ % 2 == 0 && h_ % kvh_ == 0, "DecodeStep: bad head layout");
+    for (size_t i = 0; i < nl; ++i) {
+      Layer L;
+      L.in_norm = norms[2 * i];
+      L.post_norm = norms[2 * i + 1];
+      Linear* lins[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
+      for (int j = 0; j < 4; ++j) {
+        lins[j]->fn = fns[4 * i + j];
+        if (lins[j]->dense()) {
+          lins[j]->weight = dense[8 * i + 2 * j].contiguous();
+          const at::Tensor& w = lins[j]->weight;
+          if (w.scalar_type() == at::kFloat && w.numel() * 4 <= kTransposeBytes)
+            lins[j]->wt = w.t().contiguous();
+          const at::Tensor& b = dense[8 * i + 2 * j + 1];
+          if (b.defined() && b.numel() > 0) lins[j]->bias = b.contiguous();
+        }
+      }
+      L.cache = caches[i];
+      TORCH_CHECK(L.cache.is_contiguous() && L.cache.dim() == 5 && L.cache.size(3) == kvh_ &&
+                      L.cache.size(4) == d_, "DecodeStep: layer cache layout");
+      layers_.push_back(std::move(L));
+    }
+  }
+
+  // hidden [T, E] (after the embedding) -> final normed hidden states [T, E].
+  at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slots,
+                     at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor block_tables) {
+    hidden = hidden.contiguous();
+    block_tables = block_tables.contiguous();
+    TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
+                    query_start_loc.scalar_type() == at::kInt &&
+                    seq_lens.scalar_type() == at::kInt &&
+                    block_tables.scalar_type() == at::kInt,
+                "DecodeStep.forward: step tensor dtypes");
+    const int64_t t = hidden.size(0);
+    TORCH_CHECK(positions.numel() == t && slots.numel() == t, "DecodeStep: token counts");
+    // Per token: its request and its context length (causal: up to its own position).
+    const int64_t r = seq_lens.numel();
+    const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    std::vector<int32_t> tok_req(t), tok_ctx(t);
+    int32_t max_ctx = 0;
+    for (int64_t i = 0; i < r; ++i)
+      for (int32_t j = qsl[i]; j < qsl[i + 1]; ++j) {
+        tok_req[j] = static_cast<int32_t>(i);
+        tok_ctx[j] = lens[i] - (qsl[i + 1] - j) + 1;
+        max_ctx = std::max(max_ctx, tok_ctx[j]);
+      }
+    TORCH_CHECK(qsl[r] == t, "DecodeStep: query_start_loc does not cover the tokens");
+    at::Tensor out;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(),
+                                    "kvflow_decode_step", [&] {
+      out = run<scalar_t>(hidden, positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
+                          tok_req, tok_ctx, max_ctx, block_tables);
+    });
+    return out;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  template <typename T>
+  at::Tensor run(const at::Tensor& hidden_in, const int64_t* pos, const int64_t* slots,
+                 const std::vector<int32_t>& tok_req, const std::vector<int32_t>& tok_ctx,
+                 int32_t max_ctx, const at::Tensor& tables) {
+    const int64_t t = hidden_in.size(0), e = hidden_in.size(1);
+    const float eps = static_cast<float>(eps_);
+    at::Tensor residual = hidden_in.clone();  // the residual stream [T, E]
+    at::Tensor hidden;  // the last sublayer's output, not yet added
+    auto normed = at::empty_like(residual);
+    // Workspaces reused by every layer (sized by the first one: all layers are alike).
+    const Layer& L0 = layers_[0];
+    const auto opts = residual.options();
+    const int64_t qkv_w = (h_ + 2 * kvh_) * d_;
+    const int64_t inter2 = L0.gate_up.dense() ? L0.gate_up.weight.size(0) : 0;
+    at::Tensor qkv_buf = at::empty({t, qkv_w}, opts), attn_buf = at::empty({t, h_ * d_}, opts);
+    at::Tensor o_buf = at::empty({t, e}, opts), down_buf = at::empty({t, e}, opts);
+    at::Tensor gu_buf = at::empty({t, inter2}, opts);
+    at::Tensor act_buf;
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      Layer& L = layers_[li];
+      T* res = residual.data_ptr<T>();
+      if (li > 0) add_into<T>(hidden.data_ptr<T>(), res, t * e);
+      rms_norm_rows<T>(res, L.in_norm.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
+      at::Tensor qkv = linear(normed, L.qkv, qkv_buf);  // [T, (H + 2 KVH) D]
+      attention<T>(qkv, L.cache, pos, slots, tok_req, tok_ctx, max_ctx, tables,
+                   attn_buf);  // [T, H D]
+      hidden = linear(attn_buf, L.o, o_buf);  // [T, E]
+      add_into<T>(hidden.data_ptr<T>(), res, t * e);
+      rms_norm_rows<T>(res, L.post_norm.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
+      at::Tensor gu = linear(normed, L.gate_up, gu_buf);  // [T, 2 I]
+      if (!act_buf.defined() || act_buf.size(1) != gu.size(1) / 2)
+        act_buf = at::empty({t, gu.size(1) / 2}, opts);
+      silu_mul<T>(gu, act_buf);
+      hidden = linear(act_buf, L.down, down_buf);  // [T, E]
+    }
+    add_into<T>(hidden.data_ptr<T>(), residual.data_ptr<T>(), t * e);
+    auto out = at::empty_like(residual);
+    rms_norm_rows<T>(residual.data_ptr<T>(), final_norm_.data_ptr<T>(), out.data_ptr<T>(), t,
+                     e, eps);
+    return out;
+  }
+
+  // [T, 2 I] = [gate | up] -> silu(gate) * up [T, I]; silu rounds to the model dtype
+  // before the product, as F.silu(gate) * up does.
+  template <typename T>
+  void silu_mul(const at::Tensor& gu, at::Tensor& out) {
+    const int64_t t = gu.size(0), i2 = gu.size(1), half = i2 / 2;
+    const T* g = gu.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    for (int64_t r = 0; r < t; ++r)
+      for (int64_t i = 0; i < half; ++i) {
+        float x = static_cast<float>(g[r * i2 + i]);
+        T s = round_to<T>(x / (1.f + std::exp(-x)));
+        o[r * half + i] = round_to<T>(static_cast<float>(s) *
+                                      static_cast<float>(g[r * i2 + half + i]));
+      }
+  }
+
+  // Rotary (rotate-half) of one head in place: x * (cos|cos) + roll(x, D/2) * (-sin|sin),
+  // computed in float32 and rounded once, as the torch backend's apply_rotary.
+  template <typename T>
+  void rotate(T* x, const float* cs) const {
+    const int64_t half = d_ / 2;
+    const float* c = cs;
+    const float* s = cs + half;
+    float tmp[512];
+    for (int64_t i = 0; i < half; ++i) {
+      float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+      float lo = x1 * c[i];
+      lo += x2 * -s[i];
+      float hi = x2 * c[i];
+      hi += x1 * s[i];
+      tmp[i] = lo;
+      tmp[i + half] = hi;
+    }
+    for (int64_t i = 0; i < d_; ++i) x[i] = round_to<T>(tmp[i]);
+  }
+
+  // Rotary on q and k, cache write of k and v at the token slots (-1 skips), then each
+  // token attends to its request's first tok_ctx positions through the block table.
+  template <typename T>
+  void attention(at::Tensor& qkv, at::Tensor& cache, const int64_t* pos,
+                 const int64_t* slots, const std::vector<int32_t>& tok_req,
+                 const std::vector<int32_t>& tok_ctx, int32_t max_ctx,
+                 const at::Tensor& tables, at::Tensor& out) {
+    const int64_t t = qkv.size(0), width = qkv.size(1), d = d_, h = h_, kvh = kvh_;
+    TORCH_CHECK(width == (h + 2 * kvh) * d, "DecodeStep: qkv width");
+    TORCH_CHECK(d <= 512, "DecodeStep: head_dim above 512");
+    const int64_t nb = cache.size(1), bs = cache.size(2), row = kvh * d;
+    const int64_t max_slot = nb * bs;
+    T* q_all = qkv.data_ptr<T>();
+    T* kc = cache.data_ptr<T>();
+    T* vc = kc + max_slot * row;
+    const float* cs = cos_sin_.data_ptr<float>();
+    for (int64_t i = 0; i < t; ++i) {
+      T* tok = q_all + i * width;
+      const float* csr = cs + pos[i] * d;
+      for (int64_t hh = 0; hh < h + kvh; ++hh) rotate<T>(tok + hh * d, csr);
+      const int64_t slot = slots[i];
+      if (slot < 0) continue;
+      TORCH_CHECK(slot < max_slot, "DecodeStep: slot past the cache");
+      std::copy(tok + h * d, tok + (h + kvh) * d, kc + slot * row);
+      std::copy(tok + (h + kvh) * d, tok + (h + 2 * kvh) * d, vc + slot * row);
+    }
+    T* op = out.data_ptr<T>();
+    const int32_t* tab = tables.data_ptr<int32_t>();
+    const int64_t tw = tables.size(1), group = h / kvh;
+    const float scale = static_cast<float>(scale_);
+    // (token, head) pairs split over threads once there is enough work per pair.
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, max_ctx * d));
+    at::parallel_for(0, t * h, grain, [&](int64_t p0, int64_t p1) {
+      std::vector<float> scores(max_ctx);
+      float q[512], acc[512];
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t i = p / h, hh = p % h, g = hh / group;
+        const int32_t ctx = tok_ctx[i];
+        const int32_t* trow = tab + static_cast<int64_t>(tok_req[i]) * tw;
+        const T* qp = q_all + i * width + hh * d;
+        for (int64_t j = 0; j < d; ++j) q[j] = static_cast<float>(qp[j]);
+        // Scores block by block of the table (no division per position).
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t c0 = 0, blk = 0; c0 < ctx; c0 += bs, ++blk) {
+          const T* kb = kc + static_cast<int64_t>(trow[blk]) * bs * row + g * d;
+          const int64_t n = std::min<int64_t>(bs, ctx - c0);
+          for (int64_t o = 0; o < n; ++o) {
+            const float s = dot_row(q, kb + o * row, d) * scale;
+            scores[c0 + o] = s;
+            mx = std::max(mx, s);
+          }
+        }
+        for (int32_t c = 0; c < ctx; ++c) scores[c] = exp_nonpos(scores[c] - mx);
+        float sum = 0.f;
+        for (int32_t c = 0; c < ctx; ++c) sum += scores[c];
+        for (int64_t j = 0; j < d; ++j) acc[j] = 0.f;
+        for (int64_t c0 = 0, blk = 0; c0 < ctx; c0 += bs, ++blk) {
+          const T* vb = vc + static_cast<int64_t>(trow[blk]) * bs * row + g * d;
+          const int64_t n = std::min<int64_t>(bs, ctx - c0);
+          for (int64_t o = 0; o < n; ++o) {
+            const T* vp = vb + o * row;
+            const float w = scores[c0 + o];
+            for (int64_t j = 0; j < d; ++j) acc[j] += w * static_cast<float>(vp[j]);
+          }
+        }
+        const float inv = 1.f / sum;
+        T* o = op + i * h * d + hh * d;
+        for (int64_t j = 0; j < d; ++j) o[j] = round_to<T>(acc[j] * inv);
+      }
+    });
+  }
+
+  std::vector<Layer> layers_;
+  at::Tensor final_norm_, cos_sin_;
+  int64_t h_, kvh_, d_;
+  double eps_, scale_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kvflow's C++ CPU decode step (kvflow/worker/cpu_step.py)";
+  py::class_<DecodeStep>(m, "DecodeStep")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<py::object>,
+                    std::vector<at::Tensor>, at::Tensor, at::Tensor, int64_t, int64_t, int64_t,
+                    double, double>())
+      .def("forward", &DecodeStep::forward)
+      .def_property_readonly("num_layers", &DecodeStep::num_layers);
+}

@@ -1,0 +1,323 @@
+"""The C++ CPU decode step: all decoder layers of a step in one call (cpu_step.cpp).
+
+On CPU a decode step of a small model is host work: eager PyTorch issues ~180 aten calls
+per layer, each a microsecond or more of Python and dispatcher time. The C++ step runs
+the whole stack of decoder layers (norms, QKV, rotary, paged cache write, paged
+attention over the block tables, o_proj, residuals, MLP) in one call from Python; the
+embedding before it and the lm head and sampler after it stay as they were.
+
+It is built once with ``torch.utils.cpp_extension`` into torch's extension cache
+(``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) and loaded from
+there at later starts. The weights are handed to the C++ object once, at warm-up; per
+step only the step tensors cross. A linear layer kept quantized by its method (GGUF,
+int8, int4 ...) is called back in Python with its activations, so every model of the
+Llama family on one rank can use the step; layers with q/k norms (Qwen3), quantized KV
+caches, tensor/pipeline parallelism and speculative decoding keep the eager path.
+
+Which steps: up to ``MAX_TOKENS`` scheduled tokens with no query longer than
+``MAX_QUERY`` (decodes, and prefill chunks short enough that attention per token, done
+with plain loops here, stays cheap). Other steps plan and run eagerly.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvflow import envs
+from kvflow.layers.attention import AttentionMetadata, Attention
+from kvflow.layers.linear import UnquantizedLinearMethod
+from kvflow.logger import init_logger
+from kvflow.worker.step_inputs import StepInputs
+
+logger = init_logger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_step.cpp")
+EXTENSION = "kvflow_cpu_step"
+# -ffp-contract=off: no fused multiply-adds, so element-wise math rounds like eager ops.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+
+MAX_TOKENS = 256  # scheduled tokens per step
+MAX_QUERY = 64  # new tokens of one request in a step
+
+_module = None  # the loaded extension, once per process
+
+
+class CppStepPlan:
+    """``meta.backend`` of a step the C++ step runs: nothing is planned in Python (the
+    C++ side reads positions, slots, query starts, lengths and block tables itself)."""
+
+
+CPP_PLAN = CppStepPlan()
+
+
+def find_compiler() -> str | None:
+    """The C++ compiler ``torch.utils.cpp_extension`` builds with (CXX, else c++)."""
+    return shutil.which(envs.cxx() or "c++")
+
+
+def _ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; the pip package (a dependency) installs it
+    beside the interpreter, which is not on PATH when the venv is not activated."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # cpp_extension then raises, and the engine decodes eagerly
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def load_extension():
+    """Build (first time) or load the extension; returns (module, seconds)."""
+    global _module
+    if _module is not None:
+        return _module, 0.0
+    from torch.utils import cpp_extension
+
+    start = time.perf_counter()
+    _ninja_on_path()
+    build_dir = build_root()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # cpp_extension's own lock is a file that a build killed midway leaves behind (and
+    # the next start would wait on forever); an flock dies with its process, and whoever
+    # holds it may remove such a leftover.
+    with open(build_dir / "kvflow.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        _module = cpp_extension.load(name=EXTENSION, sources=[str(SOURCE)],
+                                     extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                                     build_directory=str(build_dir), verbose=False)
+    return _module, time.perf_counter() - start
+
+
+def build_root() -> Path:
+    """This source's build folder in torch's extension cache. Its name carries a hash of
+    the source, the flags, torch's version and the CPU's feature flags (-march=native):
+    ninja alone compares times, so another checkout's older but different copy, or a
+    cache shared with another CPU, would load a library built from something else."""
+    import hashlib
+
+    from torch.utils import cpp_extension
+
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
+    try:
+        with open("/proc/cpuinfo") as f:
+            key.update(next((line for line in f if line.startswith("flags")), "").encode())
+    except OSError:
+        pass
+    return Path(cpp_extension.get_default_build_root()) / f"{EXTENSION}-{key.hexdigest()[:12]}"
+
+
+def why_unsupported(runner) -> str | None:
+    """Why this engine's model cannot run the C++ step (None: it can)."""
+    cfg = runner.config
+    if runner.parallel.world.world_size > 1:
+        return f"{runner.parallel.world.world_size} ranks"
+    if cfg.speculative is not None:
+        return "speculative decoding"
+    if runner.kv_scales is not None or any(
+            m.kv_quant is not None for m in runner.model.modules() if isinstance(m, Attention)):
+        return "quantized KV cache"
+    inner = getattr(runner.model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(inner, "norm") or not hasattr(inner, "embed_tokens"):
+        return "not a Llama-family decoder stack"
+    from kvflow.layers.activation import SiluAndMul
+    from kvflow.models.llama import LlamaDecoderLayer
+
+    for layer in layers:
+        if not isinstance(layer, LlamaDecoderLayer) or not isinstance(layer.mlp.act_fn,
+                                                                      SiluAndMul):
+            return "not a Llama-family decoder layer"
+        if hasattr(layer.self_attn, "q_norm"):
+            return "q/k norms"
+    if runner.kv_caches.dtype != torch.float32 and runner.kv_caches.dtype not in (
+            torch.bfloat16, torch.float16):
+        return f"KV cache dtype {runner.kv_caches.dtype}"
+    return None
+
+
+def _linear_args(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """(weight, bias, None) of a dense layer; (empty, empty, callable) of one whose
+    quantization method computes it (called back from C++ with the activations)."""
+    empty = torch.empty(0)
+    if type(lin.quant_method) is UnquantizedLinearMethod:
+        bias = lin.bias if lin.bias is not None else empty
+        return lin.weight.detach(), bias.detach(), None
+    return empty, empty, functools.partial(lin.quant_method.apply, lin)
+
+
+class CppMetadataBuilder:
+    """The torch backend's builder, except that the steps the C++ step takes get no
+    Python plan at all (``CPP_PLAN``)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def build(self, meta: AttentionMetadata, positions: torch.Tensor, *,
+              split_context: int | None = None) -> AttentionMetadata:
+        if meta.num_actual_tokens <= MAX_TOKENS and meta.max_query_len <= MAX_QUERY:
+            meta.backend = CPP_PLAN
+            return meta
+        return self.inner.build(meta, positions, split_context=split_context)
+
+
+class CppDecodeStep:
+    """The C++ step behind the model runner's ``graphs`` hooks (``can_run``, ``run``,
+    ``run_eager``), like the CUDA graphs on the GPU."""
+
+    def __init__(self, runner, module) -> None:
+        model = runner.model
+        inner = model.model
+        cfg = model.config
+        norms, dense, fns, caches = [], [], [], []
+        for layer in inner.layers:
+            attn = layer.self_attn
+            norms += [layer.input_layernorm.weight.detach(),
+                      layer.post_attention_layernorm.weight.detach()]
+            for lin in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
+                        layer.mlp.down_proj):
+                w, b, fn = _linear_args(lin)
+                dense += [w, b]
+                fns.append(fn)
+            caches.append(attn.attn.kv_cache)
+        first = inner.layers[0].self_attn
+        eps = inner.norm.eps
+        self.embed = inner.embed_tokens
+        self.model = model
+        self.num_layers = len(caches)
+        self.num_callbacks = sum(fn is not None for fn in fns)
+        self.step = module.DecodeStep(
+            norms, dense, fns, caches, inner.norm.weight.detach(),
+            runner.attn_spec.rotary.cos_sin_cache, first.num_heads, first.num_kv_heads,
+            first.head_dim, eps, first.attn.scale)
+        self.step_builder = runner.step_builder
+        builder = runner.step_builder.attn_builder
+        self._eager_builder = builder.inner if isinstance(builder, CppMetadataBuilder) \
+            else builder
+        self.step_builder.attn_builder = CppMetadataBuilder(self._eager_builder)
+        self.hidden_size = cfg.hidden_size
+
+    def detach(self) -> None:
+        """Back to the eager path (a failed self-check)."""
+        self.step_builder.attn_builder = self._eager_builder
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return inputs.meta.backend is CPP_PLAN
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's decoder layers in C++; final hidden states [T, hidden]."""
+        meta = inputs.meta
+        return self.step.forward(self.embed(inputs.input_ids), inputs.positions,
+                                 meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                                 meta.block_tables)
+
+    def run_eager(self, inputs: StepInputs) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+
+    @torch.inference_mode()
+    def self_check(self, kv_caches: torch.Tensor, block_size: int) -> float:
+        """Run a throw-away mixed step (two decodes, one 3-token chunk) both ways and
+        return the largest difference relative to the eager output's scale; the
+        blocks it writes (0 to 3) are restored. A cache of fewer blocks skips it (0.0)."""
+        if kv_caches.shape[2] < 4:
+            return 0.0
+        saved = kv_caches[:, :, :4].clone()
+        try:
+            lens = [block_size + 3, 5, 7]  # contexts after the step
+            qlens = [1, 1, 3]
+            tables = torch.tensor([[0, 1], [2, 0], [3, 0]], dtype=torch.int32)
+            positions, slots = [], []
+            for r, (n, q) in enumerate(zip(lens, qlens)):
+                for p in range(n - q, n):
+                    positions.append(p)
+                    slots.append(int(tables[r, p // block_size]) * block_size + p % block_size)
+            qsl = [0, 1, 2, 5]
+            gen = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, self.embed_vocab(), (len(positions),), generator=gen)
+            # Fill the context both ways read with something that is not zero.
+            kv_caches[:, :, :4].normal_(generator=gen)
+            meta = AttentionMetadata(
+                num_actual_tokens=len(positions), num_reqs=3, num_decodes=2,
+                max_query_len=3, max_seq_len=max(lens),
+                slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(
+                    qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+                block_tables=tables, query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+            pos = torch.tensor(positions)
+            self._eager_builder.build(meta, pos)
+            before = kv_caches[:, :, :4].clone()
+            want = self.model(ids, pos, meta).float()
+            kv_caches[:, :, :4].copy_(before)
+            got = self.step.forward(self.embed(ids), pos, meta.slot_mapping,
+                                    meta.query_start_loc, meta.seq_lens, tables).float()
+            return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+        finally:
+            kv_caches[:, :, :4].copy_(saved)
+
+    def embed_vocab(self) -> int:
+        return self.model.config.vocab_size
+
+
+def cpu_decode_step(runner):
+    """The CPU step the runner uses: the C++ step (default), the opt-in inductor step
+    (KVFLOW_CPU_COMPILE=1), or None (eager), with one log line saying which and why."""
+    cfg = runner.config
+    if cfg.device.enforce_eager:
+        logger.info("compiled CPU decode step off (--enforce-eager): decoding eagerly")
+        return None
+    if envs.cpu_compile():
+        from kvflow.worker.cpu_compile import compile_decode_step
+
+        return compile_decode_step(runner)
+    why_not = None
+    if not envs.cpu_cpp_step():
+        why_not = "KVFLOW_CPU_CPP_STEP=0"
+    elif find_compiler() is None:
+        why_not = "no C++ compiler found (install g++ or set CXX)"
+    else:
+        why_not = why_unsupported(runner)
+    if why_not is not None:
+        logger.info("C++ CPU decode step off (%s): decoding eagerly", why_not)
+        return None
+    try:
+        module, seconds = load_extension()
+    except Exception as e:  # a broken toolchain must not stop the engine
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        logger.warning("building the C++ CPU decode step failed, decoding eagerly: %s: %s",
+                       type(e).__name__, first_line)
+        return None
+    step = None
+    try:
+        step = CppDecodeStep(runner, module)
+        error = step.self_check(runner.kv_caches, runner.block_size)
+    except Exception as e:  # e.g. a layout the C++ side rejects: eager, not a dead engine
+        if step is not None:
+            step.detach()
+        logger.warning("the C++ CPU decode step failed its warm-up check, decoding eagerly: "
+                       "%s: %s", type(e).__name__, str(e).strip().splitlines()[0] if
+                       str(e).strip() else "")
+        return None
+    # Rounding differences stay far below these; a wrong step (a layer skipped, rotary
+    # misplaced) is off by order one. Quantized linears (the int4 GEMM rounds its
+    # inputs to bf16) amplify the float32 rounding differences like a 16-bit model.
+    exact = runner.kv_caches.dtype == torch.float32 and step.num_callbacks == 0
+    tolerance = 1e-2 if exact else 1e-1
+    if not error <= tolerance:
+        step.detach()
+        logger.warning("the C++ CPU decode step disagrees with eager (relative error %.2g "
+                       "> %.0e), decoding eagerly", error, tolerance)
+        return None
+    logger.info("C++ CPU decode step: %d decoder layers in one call (%d quantized linears "
+                "called back), steps of up to %d tokens; built/loaded in %.1f s (%s), "
+                "self-check relative error %.1e", step.num_layers, step.num_callbacks,
+                MAX_TOKENS, seconds, build_root(), error)
+    return step
