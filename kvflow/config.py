@@ -368,7 +368,7 @@ class SpeculativeConfig:
     """draft_model: the draft's weight storage, like --quantization (auto, none, int8, int4,
     gguf). None: none when the target runs dense (--quantization none), else auto. A
     quantized copy of the target is a cheap, well-matched draft."""
-    medusa_tree: object = None
+    medusa_tree: str | int | tuple | None = None
     """medusa: the candidate tree verified in one step with tree attention. None: the
     best tree of the device's default size (8 nodes on CPU, 32 on a GPU) for the heads'
     measured accuracies; an int N: the best N-node tree; a list of choices (rank paths,
