@@ -54,19 +54,22 @@ class MedusaHeads(nn.Module):
                 layers.append(nn.Linear(hidden, vocab, bias=False))
             self.heads.append(nn.Sequential(*layers))
 
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, H] -> each head's hidden state before its projection [heads, N, H]."""
+    def hidden(self, x: torch.Tensor, num: int | None = None) -> torch.Tensor:
+        """x [N, H] -> the first ``num`` (default all) heads' hidden states before their
+        projection [num, N, H]."""
         if not self.cfg.shared_lm_head:
             raise RuntimeError("heads with their own projection give logits, not hidden")
-        return torch.stack([head(x) for head in self.heads])
+        return torch.stack([head(x) for head in self.heads[:num]])
 
-    def logits(self, x: torch.Tensor, base_lm_head) -> torch.Tensor:
-        """x [N, H] -> [heads, N, V] float32; ``base_lm_head`` maps [M, H] -> [M, V]."""
+    def logits(self, x: torch.Tensor, base_lm_head, num: int | None = None) -> torch.Tensor:
+        """x [N, H] -> [num, N, V] float32 of the first ``num`` heads (default all);
+        ``base_lm_head`` maps [M, H] -> [M, V]. (A head's vocabulary projection is most
+        of its cost: heads a proposal does not use are not run.)"""
         if self.cfg.shared_lm_head:
-            h = self.hidden(x)  # [heads, N, H]
+            h = self.hidden(x, num)  # [num, N, H]
             return base_lm_head(h.reshape(-1, h.shape[-1])).float().view(
                 h.shape[0], h.shape[1], -1)
-        return torch.stack([head(x).float() for head in self.heads])
+        return torch.stack([head(x).float() for head in self.heads[:num]])
 
     def save(self, path: str, extra: dict | None = None) -> None:
         from safetensors.torch import save_file
@@ -138,11 +141,11 @@ class MedusaProposer(Proposer):
             return [[] for _ in token_ids]
         if self.tree is not None:  # every node: its head's guess of its rank
             t = self.tree
-            logits = self.heads.logits(hidden, self.lm_head)[: t.max_depth]  # [d, R, V]
+            logits = self.heads.logits(hidden, self.lm_head, t.max_depth)  # [d, R, V]
             top = logits.topk(t.max_rank, dim=-1).indices  # [d, R, ranks]
             nodes = top[self._node_head, :, self._node_rank].t().tolist()  # [R, N]
             return [row if m else [] for row, m in zip(nodes, max_drafts)]
         k = self.num_speculative_tokens
-        logits = self.heads.logits(hidden, self.lm_head)[:k]  # [k, R, V]
+        logits = self.heads.logits(hidden, self.lm_head, k)  # [k, R, V]
         top = logits.argmax(dim=-1).t().tolist()  # [R, k]
         return [row[: min(m, k)] for row, m in zip(top, max_drafts)]
