@@ -203,3 +203,32 @@ def test_bad_tree_fails_at_startup(tmp_path, tree, match):
                           "num_speculative_tokens": 3, "medusa_tree": tree})
     with pytest.raises(InvalidParameterError, match=match):
         args.create_engine_config()
+
+
+def test_chain_shaped_tree_verifies_like_the_rejection_sampler_with_penalties():
+    """A tree that is a chain must give the chain verifier's result, with penalties
+    counting each row's preceding drafts and min_tokens banning by depth."""
+    from kvflow.layers.rejection_sampler import RejectionSampler
+
+    g = torch.Generator().manual_seed(3)
+    vocab, d = 12, 3
+    logits = torch.randn(2 * (d + 1), vocab, generator=g)
+    drafts = logits.argmax(dim=-1).view(2, d + 1)[:, :d].reshape(-1)  # mostly right
+    # Request 0 repeats its first draft, and row 1 (after it) favours that token by a
+    # margin the presence penalty (3.0) overturns once the draft is counted as output.
+    drafts[1] = drafts[0]
+    top2 = logits[1].topk(2).values
+    logits[1, int(drafts[0])] = top2[0] + 1.0
+    meta = _meta(2)
+    meta.repetition_penalty = torch.tensor([1.0, 1.0])
+    meta.presence_penalty = torch.tensor([3.0, 0.0])
+    meta.frequency_penalty = torch.tensor([0.0, 0.0])
+    meta.output_counts = torch.zeros(2, vocab, dtype=torch.int64)
+    meta.prompt_mask = torch.zeros(2, vocab, dtype=torch.bool)
+    meta.banned = (torch.tensor([1]), torch.tensor([int(drafts[d + 1])]))
+    chain = DraftTree.chain(d)
+    tree_out = TreeVerifier(chain)(logits, drafts, [d, d], meta, min_tokens_left=[0, 2])
+    ref = RejectionSampler()(logits, drafts, [d, d], meta, min_tokens_left=[0, 2])
+    assert tree_out.row_token_ids.tolist() == ref.row_token_ids.tolist()
+    assert tree_out.num_accepted.tolist() == ref.num_accepted.tolist()
+    assert ref.num_accepted.tolist()[0] == 1  # the penalty rejected the repeat

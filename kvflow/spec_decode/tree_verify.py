@@ -94,7 +94,7 @@ class TreeVerifier:
                 par = int(tree.parents[n])
                 parent_rows.append(start + (0 if par < 0 else 1 + par))
                 depth.append(float(tree.depth[n]))
-                drafts_of_row.append(tree.ancestors[n][:-1])
+                drafts_of_row.append(tree.ancestors[n])  # the row after node n
             row_drafts.append(drafts_of_row)
             pad_rows[i] = start + np.minimum(np.arange(m_max + 1), m)
             pad_ok[i, : m + 1] = True
