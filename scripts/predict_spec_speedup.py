@@ -75,7 +75,9 @@ def predict(gpu: dict, cpu_files: list[str]) -> dict:
         if hit is None:
             continue
         used, cost = hit
-        step_ms = float(cost["ms_per_step"])
+        # Cost of a verification step (older results: per step, which counted plain
+        # steps too when the oracle's drafts ran off its reference).
+        step_ms = float(cost.get("ms_per_verify_step", cost["ms_per_step"]))
         propose_ms = heads_ms * min(k, depth) / depth if method == "medusa" else 0.0
         tps = length / (step_ms + propose_ms) * 1000.0
         row.update({"verify": what, "gpu_cost_measured_at": used,
@@ -83,11 +85,13 @@ def predict(gpu: dict, cpu_files: list[str]) -> dict:
                     "predicted_tokens_per_s": round(tps, 1),
                     "predicted_speedup": round(tps / plain_tps, 3)})
         rows.append(row)
-    upper = {k: v.get("speedup_vs_plain") for k, v in chain.items()}
+    upper = {k: v.get("always_right_speedup", v.get("speedup_vs_plain"))
+             for k, v in chain.items()}
     return {"gpu_plain_bs1_tokens_per_s": plain_tps,
             "gpu_plain_ms_per_step": plain["ms_per_step"],
             "always_right_chain_speedup": upper,
-            "always_right_tree_speedup": {k: v.get("speedup_vs_plain")
+            "always_right_tree_speedup": {k: v.get("always_right_speedup",
+                                                   v.get("speedup_vs_plain"))
                                           for k, v in trees.items()},
             "predictions": rows}
 

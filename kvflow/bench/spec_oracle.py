@@ -54,7 +54,14 @@ class OracleProposer(Proposer):
                 out.append([])
                 continue
             if self.tree is None:
-                out.append(self._continuation(tokens, self.num_speculative_tokens))
+                # Off the reference (the target's greedy path differs from the plain
+                # run's, e.g. bf16 near-ties of random weights between the decode and
+                # the verification kernels) the drafts are wrong ones: every step still
+                # verifies k drafts, so its cost is measured either way.
+                k = self.num_speculative_tokens
+                right = self._continuation(tokens, k)
+                out.append(right + [self._wrong(-1) for _ in range(k - len(right))]
+                           if k else [])
                 continue
             t = self.tree
             right = self._continuation(tokens, t.max_depth)

@@ -70,7 +70,13 @@ def _run(llm, prompts: list[list[int]], output_len: int, device: str) -> dict:
     accepted = stats.num_accepted_tokens - before.num_accepted_tokens
     drafted = stats.num_draft_tokens - before.num_draft_tokens
     steps = max(output_len - 1 - accepted // max(len(prompts), 1), 1)
-    return {"decode_s": round(decode, 4), "prefill_s": round(prefill, 4),
+    # Verification steps cost the same kept or rejected: their cost per step, and what
+    # drafts that are always right (k + 1 tokens a step) would give at that cost.
+    verify_ms = decode / max(verify_steps, 1) * 1000
+    return {"ms_per_verify_step": round(verify_ms, 3),
+            "drafts_per_verify_step": round(drafted / max(stats.num_drafts - before.num_drafts,
+                                                          1), 3),
+            "decode_s": round(decode, 4), "prefill_s": round(prefill, 4),
             "decode_tokens_per_s": round(tokens / decode, 2),
             "verify_steps_per_request": verify_steps, "steps_per_request": steps,
             "tokens_per_step": round((output_len - 1) / steps, 3),
@@ -175,10 +181,13 @@ def run_spec_verify(ns: argparse.Namespace) -> int:
         r = _run(llm, prompts[:1], ns.output_len, device)
         r.pop("outputs")
         r["speedup_vs_plain"] = round(r["decode_tokens_per_s"] / base, 3)
-        r["verify_cost_vs_plain_step"] = round(r["ms_per_step"] / max(plain1["ms_per_step"], 1e-6), 3)
+        r["verify_cost_vs_plain_step"] = round(r["ms_per_verify_step"]
+                                               / max(plain1["ms_per_step"], 1e-6), 3)
+        r["always_right_speedup"] = round((k + 1) / r["verify_cost_vs_plain_step"], 3)
         chain[str(k)] = r
         print(f"chain k={k}: {r['decode_tokens_per_s']} tok/s ({r['speedup_vs_plain']}x), "
-              f"{r['tokens_per_step']} tok/step, {r['ms_per_step']} ms/step")
+              f"{r['tokens_per_step']} tok/step, {r['ms_per_verify_step']} ms/verify step, "
+              f"always right: {r['always_right_speedup']}x")
     result["oracle_chain_bs1"] = chain
     trees = {}
     profile = rank_accuracy_profile(None, ns.tree_depth)
@@ -189,10 +198,14 @@ def run_spec_verify(ns: argparse.Namespace) -> int:
         r.pop("outputs")
         r["depth"] = tree.max_depth
         r["speedup_vs_plain"] = round(r["decode_tokens_per_s"] / base, 3)
-        r["verify_cost_vs_plain_step"] = round(r["ms_per_step"] / max(plain1["ms_per_step"], 1e-6), 3)
+        r["verify_cost_vs_plain_step"] = round(r["ms_per_verify_step"]
+                                               / max(plain1["ms_per_step"], 1e-6), 3)
+        r["always_right_speedup"] = round((tree.max_depth + 1)
+                                          / r["verify_cost_vs_plain_step"], 3)
         trees[str(size)] = r
         print(f"tree {size} nodes (depth {tree.max_depth}): {r['decode_tokens_per_s']} tok/s "
-              f"({r['speedup_vs_plain']}x), {r['ms_per_step']} ms/step")
+              f"({r['speedup_vs_plain']}x), {r['ms_per_verify_step']} ms/verify step, "
+              f"always right: {r['always_right_speedup']}x")
     result["oracle_tree_bs1"] = trees
 
     # 3. Large batch: speculation switched off by batch size, and forced on.
