@@ -370,7 +370,7 @@ class SpeculativeConfig:
     quantized copy of the target is a cheap, well-matched draft."""
     medusa_tree: str | int | tuple | None = None
     """medusa: the candidate tree verified in one step with tree attention. None: the
-    best tree of the device's default size (8 nodes on CPU, 32 on a GPU) for the heads'
+    best tree of the device's default size (4 nodes on CPU, 32 on a GPU) for the heads'
     measured accuracies; an int N: the best N-node tree; a list of choices (rank paths,
     e.g. [[0], [1], [0, 0]]); "chain": each head's top-1 guess as one chain, verified by
     exact rejection sampling (trees use typical acceptance when sampling)."""

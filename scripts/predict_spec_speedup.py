@@ -24,6 +24,7 @@ import argparse
 import glob
 import json
 import os
+import re
 
 
 def _nearest(table: dict, key: int) -> tuple[int, dict] | None:
@@ -60,7 +61,10 @@ def predict(gpu: dict, cpu_files: list[str]) -> dict:
         tree_size = None
         if method == "medusa" and tree != "chain" and "medusa_tree" in spec:
             # None: the CPU default tree (the runs here are CPU runs).
-            tree_size = 8 if tree is None else tree if isinstance(tree, int) else len(tree)
+            tree_size = 4 if tree is None else tree if isinstance(tree, int) else len(tree)
+            named = re.search(r"tree(\d+)", os.path.basename(path))
+            if named and tree is None:  # a run from when the CPU default was another size
+                tree_size = int(named.group(1))
         if method == "draft_model":
             row["predicted"] = None
             row["why_not"] = "needs a draft model's cost at this shape (not measured)"
@@ -72,6 +76,15 @@ def predict(gpu: dict, cpu_files: list[str]) -> dict:
         else:
             hit = _nearest(chain, k)
             what = f"chain k={k}"
+            if hit is not None and "ms_per_verify_step" not in hit[1] and \
+                    hit[1].get("verify_steps_per_request", 0) < 10 and trees:
+                # A result from before per-verification-step costing whose oracle ran off
+                # its reference: its steps were plain ones. A tree step of at least
+                # k + 1 tokens is the nearest measured verification cost.
+                bigger = [int(n) for n in trees if int(n) >= k] or [max(int(n) for n in trees)]
+                used_n = min(bigger)
+                hit = (used_n, trees[str(used_n)])
+                what += f" (cost of the {used_n}-node tree step)"
         if hit is None:
             continue
         used, cost = hit
@@ -85,14 +98,17 @@ def predict(gpu: dict, cpu_files: list[str]) -> dict:
                     "predicted_tokens_per_s": round(tps, 1),
                     "predicted_speedup": round(tps / plain_tps, 3)})
         rows.append(row)
-    upper = {k: v.get("always_right_speedup", v.get("speedup_vs_plain"))
-             for k, v in chain.items()}
+    upper = {k: v.get("always_right_speedup") for k, v in chain.items()}
+    tree_upper = {}
+    for n, v in trees.items():  # depth + 1 tokens per verification step if always right
+        bound = v.get("always_right_speedup")
+        if bound is None and v.get("depth"):
+            bound = round((v["depth"] + 1) * plain["ms_per_step"] / v["ms_per_step"], 3)
+        tree_upper[n] = bound
     return {"gpu_plain_bs1_tokens_per_s": plain_tps,
             "gpu_plain_ms_per_step": plain["ms_per_step"],
             "always_right_chain_speedup": upper,
-            "always_right_tree_speedup": {k: v.get("always_right_speedup",
-                                                   v.get("speedup_vs_plain"))
-                                          for k, v in trees.items()},
+            "always_right_tree_speedup": tree_upper,
             "predictions": rows}
 
 

@@ -56,7 +56,7 @@ def test_best_tree_takes_the_likeliest_paths():
 
 def test_tree_option():
     assert parse_tree_option("chain", 3, "cpu", None, 3) is None
-    assert parse_tree_option(None, 3, "cpu", None, 3).num_nodes == 8
+    assert parse_tree_option(None, 3, "cpu", None, 3).num_nodes == 4
     assert parse_tree_option(None, 3, "cuda", None, 3).num_nodes == 32
     assert parse_tree_option(5, 3, "cpu", None, 2).max_depth <= 2
     with pytest.raises(InvalidParameterError, match="medusa_tree"):
@@ -181,7 +181,7 @@ def test_medusa_tree_greedy_and_typical_sampling(tmp_path):
     llm = tiny(speculative_config={"method": "medusa", "model": str(tmp_path),
                                    "num_speculative_tokens": 3,
                                    "disable_by_batch_size": None})
-    assert llm.engine.core.executor.runner.spec.tree.num_nodes == 8
+    assert llm.engine.core.executor.runner.spec.tree.num_nodes == 4
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     sp = SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=5)

@@ -31,7 +31,7 @@ MAX_TREE_RANK = 32  # top-k ranks a choice may use per head
 # Default tree sizes (nodes) by device: a CPU verification step pays for every extra
 # token in matmul time, a GPU batch-1 step is bound by the weight read and takes dozens
 # of tokens for nearly the price of one.
-DEFAULT_TREE_NODES = {"cpu": 8, "cuda": 32}
+DEFAULT_TREE_NODES = {"cpu": 4, "cuda": 32}
 
 
 @dataclass(frozen=True, eq=False)
