@@ -368,6 +368,18 @@ class SpeculativeConfig:
     """draft_model: the draft's weight storage, like --quantization (auto, none, int8, int4,
     gguf). None: none when the target runs dense (--quantization none), else auto. A
     quantized copy of the target is a cheap, well-matched draft."""
+    medusa_tree: str | int | tuple | None = None
+    """medusa: the candidate tree verified in one step with tree attention. None: the
+    best tree of the device's default size (4 nodes on CPU, 32 on a GPU) for the heads'
+    measured accuracies; an int N: the best N-node tree; a list of choices (rank paths,
+    e.g. [[0], [1], [0, 0]]); "chain": each head's top-1 guess as one chain, verified by
+    exact rejection sampling (trees use typical acceptance when sampling)."""
+    posterior_threshold: float = 0.09
+    """medusa tree, temperature > 0 (typical acceptance): a candidate is kept when the
+    target gives it probability above min(posterior_threshold, posterior_alpha *
+    exp(-entropy))."""
+    posterior_alpha: float = 0.3
+    """medusa tree, temperature > 0: see posterior_threshold."""
 
     def __post_init__(self) -> None:
         require(self.method in SPEC_METHODS, "speculative_config.method",
@@ -414,10 +426,26 @@ class SpeculativeConfig:
             for name in ("draft_num_layers", "draft_quantization"):
                 require(getattr(self, name) is None, f"speculative_config.{name}",
                         "is an option of method draft_model, not medusa")
+            tree = self.medusa_tree
+            require(tree is None or tree == "chain"
+                    or (isinstance(tree, int) and not isinstance(tree, bool))
+                    or isinstance(tree, (list, tuple)), "speculative_config.medusa_tree",
+                    f"must be null, \"chain\", a node count or a list of choices, got {tree!r}")
+            if isinstance(tree, (list, tuple)):  # frozen and hashable: tuples of tuples
+                from kvflow.spec_decode.tree import DraftTree
+
+                object.__setattr__(self, "medusa_tree", DraftTree.from_choices(tree).choices)
+            for name in ("posterior_threshold", "posterior_alpha"):
+                v = getattr(self, name)
+                require(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1,
+                        f"speculative_config.{name}", f"must be a number in [0, 1], got {v!r}")
         else:
             for name in ("model", "draft_num_layers", "draft_quantization"):
                 require(getattr(self, name) is None, f"speculative_config.{name}",
                         f"is an option of method draft_model, not {self.method}")
+        if self.method != "medusa":
+            require(self.medusa_tree is None, "speculative_config.medusa_tree",
+                    f"is an option of method medusa, not {self.method}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "SpeculativeConfig":

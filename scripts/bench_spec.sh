@@ -26,13 +26,19 @@ bench --dataset chat --num-prompts 64 --output-len 24 --max-num-seqs 64 \
 # GGUF copy (the only real model on CPU is the embedded one), against the dense target.
 bench --quantization none --dataset chat --num-prompts 3 --output-len 48 --max-num-seqs 1 \
   --speculative-config "$DRAFT" --spec-baseline --save-result "$OUT/spec-draft-chat-bs1-cpu.json"
-# medusa: heads trained here (kvflow train-medusa, ~15 min on 2 busy cores; the answers
-# are cached so a retrain skips generation), chat bs1 and bs64 against plain decoding.
+# medusa: heads trained here (kvflow train-medusa: 3 answers per prompt, the answers
+# are cached so a retrain skips generation), chat bs1 as a chain (exact rejection
+# sampling) and as candidate trees (the CPU default of 8 nodes, and 4), and bs64.
 HEADS=${HEADS:-heads/smollm2-medusa3}
 [ -f "$HEADS/config.json" ] || nice -n 19 "$PY" -m kvflow.cli train-medusa --output "$HEADS" \
-  --max-tokens 64 --data-cache "$HEADS.answers.json"
-MEDUSA="{\"method\": \"medusa\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 2}"
+  --num-heads 3 --max-tokens 128 --epochs 4 --samples-per-prompt 3 --batch-size 512 \
+  --data-cache "$HEADS.answers.json"
+medusa() { echo "{\"method\": \"medusa\", \"model\": \"$HEADS\", \"num_speculative_tokens\": ${2:-3}, \"medusa_tree\": $1}"; }
 bench --dataset chat --num-prompts 3 --output-len 48 --max-num-seqs 1 \
-  --speculative-config "$MEDUSA" --spec-baseline --save-result "$OUT/spec-medusa-chat-bs1-cpu.json"
+  --speculative-config "$(medusa '"chain"' 2)" --spec-baseline --save-result "$OUT/spec-medusa-chain-chat-bs1-cpu.json"
+bench --dataset chat --num-prompts 3 --output-len 48 --max-num-seqs 1 \
+  --speculative-config "$(medusa null)" --spec-baseline --save-result "$OUT/spec-medusa-tree8-chat-bs1-cpu.json"
+bench --dataset chat --num-prompts 3 --output-len 48 --max-num-seqs 1 \
+  --speculative-config "$(medusa 4)" --spec-baseline --save-result "$OUT/spec-medusa-tree4-chat-bs1-cpu.json"
 bench --dataset chat --num-prompts 64 --output-len 24 --max-num-seqs 64 \
-  --speculative-config "$MEDUSA" --spec-baseline --save-result "$OUT/spec-medusa-chat-bs64-cpu.json"
+  --speculative-config "$(medusa null)" --spec-baseline --save-result "$OUT/spec-medusa-chat-bs64-cpu.json"

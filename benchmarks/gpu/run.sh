@@ -31,6 +31,11 @@
 #             auto-fresh: the table just measured; gpu-a-gemv-MODE.json); GEMV_PROFILE_MODES
 #             adds the batch-1 per-kernel profile per mode (profile-gemv-MODE.json);
 #             GEMV_PARITY=1 first runs the 8B bf16 parity test vs transformers, GEMV forced
+#   spec-verify  speculative verification cost at Llama-3.1-8B shape (dummy weights, <= 5 min):
+#             batch-1 plain decode, always-right drafts at k=1..8 and Medusa trees of 8/16/32/63
+#             nodes, the heads' forward, batch 64 with speculation switched off / forced on
+#             (spec-verify.json); then the batch-1 speedup predicted from the CPU acceptance
+#             figures (spec-predict.json)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/env.sh  # OUT, PYTHONPATH, KVFLOW_GIT_COMMIT, KV
@@ -93,6 +98,9 @@ for stage in "$@"; do
       for mode in ${GEMV_PROFILE_MODES:-}; do  # per-kernel breakdown of a batch-1 decode step
         KVFLOW_GEMV=$mode timeout 120 python benchmarks/gpu/profile_steps.py --cases decode1 --out "$OUT/profile-gemv-$mode.json" 2>&1 | grep -v "^INFO" | tail -18
       done;;
+    spec-verify)
+      timeout ${SPEC_VERIFY_TIMEOUT:-270} $KV bench spec-verify --model llama-3.1-8b --load-format dummy --input-len 128 --output-len 128 --max-model-len 4096 --gpu-memory-utilization 0.45 --save-result "$OUT/spec-verify.json" 2>&1 | grep -v "^INFO" | tail -30
+      [ -f "$OUT/spec-verify.json" ] && python scripts/predict_spec_speedup.py --gpu "$OUT/spec-verify.json" --out "$OUT/spec-predict.json" 2>&1 | tail -15;;
     *) echo "unknown stage $stage"; exit 2;;
   esac
 done

@@ -92,6 +92,14 @@ def add_bench_parser(sub) -> None:
 
     lat.set_defaults(func=_lazy("kvflow.bench.offline", "run_latency"))
 
+    sv = kinds.add_parser("spec-verify", help="cost of speculative verification steps: "
+                          "always-right drafts at k = 1..8 and Medusa trees vs plain decoding")
+    _common(sv)
+    from kvflow.bench.spec_verify import add_spec_verify_args
+
+    add_spec_verify_args(sv)
+    sv.set_defaults(func=_lazy("kvflow.bench.spec_verify", "run_spec_verify"))
+
     ar = kinds.add_parser("allreduce", help="the engine's tensor-parallel all-reduce at "
                           "TP message sizes (gloo on CPU, NCCL on GPU) against the planner")
     from kvflow.bench.allreduce import add_allreduce_args

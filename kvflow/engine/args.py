@@ -251,9 +251,15 @@ class EngineArgs:
         if speculative is not None and speculative.method == "medusa":
             from kvflow.spec_decode.heads_config import MedusaHeadsConfig
 
-            MedusaHeadsConfig.read(speculative.model).check(
-                resolved.arch.hidden_size, resolved.arch.vocab_size,
-                speculative.num_speculative_tokens)
+            from kvflow.spec_decode.tree import parse_tree_option
+
+            heads = MedusaHeadsConfig.read(speculative.model)
+            heads.check(resolved.arch.hidden_size, resolved.arch.vocab_size,
+                        speculative.num_speculative_tokens)
+            # A tree deeper than the heads, or too big, fails here (before any load).
+            parse_tree_option(speculative.medusa_tree, heads.num_heads,
+                              "cuda" if device.startswith("cuda") else "cpu", None,
+                              speculative.num_speculative_tokens)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(device=device,
                                                 enforce_eager=self.enforce_eager,

@@ -50,6 +50,10 @@ Expected traffic and work (elem = bytes per value, 2 for bf16):
           one 8192-token causal chunk, H=32, D=128: 4*32*128*8192*8193/2 = 550 GFLOP
           -> ~0.70 ms at 790 TFLOP/s.
 
+Candidate trees (Medusa verification, ``tree``): a request's last tree tokens see the
+keys before its tree root and, past it, only the keys whose bit is set in the query
+row's 64-bit ``tree.bits``; tiles past the root run masked (prefill launch only).
+
 Limits: "decodes" must have q_len <= 1 (speculative drafts go through the prefill
 launch). A short chunk after a long cached prefix gets only cdiv(q_len, BLOCK_Q) * KVH
 programs (prefill has no split-KV). Checked by compiling every default and sweep config
@@ -74,15 +78,20 @@ _MAX_SPLITS = 64
 @triton.jit
 def _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos, offs_n, offs_d,
                stride_kb, stride_kt, qk_scale, q_ptr, ks_base, vs_base, stride_sb, stride_st,
+               tree_bits, tree_start,
                BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                MASKED: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-               QUANT: tl.constexpr):
+               QUANT: tl.constexpr, TREE: tl.constexpr):
     """One BLOCK_N tile of keys [start, start + BLOCK_N): online-softmax update.
 
     QUANT 1 (int8 cache): K/V tiles are widened to the model dtype (exact) and their
     per-token scales applied to the scores (K) and to P before P @ V (V); QUANT 2
     (fp8): widened the same way, the per-tensor scales are folded into qk_scale and
-    the output scale by the caller."""
+    the output scale by the caller.
+
+    TREE (a candidate tree in the batch): key n >= tree_start (the request's tree root)
+    is visible to a row only if bit n - tree_start of its ``tree_bits`` [BLOCK_M] is
+    set; the caller runs every tile that reaches past the root MASKED."""
     n = start + offs_n  # [BLOCK_N] key positions
     if MASKED:
         n_ok = n < hi
@@ -128,6 +137,11 @@ def _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos, offs_n,
         s = s * ks[None, :]
     if MASKED:
         visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
+        if TREE:
+            rel = n - tree_start  # [BLOCK_N] key index within the tree (< 0: before it)
+            shift = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)
+            bit = (tree_bits[:, None] >> shift[None, :]) & 1  # [BLOCK_M, BLOCK_N]
+            visible = visible & ((rel < 0)[None, :] | (bit != 0))
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
@@ -146,11 +160,11 @@ def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
         req_offset, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
         stride_bt, stride_kb, stride_kt, stride_kh, ks_ptr, vs_ptr, out_scale,
-        stride_sb, stride_st, stride_sh,
+        stride_sb, stride_st, stride_sh, tree_bits_ptr, tree_start_ptr,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr, QUANT: tl.constexpr):
+        UPCAST: tl.constexpr, QUANT: tl.constexpr, TREE: tl.constexpr):
     num_qb = tl.num_programs(0)
     qb = num_qb - 1 - tl.program_id(0)  # longest causal range first
     req = tl.program_id(1) + req_offset
@@ -190,6 +204,12 @@ def _paged_attn_kernel(
         hi = tl.minimum(hi, lo + chunk)
     # Keys <= the block's first query position are visible to every row: no masks.
     full_hi = tl.minimum(hi, ctx + qb * BLOCK_Q + 1)
+    tree_bits = tl.full([BLOCK_Q * G_PAD], -1, tl.int64)
+    tree_start = seq_len
+    if TREE:  # a tree's keys past its root are visible row by row: masked tiles
+        tree_start = tl.load(tree_start_ptr + req)
+        tree_bits = tl.load(tree_bits_ptr + row, mask=row_ok, other=-1)
+        full_hi = tl.minimum(full_hi, tree_start + 1)
     full_end = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
@@ -203,13 +223,15 @@ def _paged_attn_kernel(
     for start in range(lo, full_end, BLOCK_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos,
                                    offs_n, offs_d, stride_kb, stride_kt, qk_scale, q_ptr,
-                                   ks_base, vs_base, stride_sb, stride_st,
-                                   BLOCK_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, UPCAST, QUANT)
+                                   ks_base, vs_base, stride_sb, stride_st, tree_bits, tree_start,
+                                   BLOCK_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, UPCAST, QUANT,
+                                   TREE)
     for start in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos,
                                    offs_n, offs_d, stride_kb, stride_kt, qk_scale, q_ptr,
-                                   ks_base, vs_base, stride_sb, stride_st,
-                                   BLOCK_SIZE, HEAD_DIM, D_PAD, True, DOT_PREC, UPCAST, QUANT)
+                                   ks_base, vs_base, stride_sb, stride_st, tree_bits, tree_start,
+                                   BLOCK_SIZE, HEAD_DIM, D_PAD, True, DOT_PREC, UPCAST, QUANT,
+                                   TREE)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty split or empty context -> zeros
     o = acc * (out_scale / l_safe)[:, None]  # out_scale: fp8's V scale, else 1
@@ -340,7 +362,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     num_decodes: int, max_query_len: int, max_seq_len: int,
                     num_kv_splits: int = 1, out: torch.Tensor | None = None,
                     decode_config: TileConfig | None = None,
-                    prefill_config: TileConfig | None = None, kv_quant=None) -> torch.Tensor:
+                    prefill_config: TileConfig | None = None, kv_quant=None,
+                    tree=None) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each request's paged context -> [T, H, D].
 
     R = seq_lens.shape[0] requests; requests [0, num_decodes) have exactly one query
@@ -351,6 +374,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     ``decode_config`` / ``prefill_config`` override the default tiles (benchmarks).
     ``kv_quant`` (a ``KVQuant``): the cache holds int8 (with per-token-and-head scales
     [2, NB, BS, KVH]) or fp8 values (per-tensor scales), dequantized in registers.
+    ``tree`` (a ``TreeAttention``): candidate trees among the prefill requests (Medusa
+    verification), attended with their ancestor masks.
     """
     t, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -386,6 +411,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
               scales[0], scales[1], out_scale,
               *((scales.stride(1), scales.stride(2), scales.stride(3)) if quant == 1
                 else (0, 0, 0)))
+    tree_args = (seq_lens, seq_lens) if tree is None else (tree.bits, tree.start)
     # The CPU interpreter's tl.dot is wrong for bf16 (it multiplies the raw uint16 bits):
     # there, dot operands are widened to float32 after the same roundings.
     consts = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=d_pad,
@@ -403,10 +429,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             part_o = part_lse = out  # unused
         _paged_attn_kernel[(1, num_decodes, num_kv_heads * splits)](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-            part_o, part_lse, 0, splits, *common,
+            part_o, part_lse, 0, splits, *common, seq_lens, seq_lens,
             G_PAD=max(g_pad, dec_cfg.block_m), BLOCK_Q=1, BLOCK_N=dec_cfg.block_n,
             SPLIT=splits > 1, num_warps=dec_cfg.num_warps, num_stages=dec_cfg.num_stages,
-            **consts)
+            TREE=False, **consts)
         if splits > 1:
             _merge_splits_kernel[(num_decodes, num_heads)](
                 part_o, part_lse, out, query_start_loc, splits, out.stride(0), out.stride(1),
@@ -419,9 +445,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         grid = (triton.cdiv(max_query_len, block_q), num_prefills, num_kv_heads)
         _paged_attn_kernel[grid](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-            out, out, num_decodes, 1, *common,
+            out, out, num_decodes, 1, *common, *tree_args,
             G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=pre_cfg.block_n, SPLIT=False,
-            num_warps=pre_cfg.num_warps, num_stages=pre_cfg.num_stages, **consts)
+            num_warps=pre_cfg.num_warps, num_stages=pre_cfg.num_stages,
+            TREE=tree is not None, **consts)
     return out
 
 

@@ -58,13 +58,17 @@ def _offsets(num_draft: list[int]) -> tuple[list[int], list[int]]:
 
 def expand_metadata(meta: SamplingMetadata, num_draft: list[int],
                     draft_token_ids: torch.Tensor,
-                    min_tokens_left: list[int] | None = None) -> SamplingMetadata:
+                    min_tokens_left: list[int] | None = None,
+                    row_drafts: list[list[tuple[int, ...]]] | None = None) -> SamplingMetadata:
     """Per-request metadata (B rows) -> per-target-row metadata (T = sum(d_i + 1) rows).
 
     Row j of a request counts drafts x_0..x_{j-1} as generated output for penalties (they
     precede it if accepted, and row j is only used when they are). ``min_tokens_left[i]``:
     how many more tokens request i must generate before it may stop; its banned stop
     tokens apply to its rows j < that (None: to every row of a banned request).
+    ``row_drafts[i][j]``: the drafts of request i that precede its row j (a candidate
+    tree: the row's ancestors; default: drafts 0..j-1 of a chain); they count as output
+    for penalties, and their number is how many tokens precede the row for min_tokens.
     """
     dev = meta.temperature.device
     reps = torch.tensor([n + 1 for n in num_draft], device=dev)
@@ -94,8 +98,8 @@ def expand_metadata(meta: SamplingMetadata, num_draft: list[int],
     if out.output_counts is not None and sum(num_draft):
         rows, toks = [], []
         for i, n in enumerate(num_draft):
-            for j in range(1, n + 1):  # row j sees drafts 0..j-1
-                for k in range(j):
+            for j in range(1, n + 1):  # row j sees drafts 0..j-1 (a tree: its ancestors)
+                for k in (range(j) if row_drafts is None else row_drafts[i][j]):
                     rows.append(row_start[i] + j)
                     toks.append(draft_start[i] + k)
         if rows:
@@ -108,11 +112,12 @@ def expand_metadata(meta: SamplingMetadata, num_draft: list[int],
         b_rows, b_ids = meta.banned[0].tolist(), meta.banned[1].tolist()
         rows, ids = [], []
         for req, tok in zip(b_rows, b_ids):
-            limit = num_draft[req] + 1 if min_tokens_left is None else \
-                min(num_draft[req] + 1, min_tokens_left[req])
-            for j in range(limit):
-                rows.append(row_start[req] + j)
-                ids.append(tok)
+            limit = num_draft[req] + 1 if min_tokens_left is None else min_tokens_left[req]
+            for j in range(num_draft[req] + 1):
+                before = j if row_drafts is None else len(row_drafts[req][j])
+                if before < limit:
+                    rows.append(row_start[req] + j)
+                    ids.append(tok)
         if rows:
             out.banned = (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev))
     return out

@@ -42,6 +42,18 @@ class MedusaHeadsConfig:
             raise ModelLoadError(f"{where}: cannot read {cfg_path}: {e!r}",
                                  param=where) from None
 
+    @staticmethod
+    def read_report(path: str) -> dict | None:
+        """The training report ``kvflow train-medusa`` stores in config.json (held-out
+        accuracies per head), or None."""
+        try:
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+                raw = json.load(f)
+        except (OSError, ValueError):
+            return None
+        report = raw.get("kvflow_train_medusa") if isinstance(raw, dict) else None
+        return report if isinstance(report, dict) else None
+
     def check(self, hidden_size: int, vocab_size: int, k: int) -> None:
         """Refuse heads made for another model, or fewer heads than drafts asked for."""
         where = "speculative_config.model"

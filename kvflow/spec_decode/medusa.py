@@ -11,9 +11,10 @@ Checkpoint layout, shared with the public Medusa repositories: a directory with
 with tensors ``{i}.{j}.linear.weight`` / ``.bias`` (block j of head i) and, for own
 projections, ``{i}.{num_layers}.weight``.
 
-Verification today takes each head's top-1 token as a chain of drafts (exact rejection
-sampling, one-hot rule, at any temperature); candidate trees with tree attention are not
-built yet (docs/speculative.md).
+Verification: a static candidate tree of the heads' top-k guesses (spec_decode/tree.py),
+checked in one step with tree attention (spec_decode/tree_verify.py); or, with
+``medusa_tree: "chain"``, each head's top-1 token as a chain of drafts (exact rejection
+sampling, one-hot rule, at any temperature). See docs/speculative.md.
 """
 
 from __future__ import annotations
@@ -53,19 +54,22 @@ class MedusaHeads(nn.Module):
                 layers.append(nn.Linear(hidden, vocab, bias=False))
             self.heads.append(nn.Sequential(*layers))
 
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, H] -> each head's hidden state before its projection [heads, N, H]."""
+    def hidden(self, x: torch.Tensor, num: int | None = None) -> torch.Tensor:
+        """x [N, H] -> the first ``num`` (default all) heads' hidden states before their
+        projection [num, N, H]."""
         if not self.cfg.shared_lm_head:
             raise RuntimeError("heads with their own projection give logits, not hidden")
-        return torch.stack([head(x) for head in self.heads])
+        return torch.stack([head(x) for head in self.heads[:num]])
 
-    def logits(self, x: torch.Tensor, base_lm_head) -> torch.Tensor:
-        """x [N, H] -> [heads, N, V] float32; ``base_lm_head`` maps [M, H] -> [M, V]."""
+    def logits(self, x: torch.Tensor, base_lm_head, num: int | None = None) -> torch.Tensor:
+        """x [N, H] -> [num, N, V] float32 of the first ``num`` heads (default all);
+        ``base_lm_head`` maps [M, H] -> [M, V]. (A head's vocabulary projection is most
+        of its cost: heads a proposal does not use are not run.)"""
         if self.cfg.shared_lm_head:
-            h = self.hidden(x)  # [heads, N, H]
+            h = self.hidden(x, num)  # [num, N, H]
             return base_lm_head(h.reshape(-1, h.shape[-1])).float().view(
                 h.shape[0], h.shape[1], -1)
-        return torch.stack([head(x).float() for head in self.heads])
+        return torch.stack([head(x).float() for head in self.heads[:num]])
 
     def save(self, path: str, extra: dict | None = None) -> None:
         from safetensors.torch import save_file
@@ -112,12 +116,22 @@ class MedusaProposer(Proposer):
     wants_hidden = True
 
     def __init__(self, path: str, num_speculative_tokens: int, target: nn.Module,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, tree_option=None) -> None:
+        from kvflow.spec_decode.tree import parse_tree_option
+
         arch = target.config
         self.num_speculative_tokens = num_speculative_tokens
         self.heads = MedusaHeads.load(path, arch.hidden_size, arch.vocab_size, dtype, device)
         self.heads.cfg.check(arch.hidden_size, arch.vocab_size, num_speculative_tokens)
         self.lm_head = target.compute_logits  # [M, H] -> [M, V] float32
+        # The candidate tree (None: a chain of top-1 guesses, verified exactly).
+        self.tree = parse_tree_option(tree_option, self.heads.cfg.num_heads, device.type,
+                                      MedusaHeadsConfig.read_report(path),
+                                      num_speculative_tokens)
+        if self.tree is not None:
+            t = self.tree
+            self._node_head = torch.as_tensor(t.depth - 1, device=device)  # [N]
+            self._node_rank = torch.as_tensor(t.rank, device=device)  # [N]
 
     def propose(self, token_ids: list[np.ndarray], max_drafts: list[int],
                 req_ids: list[str] | None = None, params=None,
@@ -125,7 +139,13 @@ class MedusaProposer(Proposer):
         """``hidden`` [R, H]: each request's hidden state at its last emitted token's row."""
         if hidden is None or not len(token_ids):
             return [[] for _ in token_ids]
+        if self.tree is not None:  # every node: its head's guess of its rank
+            t = self.tree
+            logits = self.heads.logits(hidden, self.lm_head, t.max_depth)  # [d, R, V]
+            top = logits.topk(t.max_rank, dim=-1).indices  # [d, R, ranks]
+            nodes = top[self._node_head, :, self._node_rank].t().tolist()  # [R, N]
+            return [row if m else [] for row, m in zip(nodes, max_drafts)]
         k = self.num_speculative_tokens
-        logits = self.heads.logits(hidden, self.lm_head)[:k]  # [k, R, V]
+        logits = self.heads.logits(hidden, self.lm_head, k)  # [k, R, V]
         top = logits.argmax(dim=-1).t().tolist()  # [R, k]
         return [row[: min(m, k)] for row, m in zip(top, max_drafts)]

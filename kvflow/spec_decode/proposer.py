@@ -31,6 +31,9 @@ class Proposer:
     # The proposer drafts from the target's hidden state at each request's last token
     # (Medusa): the runner keeps the sample rows' hidden states for it.
     wants_hidden: bool = False
+    # A static candidate tree (spec_decode/tree.py): proposals are its nodes in order,
+    # verified with tree attention. None: proposals are a chain.
+    tree = None
 
     def propose(self, token_ids: list[np.ndarray], max_drafts: list[int],
                 req_ids: list[str] | None = None,
@@ -66,5 +69,6 @@ def make_proposer(spec: "SpeculativeConfig", engine: "EngineConfig | None" = Non
     if spec.method == "medusa":
         from kvflow.spec_decode.medusa import MedusaProposer
 
-        return MedusaProposer(spec.model, spec.num_speculative_tokens, target, dtype, device)
+        return MedusaProposer(spec.model, spec.num_speculative_tokens, target, dtype, device,
+                              spec.medusa_tree)
     raise ValueError(f"unknown speculative method {spec.method!r}")  # config validated it

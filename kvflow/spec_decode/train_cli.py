@@ -28,6 +28,10 @@ def add_train_medusa_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt: "
+                   "the greedy one plus N - 1 sampled ones (more training text)")
+    p.add_argument("--sample-temperature", type=float, default=0.8,
+                   help="temperature of the extra sampled answers")
     p.add_argument("--data-cache", default=None, help="JSON file of the generated answers: "
                    "written by the first run, read (skipping generation) by later ones")
     p.add_argument("--quantization", default="auto", help="the base model's weights while "

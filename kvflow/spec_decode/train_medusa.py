@@ -126,18 +126,25 @@ def evaluate(heads, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
              batch: int = 512) -> list[dict]:
     """Each head's top-1 and top-5 accuracy on (x, y)."""
     num = heads.cfg.num_heads
+    ranks = 10
     hit1, hit5, count = np.zeros(num), np.zeros(num), np.zeros(num)
+    hit_rank = np.zeros((num, ranks))
     with torch.no_grad():
         for i in range(0, len(x), batch):
             logits = head_logits(heads, x[i: i + batch], w)  # [heads, B, V]
-            top5 = logits.topk(5, dim=-1).indices  # [heads, B, 5]
+            top = logits.topk(ranks, dim=-1).indices  # [heads, B, ranks]
+            top5 = top[..., :5]
             yb = y[i: i + batch].t()  # [heads, B]
             valid = yb >= 0
+            hit_rank += ((top == yb[..., None]) & valid[..., None]).sum(dim=1).numpy()
             hit1 += ((top5[..., 0] == yb) & valid).sum(dim=1).numpy()
             hit5 += ((top5 == yb[..., None]).any(dim=-1) & valid).sum(dim=1).numpy()
             count += valid.sum(dim=1).numpy()
     return [{"head": k, "top1": float(hit1[k] / max(count[k], 1)),
-             "top5": float(hit5[k] / max(count[k], 1)), "tokens": int(count[k])}
+             "top5": float(hit5[k] / max(count[k], 1)), "tokens": int(count[k]),
+             # Probability that the rank-r guess is right: what candidate trees are built
+             # from (spec_decode/tree.py).
+             "rank_accuracy": [round(float(h / max(count[k], 1)), 5) for h in hit_rank[k]]}
             for k in range(num)]
 
 
@@ -157,8 +164,15 @@ def train(ns: argparse.Namespace) -> dict:
         seqs, starts = saved["seqs"], saved["starts"]
     else:
         params = SamplingParams(temperature=0, max_tokens=ns.max_tokens)
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
-                        use_tqdm=False)
+        chats = [[{"role": "user", "content": p}] for p in prompts]
+        outs = llm.chat(chats, params, use_tqdm=False)
+        # More answers per prompt: sampled from the base itself (its own distribution,
+        # seeded), so the heads see more of the text the base writes than 200 greedy
+        # answers give.
+        for s in range(1, getattr(ns, "samples_per_prompt", 1)):
+            sp = SamplingParams(temperature=ns.sample_temperature, max_tokens=ns.max_tokens,
+                                seed=ns.seed * 1000 + s)
+            outs += llm.chat(chats, sp, use_tqdm=False)
         seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
         starts = [len(o.prompt_token_ids) for o in outs]
         if cache:
@@ -170,9 +184,11 @@ def train(ns: argparse.Namespace) -> dict:
     hidden = last_hidden_states(llm, seqs)
     w = dense_lm_head(llm)  # [V, H]
     arch = llm.engine.core.executor.runner.model.config
-    # Held out: every tenth answer (whole answers, so no position leaks across).
-    held = set(range(0, len(seqs), 10))
-    split = [[i for i in range(len(seqs)) if (i in held) == side] for side in (False, True)]
+    # Held out: every tenth prompt, all its answers out of training (no position or
+    # prompt leaks across); evaluated on its greedy answer, the text serving predicts.
+    num_p = len(prompts) if len(seqs) % len(prompts) == 0 else len(seqs)
+    split = [[i for i in range(len(seqs)) if (i % num_p) % 10 != 0],
+             [i for i in range(min(num_p, len(seqs))) if i % 10 == 0]]
     (x_tr, y_tr), (x_ev, y_ev) = (make_examples([hidden[i] for i in idx],
                                                 [seqs[i] for i in idx],
                                                 [starts[i] for i in idx], ns.num_heads)

@@ -35,6 +35,19 @@ class SpecDecoder:
         # Keep each step's sample-row hidden states for the proposer (Medusa heads).
         self.wants_hidden = self.proposer.wants_hidden
         self.rejection_sampler = RejectionSampler()
+        # A candidate tree (Medusa): drafts are its nodes, verified with tree attention.
+        self.tree = None
+        self.tree_verifier = None
+        if self.proposer.tree is not None:
+            self.set_tree(self.proposer.tree)
+
+    def set_tree(self, tree) -> None:
+        """Verify drafts as nodes of ``tree`` (a DraftTree; None: as a chain)."""
+        from kvflow.spec_decode.tree_verify import TreeVerifier
+
+        self.tree = tree
+        self.tree_verifier = None if tree is None else TreeVerifier(
+            tree, self.config.posterior_threshold, self.config.posterior_alpha)
 
     def init_cache(self, num_blocks: int) -> None:
         self.proposer.init_cache(num_blocks)
@@ -92,6 +105,37 @@ class SpecDecoder:
             logprobs = gather_logprobs(logits.log_softmax(dim=-1),
                                        out.row_token_ids.clamp(min=0), meta.max_num_logprobs)
         return out.row_token_ids, logprobs
+
+    def verify_tree(self, logits: torch.Tensor, meta: SamplingMetadata, num_draft: list[int],
+                    draft_token_ids: list[int], min_tokens_left: list[int]):
+        """Tree verification (tree_verify.py): (emitted token per sample row [N],
+        logprobs or None, the TreeVerifyOutput). Logprobs are read at the row that
+        scored each emitted token."""
+        drafts = to_device(draft_token_ids, self.device, torch.int64)
+        out = self.tree_verifier(logits, drafts, num_draft, meta, min_tokens_left)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = gather_logprobs(logits[out.perm].log_softmax(dim=-1),
+                                       out.row_token_ids.clamp(min=0), meta.max_num_logprobs)
+        return out.row_token_ids, logprobs, out
+
+    def tree_positions(self, positions: np.ndarray, qsl: np.ndarray, nd: np.ndarray
+                       ) -> np.ndarray:
+        """Rotary positions of a step whose drafts are tree nodes: node n sits at its
+        root's position + its depth (its slot stays in node order). [T] -> [T]."""
+        out = positions.copy()
+        for i in np.nonzero(nd)[0].tolist():
+            d, end = int(nd[i]), int(qsl[i + 1])
+            out[end - d: end] = positions[end - d - 1] + self.tree.depth[:d]
+        return out
+
+    def tree_attention(self, qsl: np.ndarray, seq_lens: np.ndarray, nd: np.ndarray):
+        """The step's TreeAttention: request i's last nd[i] + 1 tokens are its tree."""
+        from kvflow.layers.attention.metadata import TreeAttention
+
+        vis = self.tree.visible
+        visible = [vis[: d + 1, : d + 1] if d else None for d in nd.tolist()]
+        return TreeAttention.build(visible, qsl.tolist(), seq_lens.tolist(), self.device)
 
     def _draft_probs(self, req_ids: list[str], num_draft: list[int], draft_ids: list[int],
                      drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:

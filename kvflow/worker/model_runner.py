@@ -251,6 +251,8 @@ class ModelRunner:
             host.sample_hidden = hidden[inputs.sample.logits_indices]  # [N, H] (Medusa)
         if self.pipeline_results is not None:  # speculative decoding is one-rank only
             collect = self.pipeline_results.launch(self, inputs, hidden, host)
+        elif inputs.sample.num_draft is not None and self.spec.tree is not None:
+            self._verify_tree(inputs, hidden, host)
         elif inputs.sample.num_draft is not None:
             sample, builder = inputs.sample, self.step_builder
             logits = self.model.compute_logits(hidden[sample.logits_indices])  # [N, V]
@@ -281,6 +283,27 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
         return StepHandle(self.step_builder, inputs, host, event, collect)
+
+    def _verify_tree(self, inputs: StepInputs, hidden: torch.Tensor,
+                     host: StepHostOutputs) -> None:
+        """Candidate trees: keep each request's longest accepted path, and move that
+        path's K/V from its tree slots to the slots right after the root, where the
+        scheduler's rollback (num_computed_tokens = root + path) expects it."""
+        from kvflow.spec_decode.tree_verify import move_kv
+
+        sample, builder = inputs.sample, self.step_builder
+        logits = self.model.compute_logits(hidden[sample.logits_indices])  # [N, V]
+        tokens, logprobs, out = self.spec.verify_tree(
+            logits, builder.sampling_metadata(inputs), sample.num_draft,
+            sample.draft_token_ids, builder.min_tokens_left(inputs))
+        slots = inputs.meta.slot_mapping[sample.logits_indices]  # [N] slot of each row
+        move_kv(self.kv_caches, self.kv_scales, slots[out.src_rows], slots[out.dst_rows])
+        if host.sample_hidden is not None:  # the next drafts read the kept rows' states
+            host.sample_hidden = host.sample_hidden[out.perm]
+        host.sampled = to_host_async(tokens)
+        if logprobs is not None:
+            host.logprobs = tuple(to_host_async(t) for t in logprobs)
+        host.slots = builder.record_verified(inputs)
 
     def _sample(self, logits: torch.Tensor | None, inputs: StepInputs) -> SamplerOutput:
         """One rank samples (the first TP rank of the last pipeline stage: rank 0 without

@@ -117,6 +117,7 @@ class StepBuilder:
             + positions % bs  # [T]
         seq_lens = nc + n  # [R]
         max_seq = int(seq_lens.max())
+        rope_positions, tree = positions, None
         if so.scheduled_spec_decode_tokens:
             # Drafts are a request's last scheduled tokens, past its known ones; it
             # samples at each of them and at its last known token.
@@ -129,6 +130,9 @@ class StepBuilder:
                 num_draft=nd[sample_reqs].tolist(),
                 draft_token_ids=[t for i in sample_reqs.tolist()
                                  for t in so.scheduled_spec_decode_tokens.get(req_ids[i], ())])
+            if self.spec.tree is not None:  # drafts are candidate-tree nodes
+                rope_positions = self.spec.tree_positions(positions, qsl, nd)
+                tree = self.spec.tree_attention(qsl, seq_lens, nd)
         else:
             # A request samples when this step reaches its last known token.
             sample_reqs = np.nonzero(seq_lens == b.num_tokens[rows])[0]  # [S]
@@ -145,14 +149,14 @@ class StepBuilder:
                                                           width)
         else:
             block_tables = torch.from_numpy(b.block_table[rows, :width])
-        positions_dev = to_device(positions, dev, torch.int64)
+        positions_dev = to_device(rope_positions, dev, torch.int64)
         meta = AttentionMetadata(
             num_actual_tokens=total, num_reqs=num_reqs, num_decodes=int((n == 1).sum()),
             max_query_len=int(n.max()), max_seq_len=max_seq,
             slot_mapping=to_device(slots, dev, torch.int64),
             query_start_loc=to_device(qsl, dev, torch.int32),
             seq_lens=to_device(seq_lens, dev, torch.int32), block_tables=block_tables,
-            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(), tree=tree)
         self.attn_builder.build(meta, positions_dev)
         input_ids_dev = to_device(input_ids, dev, torch.int64)
         unknown = np.nonzero(input_ids == PLACEHOLDER)[0]

@@ -94,3 +94,31 @@ def test_gpu_path_verifies_drafts_like_torch_path():
     out = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+
+
+def test_gpu_path_verifies_medusa_trees_like_torch_path(tmp_path):
+    """Candidate trees on the GPU path: the Triton kernel's tree masks (interpreter), the
+    device block table and the K/V move of the kept path; the oracle puts the right
+    continuation on random branches, so greedy tokens equal plain decoding's only if all
+    of them work."""
+    from kvflow.bench.spec_oracle import install_oracle
+    from kvflow.spec_decode.tree import DraftTree
+    from tests.test_spec_medusa import write_heads
+
+    kw = dict(load_format="dummy", max_model_len=96, num_gpu_blocks_override=40,
+              block_size=8, max_num_batched_tokens=24, max_num_seqs=16, device="cpu")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 11)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    ref = LLM("tiny-llama", **kw).generate(prompts, params, use_tqdm=False)
+    write_heads(tmp_path)
+    llm = LLM("tiny-llama", speculative_config={
+        "method": "medusa", "model": str(tmp_path), "num_speculative_tokens": 3,
+        "disable_by_batch_size": None}, **kw)
+    gpu_like(llm, graphs=True)
+    refs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in ref]
+    tree = DraftTree.from_choices([[0], [1], [0, 0], [1, 0], [1, 1], [0, 0, 0], [1, 1, 0]])
+    install_oracle(llm, refs, 3, tree, place="random")
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert llm.engine.core.scheduler.spec_stats.mean_accepted_length > 2.0

@@ -39,10 +39,52 @@ class AttentionMetadata:
     # What the backend's metadata builder derived for this step (its own type:
     # TorchAttentionPlan, TritonAttentionMetadata); None until built.
     backend: object | None = field(default=None)
+    # Candidate trees (Medusa) among the step's queries; None: plain causal attention.
+    tree: "TreeAttention | None" = None
 
     @property
     def num_prefills(self) -> int:
         return self.num_reqs - self.num_decodes
+
+
+@dataclass
+class TreeAttention:
+    """Requests whose last ``sizes[i]`` query tokens are a candidate tree (root, then
+    nodes in breadth-first order; kvflow/spec_decode/tree.py). Tree token a of a request
+    sees every key before the tree, and tree token b only if ``visible[i][a, b]``; keys
+    and queries outside trees attend causally as usual.
+    """
+
+    sizes_cpu: list[int]  # [R] tree tokens at the end of each request's query (0: none)
+    visible_cpu: list  # [R] np.ndarray [size, size] bool, or None where size is 0
+    bits: torch.Tensor  # [T] int64: bit b = the token sees tree token b; -1 outside trees
+    start: torch.Tensor  # [R] int32: sequence index of the tree's root (seq_len: none)
+
+    @classmethod
+    def build(cls, visible: list, query_start_loc: list[int], seq_lens: list[int],
+              device: torch.device) -> "TreeAttention":
+        """``visible[i]``: request i's [size, size] bool tree mask (None: no tree); its
+        tree is the last ``size`` of its queries."""
+        import numpy as np
+
+        bits = np.full(query_start_loc[-1], -1, dtype=np.int64)
+        start = np.asarray(seq_lens, dtype=np.int32).copy()
+        sizes = []
+        for i, vis in enumerate(visible):
+            size = 0 if vis is None else vis.shape[0]
+            sizes.append(size)
+            if not size:
+                continue
+            if size > 64:
+                raise ValueError(f"a tree of {size} tokens does not fit a 64-bit mask")
+            weights = np.left_shift(np.uint64(1), np.arange(size, dtype=np.uint64))
+            row_bits = (vis.astype(np.uint64) * weights[None, :]).sum(axis=1, dtype=np.uint64)
+            end = query_start_loc[i + 1]
+            bits[end - size: end] = row_bits.view(np.int64)
+            start[i] = seq_lens[i] - size
+        return cls(sizes_cpu=sizes, visible_cpu=list(visible),
+                   bits=torch.from_numpy(bits).to(device),
+                   start=torch.from_numpy(start).to(device))
 
 
 @dataclass(frozen=True, eq=False)

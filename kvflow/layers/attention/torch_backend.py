@@ -82,11 +82,13 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int):
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: list[int], seq_lens: list[int],
-                        scale: float) -> torch.Tensor:
+                        scale: float, tree_visible: list | None = None) -> torch.Tensor:
     """Reference paged attention (float32 math), one request at a time.
 
     q [T, H, D]; request i's queries are rows query_start_loc[i]:query_start_loc[i+1]
-    at the last positions of its seq_lens[i]-long context. Returns [T, H, D].
+    at the last positions of its seq_lens[i]-long context. ``tree_visible[i]`` (a
+    [size, size] bool array or None): request i's last ``size`` queries are a candidate
+    tree, tree token a seeing tree token b only where it is True. Returns [T, H, D].
     """
     out = torch.zeros_like(q)
     h = q.shape[1]
@@ -102,7 +104,13 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * scale  # [H, n, L]
         q_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos  # [n, L]
+        vis = tree_visible[i] if tree_visible is not None else None
+        if vis is not None:
+            size = vis.shape[0]
+            hidden = hidden.clone()
+            hidden[n - size:, seq_len - size:] |= ~torch.as_tensor(vis, device=q.device)
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = scores.softmax(dim=-1)
         out[s:e] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
@@ -246,15 +254,20 @@ class TorchMetadataBuilder:
                                device=dev).masked_fill_(pad[:, None, None, :], float("-inf"))
             decodes.append((rows, ("batch", gather, length), mask))
         prefills = []
+        tree = meta.tree
         for i in range(meta.num_decodes, meta.num_reqs):
             s, e, seq_len = qsl[i], qsl[i + 1], lens[i]
             n = e - s
-            if n == seq_len:
+            size = tree.sizes_cpu[i] if tree is not None else 0
+            if n == seq_len and not size:
                 prefills.append((s, e, None, None, True))
                 continue
             how = _context(bs, tables[i][: cdiv(seq_len, bs)], seq_len, dev)
             q_pos = torch.arange(seq_len - n, seq_len, device=dev)[:, None]
             future = torch.arange(seq_len, device=dev)[None, :] > q_pos  # [n, L]
+            if size:  # a candidate tree: its tokens see only their own ancestors
+                hidden = torch.from_numpy(~tree.visible_cpu[i]).to(dev)  # [size, size]
+                future[n - size:, seq_len - size:] |= hidden
             mask = torch.zeros(n, seq_len, dtype=dtype, device=dev).masked_fill_(
                 future, float("-inf"))
             prefills.append((s, e, how, mask, False))

@@ -51,4 +51,4 @@ class TritonAttentionBackend:
             q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
             num_decodes=meta.num_decodes, max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len, num_kv_splits=meta.backend.num_kv_splits,
-            kv_quant=kv_quant)
+            kv_quant=kv_quant, tree=meta.tree)

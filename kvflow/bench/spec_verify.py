@@ -1,0 +1,235 @@
+"""``kvflow bench spec-verify``: what a speculative verification step costs.
+
+With random weights (``--load-format dummy``) no real proposer's acceptance means
+anything, so this measures the machinery: batch-1 decode without speculation, then the
+same workload verifying k = 1..K drafts per step that are always right (the bench-only
+``OracleProposer``: the target's own greedy continuation from the plain run), and
+Medusa candidate trees of several sizes (the right path on one branch, every other node
+wrong, so each step verifies the whole tree and moves the kept path's K/V). Each run
+reports decode tokens/s, verification steps, tokens per step and ms per step; with
+always-right drafts the ratio over plain decoding is the best speculation can do at that
+k. It also times the Medusa heads' own forward at this shape (shared lm_head), and at
+``--overhead-batch-size`` (64) plain decoding vs a speculative engine that switches
+itself off (``disable_by_batch_size``) vs one forced to verify always-right drafts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import time
+
+from kvflow.engine.args import EngineArgs
+
+
+def add_spec_verify_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="chain draft counts to cost")
+    p.add_argument("--tree-sizes", default="8,16,32,63",
+                   help="Medusa tree sizes (nodes) to cost; empty: none")
+    p.add_argument("--tree-depth", type=int, default=4, help="heads (tree depth) for trees")
+    p.add_argument("--overhead-batch-size", type=int, default=64,
+                   help="batch for the large-batch overhead runs (0: skip)")
+    p.add_argument("--overhead-k", type=int, default=3)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _run(llm, prompts: list[list[int]], output_len: int, device: str) -> dict:
+    """Prefill-only and full runs of ``prompts``; decode time is the difference."""
+    from kvflow import SamplingParams
+
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    stats = llm.engine.core.scheduler.spec_stats
+    llm.generate(prompts, full, use_tqdm=False)  # warm-up (graphs, kernels, threads)
+    times = []
+    for _ in range(3):
+        _sync(device)
+        t0 = time.perf_counter()
+        llm.generate(prompts, one, use_tqdm=False)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    prefill = min(times)
+    before = stats.copy()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, full, use_tqdm=False)
+    _sync(device)
+    total = time.perf_counter() - t0
+    decode = max(total - prefill, 1e-9)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs) - len(prompts)
+    verify_steps = (stats.num_drafts - before.num_drafts) // max(len(prompts), 1)
+    accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+    drafted = stats.num_draft_tokens - before.num_draft_tokens
+    steps = max(output_len - 1 - accepted // max(len(prompts), 1), 1)
+    # Verification steps cost the same kept or rejected: their cost per step, and what
+    # drafts that are always right (k + 1 tokens a step) would give at that cost.
+    verify_ms = decode / max(verify_steps, 1) * 1000
+    return {"ms_per_verify_step": round(verify_ms, 3),
+            "drafts_per_verify_step": round(drafted / max(stats.num_drafts - before.num_drafts,
+                                                          1), 3),
+            "decode_s": round(decode, 4), "prefill_s": round(prefill, 4),
+            "decode_tokens_per_s": round(tokens / decode, 2),
+            "verify_steps_per_request": verify_steps, "steps_per_request": steps,
+            "tokens_per_step": round((output_len - 1) / steps, 3),
+            "ms_per_step": round(decode / steps * 1000, 3),
+            "draft_tokens": drafted, "accepted_tokens": accepted,
+            "outputs": [list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+                        for o in outs]}
+
+
+def _heads_ms(llm, num_heads: int, device: str, iters: int = 20) -> float:
+    """Time of the Medusa heads' forward for one hidden state at this shape (each head a
+    residual block and the shared lm_head), plus the top-k the tree reads."""
+    import torch
+
+    from kvflow.spec_decode.heads_config import MedusaHeadsConfig
+    from kvflow.spec_decode.medusa import MedusaHeads
+
+    runner = llm.engine.core.executor.runner
+    arch = runner.model.config
+    dtype = next(p.dtype for p in runner.model.parameters() if p.is_floating_point())
+    cfg = MedusaHeadsConfig(num_heads, 1, arch.hidden_size, arch.vocab_size, True)
+    heads = MedusaHeads(cfg, arch.hidden_size, arch.vocab_size).to(runner.device, dtype)
+    x = torch.randn(1, arch.hidden_size, device=runner.device, dtype=dtype)
+    with torch.inference_mode():
+        for _ in range(3):
+            heads.logits(x, runner.model.compute_logits).topk(8, dim=-1)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            heads.logits(x, runner.model.compute_logits).topk(8, dim=-1)
+        _sync(device)
+    return (time.perf_counter() - t0) / iters * 1000
+
+
+def run_spec_verify(ns: argparse.Namespace) -> int:
+    import torch
+
+    from kvflow import LLM
+    from kvflow.bench.datasets import random_requests
+    from kvflow.bench.machine import save_result
+    from kvflow.bench.offline import _config_summary, _special_ids
+    from kvflow.bench.spec_oracle import install_oracle
+    from kvflow.spec_decode.tree import DraftTree, rank_accuracy_profile
+
+    args = EngineArgs.from_cli_args(ns)
+    args.enable_prefix_caching = False  # the same prompts run again and again
+    plain_cfg = args.create_engine_config()
+    device = plain_cfg.device.device
+    vocab = plain_cfg.model.arch.vocab_size
+    special = _special_ids(plain_cfg)
+    big = ns.overhead_batch_size
+    reqs = random_requests(max(1, big), (ns.input_len, ns.input_len), (1, 1), vocab,
+                           ns.seed, special)
+    prompts = [r.prompt_token_ids for r in reqs]
+    ks = [int(k) for k in ns.ks.split(",") if k]
+    sizes = [int(s) for s in ns.tree_sizes.split(",") if s]
+    result: dict = {"workload": {"input_len": ns.input_len, "output_len": ns.output_len,
+                                 "ks": ks, "tree_sizes": sizes, "tree_depth": ns.tree_depth,
+                                 "overhead_batch_size": big},
+                    "engine_config": _config_summary(plain_cfg),
+                    "loadavg_start": list(os.getloadavg())}
+
+    def make(a: EngineArgs) -> LLM:
+        return LLM(**{f.name: getattr(a, f.name) for f in dataclasses.fields(a)})
+
+    def free() -> None:
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    # 1. Plain decoding (the default engine: overlapped steps, CUDA graphs).
+    llm = make(args)
+    plain1 = _run(llm, prompts[:1], ns.output_len, device)
+    result["plain_bs1"] = {k: v for k, v in plain1.items() if k != "outputs"}
+    print(f"plain bs1: {plain1['decode_tokens_per_s']} tok/s, {plain1['ms_per_step']} ms/step")
+    refs = plain1["outputs"]
+    if big:
+        plain_big = _run(llm, prompts, ns.output_len, device)
+        result[f"plain_bs{big}"] = {k: v for k, v in plain_big.items() if k != "outputs"}
+        refs = refs + plain_big["outputs"]
+        print(f"plain bs{big}: {plain_big['decode_tokens_per_s']} tok/s")
+    result["medusa_heads_ms"] = round(_heads_ms(llm, ns.tree_depth, device), 3)
+    print(f"medusa heads ({ns.tree_depth}, shared lm_head): {result['medusa_heads_ms']} ms")
+    llm.shutdown()
+    del llm
+    free()
+
+    # 2. One speculative engine; the bench-only oracle proposer replaces its proposer.
+    spec_args = dataclasses.replace(args, speculative_config={
+        "method": "ngram", "num_speculative_tokens": max(ks + [1])})
+    llm = make(spec_args)
+    runner_spec = llm.engine.core.executor.runner.spec
+    always = dataclasses.replace(runner_spec.config, disable_by_batch_size=None)
+    runner_spec.config = always
+    install_oracle(llm, refs, 0)
+    off = _run(llm, prompts[:1], ns.output_len, device)
+    result["spec_engine_no_drafts_bs1"] = {k: v for k, v in off.items() if k != "outputs"}
+    base = plain1["decode_tokens_per_s"]
+    chain = {}
+    for k in ks:
+        install_oracle(llm, refs, k)
+        r = _run(llm, prompts[:1], ns.output_len, device)
+        r.pop("outputs")
+        r["speedup_vs_plain"] = round(r["decode_tokens_per_s"] / base, 3)
+        r["verify_cost_vs_plain_step"] = round(r["ms_per_verify_step"]
+                                               / max(plain1["ms_per_step"], 1e-6), 3)
+        r["always_right_speedup"] = round((k + 1) / r["verify_cost_vs_plain_step"], 3)
+        chain[str(k)] = r
+        print(f"chain k={k}: {r['decode_tokens_per_s']} tok/s ({r['speedup_vs_plain']}x), "
+              f"{r['tokens_per_step']} tok/step, {r['ms_per_verify_step']} ms/verify step, "
+              f"always right: {r['always_right_speedup']}x")
+    result["oracle_chain_bs1"] = chain
+    trees = {}
+    profile = rank_accuracy_profile(None, ns.tree_depth)
+    for size in sizes:
+        tree = DraftTree.best(size, profile)
+        install_oracle(llm, refs, tree.max_depth, tree)
+        r = _run(llm, prompts[:1], ns.output_len, device)
+        r.pop("outputs")
+        r["depth"] = tree.max_depth
+        r["speedup_vs_plain"] = round(r["decode_tokens_per_s"] / base, 3)
+        r["verify_cost_vs_plain_step"] = round(r["ms_per_verify_step"]
+                                               / max(plain1["ms_per_step"], 1e-6), 3)
+        r["always_right_speedup"] = round((tree.max_depth + 1)
+                                          / r["verify_cost_vs_plain_step"], 3)
+        trees[str(size)] = r
+        print(f"tree {size} nodes (depth {tree.max_depth}): {r['decode_tokens_per_s']} tok/s "
+              f"({r['speedup_vs_plain']}x), {r['ms_per_verify_step']} ms/verify step, "
+              f"always right: {r['always_right_speedup']}x")
+    result["oracle_tree_bs1"] = trees
+
+    # 3. Large batch: speculation switched off by batch size, and forced on.
+    if big:
+        pb = result[f"plain_bs{big}"]["decode_tokens_per_s"]
+        runner_spec.config = dataclasses.replace(always, disable_by_batch_size=8)
+        install_oracle(llm, refs, ns.overhead_k)
+        r = _run(llm, prompts, ns.output_len, device)
+        r.pop("outputs")
+        r["ratio_vs_plain"] = round(r["decode_tokens_per_s"] / pb, 3)
+        result[f"spec_off_by_batch_bs{big}"] = r
+        runner_spec.config = always
+        r = _run(llm, prompts, ns.output_len, device)
+        r.pop("outputs")
+        r["ratio_vs_plain"] = round(r["decode_tokens_per_s"] / pb, 3)
+        result[f"oracle_chain_k{ns.overhead_k}_bs{big}"] = r
+        print(f"bs{big}: spec switched off {result[f'spec_off_by_batch_bs{big}']['ratio_vs_plain']}x,"
+              f" forced always-right k={ns.overhead_k} {r['ratio_vs_plain']}x plain")
+    llm.shutdown()
+    del llm
+    free()
+    result["loadavg_end"] = list(os.getloadavg())
+    save_result(ns.save_result, result)
+    return 0
+
+
+__all__ = ["add_spec_verify_args", "run_spec_verify"]
