@@ -63,6 +63,10 @@ def last_hidden_states(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
                    runner.kv_caches.shape[4], runner.kv_caches.shape[5])
     scratch = torch.zeros(cache_shape, dtype=runner.kv_caches.dtype, device=dev)
     kvc.bind_kv_cache(model, scratch)
+    # The eager model runs here on a scratch cache: the attention backend's own builder,
+    # not the C++ step's wrapper (whose steps carry no Python plan).
+    builder = runner.step_builder.attn_builder
+    eager_builder = getattr(builder, "inner", builder)
     try:
         out = []
         for seq in seqs:
@@ -76,7 +80,7 @@ def last_hidden_states(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
                 seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
                 block_tables=torch.arange(nblk, dtype=torch.int32, device=dev)[None],
                 query_start_loc_cpu=[0, t], seq_lens_cpu=[t])
-            runner.step_builder.attn_builder.build(meta, positions)
+            eager_builder.build(meta, positions)
             hidden = model(torch.tensor(seq, device=dev), positions, meta)  # [T, H]
             out.append(hidden.float().cpu().clone())  # a normal tensor: autograd reads it
         return out

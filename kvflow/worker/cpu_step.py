@@ -12,7 +12,7 @@ there at later starts. The weights are handed to the C++ object once, at warm-up
 step only the step tensors cross. A linear layer kept quantized by its method (GGUF,
 int8, int4 ...) is called back in Python with its activations, so every model of the
 Llama family on one rank can use the step; layers with q/k norms (Qwen3), quantized KV
-caches, tensor/pipeline parallelism and speculative decoding keep the eager path.
+caches, tensor/pipeline parallelism and Medusa candidate-tree steps keep the eager path.
 
 Which steps: up to ``MAX_TOKENS`` scheduled tokens with no query longer than
 ``MAX_QUERY`` (decodes, and prefill chunks short enough that attention per token, done
@@ -122,8 +122,6 @@ def why_unsupported(runner) -> str | None:
     cfg = runner.config
     if runner.parallel.world.world_size > 1:
         return f"{runner.parallel.world.world_size} ranks"
-    if cfg.speculative is not None:
-        return "speculative decoding"
     if runner.kv_scales is not None or any(
             m.kv_quant is not None for m in runner.model.modules() if isinstance(m, Attention)):
         return "quantized KV cache"
@@ -165,7 +163,9 @@ class CppMetadataBuilder:
 
     def build(self, meta: AttentionMetadata, positions: torch.Tensor, *,
               split_context: int | None = None) -> AttentionMetadata:
-        if meta.num_actual_tokens <= MAX_TOKENS and meta.max_query_len <= MAX_QUERY:
+        # Candidate trees (Medusa) need their tree mask and depth positions: eager.
+        if meta.tree is None and meta.num_actual_tokens <= MAX_TOKENS and \
+                meta.max_query_len <= MAX_QUERY:
             meta.backend = CPP_PLAN
             return meta
         return self.inner.build(meta, positions, split_context=split_context)
