@@ -40,6 +40,7 @@ from kvflow.worker.step_inputs import StepInputs
 logger = init_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_step.cpp")
+SOURCES = [SOURCE, Path(__file__).with_name("cpu_int4.cpp")]  # + the 4-bit GEMV
 EXTENSION = "kvflow_cpu_step"
 # -ffp-contract=off: no fused multiply-adds, so element-wise math rounds like eager ops.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
@@ -92,7 +93,7 @@ def load_extension():
     with open(build_dir / "kvflow.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
-        _module = cpp_extension.load(name=EXTENSION, sources=[str(SOURCE)],
+        _module = cpp_extension.load(name=EXTENSION, sources=[str(p) for p in SOURCES],
                                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                                      build_directory=str(build_dir), verbose=False)
     return _module, time.perf_counter() - start
@@ -107,7 +108,7 @@ def build_root() -> Path:
 
     from torch.utils import cpp_extension
 
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES))
     key.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
     try:
         with open("/proc/cpuinfo") as f:
@@ -144,14 +145,22 @@ def why_unsupported(runner) -> str | None:
     return None
 
 
-def _linear_args(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """(weight, bias, None) of a dense layer; (empty, empty, callable) of one whose
-    quantization method computes it (called back from C++ with the activations)."""
+def _linear_args(lin: nn.Module) -> tuple[list[torch.Tensor], object, list[torch.Tensor],
+                                           list[int]]:
+    """([weight, bias], None, ...) of a dense layer; ([empty, bias], callable, ...) of one
+    whose quantization method computes it (called back from C++ with the activations);
+    the last two: the 4-bit GEMV's [values, scale_bias] and [group, doubled] when the
+    method keeps that layout (``gemv``, GGUF), which C++ then uses for up to 4 rows."""
     empty = torch.empty(0)
+    bias = lin.bias.detach() if lin.bias is not None else empty
     if type(lin.quant_method) is UnquantizedLinearMethod:
-        bias = lin.bias if lin.bias is not None else empty
-        return lin.weight.detach(), bias.detach(), None
-    return empty, empty, functools.partial(lin.quant_method.apply, lin)
+        return [lin.weight.detach(), bias], None, [empty, empty], [0, 0]
+    fn = functools.partial(lin.quant_method.apply, lin)
+    gemv = getattr(lin.quant_method, "gemv", None)
+    if gemv is None:
+        return [empty, empty], fn, [empty, empty], [0, 0]
+    m = lin.quant_method
+    return [empty, bias], fn, list(gemv), [m.group, int(m.doubled)]
 
 
 class CppMetadataBuilder:
@@ -179,25 +188,27 @@ class CppDecodeStep:
         model = runner.model
         inner = model.model
         cfg = model.config
-        norms, dense, fns, caches = [], [], [], []
+        norms, dense, fns, int4, int4_meta, caches = [], [], [], [], [], []
         for layer in inner.layers:
             attn = layer.self_attn
             norms += [layer.input_layernorm.weight.detach(),
                       layer.post_attention_layernorm.weight.detach()]
             for lin in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
                         layer.mlp.down_proj):
-                w, b, fn = _linear_args(lin)
-                dense += [w, b]
+                wb, fn, q, meta = _linear_args(lin)
+                dense += wb
                 fns.append(fn)
+                int4 += q
+                int4_meta += meta
             caches.append(attn.attn.kv_cache)
         first = inner.layers[0].self_attn
         eps = inner.norm.eps
         self.embed = inner.embed_tokens
         self.model = model
         self.num_layers = len(caches)
-        self.num_callbacks = sum(fn is not None for fn in fns)
+        self.num_callbacks = sum(fn is not None for fn in fns)  # incl. the int4 GEMV's
         self.step = module.DecodeStep(
-            norms, dense, fns, caches, inner.norm.weight.detach(),
+            norms, dense, fns, int4, int4_meta, caches, inner.norm.weight.detach(),
             runner.attn_spec.rotary.cos_sin_cache, first.num_heads, first.num_kv_heads,
             first.head_dim, eps, first.attn.scale)
         self.step_builder = runner.step_builder
@@ -206,6 +217,7 @@ class CppDecodeStep:
             else builder
         self.step_builder.attn_builder = CppMetadataBuilder(self._eager_builder)
         self.hidden_size = cfg.hidden_size
+        self.num_int4 = self.step.num_int4
 
     def detach(self) -> None:
         """Back to the eager path (a failed self-check)."""
@@ -317,7 +329,8 @@ def cpu_decode_step(runner):
                        "> %.0e), decoding eagerly", error, tolerance)
         return None
     logger.info("C++ CPU decode step: %d decoder layers in one call (%d quantized linears "
-                "called back), steps of up to %d tokens; built/loaded in %.1f s (%s), "
-                "self-check relative error %.1e", step.num_layers, step.num_callbacks,
-                MAX_TOKENS, seconds, build_root(), error)
+                "called back, %d of them by its own 4-bit GEMV up to 4 rows), steps of up "
+                "to %d tokens; built/loaded in %.1f s (%s), self-check relative error %.1e",
+                step.num_layers, step.num_callbacks, step.num_int4, MAX_TOKENS, seconds,
+                build_root(), error)
     return step

@@ -18,12 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow import envs
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import LinearBase, LinearMethod
 from kvflow.layers.quantization import ggml_blocks as gb
 from kvflow.layers.quantization import gpu
 from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, flatten_tokens,
-                                               int4_mm, refine_top_logits)
+                                               gemv_layout, int4_mm, refine_top_logits)
 from kvflow.layers.quantization.rtn import set_param
 
 
@@ -111,6 +112,8 @@ class GGUFLinearMethod(LinearMethod):
 
     triton: gpu.TritonWeight | None = None
     """Set after loading when the blocks went to the GPU kernels."""
+    gemv: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(values, scale_bias) for the C++ step's GEMV (packed.gemv_layout), or None."""
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -138,6 +141,10 @@ class GGUFLinearMethod(LinearMethod):
         packed = PackedInt4(weight)
         self.group, self.doubled = packed.group, packed.doubled
         self.packed = True
+        # The C++ decode step's own 4-bit GEMV reads this copy (float32 activations, no
+        # call back into Python); a tied head stays in Python (it refines its logits).
+        self.gemv = gemv_layout(weight) if (not self._tied and envs.cpu_cpp_step()
+                                            and envs.cpu_int4_gemv()) else None
         for name, t in packed.tensors().items():
             set_param(layer, name, t)
 

@@ -123,6 +123,22 @@ class PackedInt4:
         return {"qweight": self.packed, "scales_and_zeros": self.scale_zero}
 
 
+def gemv_layout(w: Int4Groups) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``w`` in the layout of the C++ step's 4-bit GEMV (kvflow/worker/cpu_int4.cpp):
+    (values uint8 [N, K2 / 2], scale_bias float32 [N, K2 / group, 2]). Per chunk of 32
+    inputs byte j holds value j (low nibble) and value j + 16 (high nibble); the weight
+    is ``v * scale + bias`` (bias = zero - 8 scale). None when the group is not a multiple
+    of 32 (the GEMV reads whole chunks)."""
+    n, k2 = w.values.shape
+    if w.group % 32 or k2 % w.group:
+        return None
+    v = w.values.view(n, k2 // 32, 2, 16)  # [N, chunks, lo|hi, 16]
+    q = (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k2 // 2).contiguous()
+    scale = w.scale.float()
+    sb = torch.stack([scale, w.zero.float() - 8.0 * scale], dim=-1).contiguous()
+    return q, sb
+
+
 # Up to this many rows the packed ops run on one thread. They split every call across the
 # intra-op threads, and on a shared (oversubscribed) machine each split waits for a
 # descheduled thread: measured on the 2-core dev machine at load 20, a 30-layer SmolLM2
