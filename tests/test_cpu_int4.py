@@ -33,7 +33,7 @@ def _check(ext, w: Int4Groups, m: int, seed: int = 0) -> None:
 
 
 @pytest.mark.parametrize("n,k", [(576, 576), (1536 * 2, 576), (576, 1536), (192, 576),
-                                 (64, 64), (40, 96)])
+                                 (64, 64), (42, 128), (5, 64)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_int4_matches_dequantized(ext, n, k, m):
     w = quantize_int4(torch.randn(n, k), 32, symmetric=False)
@@ -58,8 +58,8 @@ def test_doubled_8bit(ext, m):
 
 
 def test_layout_needs_whole_chunks():
-    w = quantize_int4(torch.randn(8, 48), 16, symmetric=True)
-    assert gemv_layout(w) is None
+    assert gemv_layout(quantize_int4(torch.randn(8, 64), 16, symmetric=True)) is None
+    assert gemv_layout(quantize_int4(torch.randn(8, 96), 32, symmetric=True)) is None
 
 
 def test_bad_input_is_an_error(ext):
@@ -71,3 +71,5 @@ def test_bad_input_is_an_error(ext):
         ext.int4_gemv(torch.randn(1, 64, dtype=torch.bfloat16), q, sb, 32, False)
     with pytest.raises(RuntimeError, match="packed values"):
         ext.int4_gemv(torch.randn(1, 128), q, sb, 32, False)
+    with pytest.raises(RuntimeError, match="scales"):
+        ext.int4_gemv(torch.randn(1, 64), q, sb[:, :1].contiguous(), 32, False)
