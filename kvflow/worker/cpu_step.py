@@ -238,42 +238,54 @@ class CppDecodeStep:
 
     @torch.inference_mode()
     def self_check(self, kv_caches: torch.Tensor, block_size: int) -> float:
-        """Run a throw-away mixed step (two decodes, one 3-token chunk) both ways and
-        return the largest difference relative to the eager output's scale; the
-        blocks it writes (0 to 3) are restored. A cache of fewer blocks skips it (0.0)."""
+        """Run throw-away steps both ways (two decodes and a 3-token chunk, then the two
+        decodes alone: up to 4 rows take the 4-bit GEMV, more the callbacks) and return
+        the largest difference relative to the eager output's scale; the blocks they
+        write (0 to 3) are restored. A cache of fewer blocks skips it (0.0)."""
         if kv_caches.shape[2] < 4:
             return 0.0
         saved = kv_caches[:, :, :4].clone()
+        gen = torch.Generator().manual_seed(0)
         try:
-            lens = [block_size + 3, 5, 7]  # contexts after the step
-            qlens = [1, 1, 3]
-            tables = torch.tensor([[0, 1], [2, 0], [3, 0]], dtype=torch.int32)
-            positions, slots = [], []
-            for r, (n, q) in enumerate(zip(lens, qlens)):
-                for p in range(n - q, n):
-                    positions.append(p)
-                    slots.append(int(tables[r, p // block_size]) * block_size + p % block_size)
-            qsl = [0, 1, 2, 5]
-            gen = torch.Generator().manual_seed(0)
-            ids = torch.randint(0, self.embed_vocab(), (len(positions),), generator=gen)
             # Fill the context both ways read with something that is not zero.
             kv_caches[:, :, :4].normal_(generator=gen)
-            meta = AttentionMetadata(
-                num_actual_tokens=len(positions), num_reqs=3, num_decodes=2,
-                max_query_len=3, max_seq_len=max(lens),
-                slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(
-                    qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
-                block_tables=tables, query_start_loc_cpu=qsl, seq_lens_cpu=lens)
-            pos = torch.tensor(positions)
-            self._eager_builder.build(meta, pos)
-            before = kv_caches[:, :, :4].clone()
-            want = self.model(ids, pos, meta).float()
-            kv_caches[:, :, :4].copy_(before)
-            got = self.step.forward(self.embed(ids), pos, meta.slot_mapping,
-                                    meta.query_start_loc, meta.seq_lens, tables).float()
-            return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+            mixed = self._check_one(kv_caches, block_size, [block_size + 3, 5, 7], [1, 1, 3],
+                                    [[0, 1], [2, 0], [3, 0]], gen)
+            decodes = self._check_one(kv_caches, block_size, [block_size + 3, 5], [1, 1],
+                                      [[0, 1], [2, 0]], gen)
+            return max(mixed, decodes)
         finally:
             kv_caches[:, :, :4].copy_(saved)
+
+    def _check_one(self, kv_caches: torch.Tensor, block_size: int, lens: list[int],
+                   qlens: list[int], table: list[list[int]], gen: torch.Generator) -> float:
+        """One step both ways: ``lens`` contexts after it, ``qlens`` new tokens each."""
+        tables = torch.tensor(table, dtype=torch.int32)
+        positions, slots = [], []
+        for r, (n, q) in enumerate(zip(lens, qlens)):
+            for p in range(n - q, n):
+                positions.append(p)
+                slots.append(int(tables[r, p // block_size]) * block_size + p % block_size)
+        qsl = [0]
+        for q in qlens:
+            qsl.append(qsl[-1] + q)
+        ids = torch.randint(0, self.embed_vocab(), (len(positions),), generator=gen)
+        meta = AttentionMetadata(
+            num_actual_tokens=len(positions), num_reqs=len(lens),
+            num_decodes=sum(q == 1 for q in qlens), max_query_len=max(qlens),
+            max_seq_len=max(lens), slot_mapping=torch.tensor(slots),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+            query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+        pos = torch.tensor(positions)
+        self._eager_builder.build(meta, pos)
+        before = kv_caches[:, :, :4].clone()
+        want = self.model(ids, pos, meta).float()
+        kv_caches[:, :, :4].copy_(before)
+        got = self.step.forward(self.embed(ids), pos, meta.slot_mapping,
+                                meta.query_start_loc, meta.seq_lens, tables).float()
+        kv_caches[:, :, :4].copy_(before)
+        return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
 
     def embed_vocab(self) -> int:
         return self.model.config.vocab_size
