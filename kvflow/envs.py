@@ -82,6 +82,13 @@ def cpu_cpp_step() -> bool:
     return os.environ.get("KVFLOW_CPU_CPP_STEP", "1") != "0"
 
 
+def cpu_int4_gemv() -> bool:
+    """KVFLOW_CPU_INT4_GEMV=0: the C++ CPU decode step calls GGUF 4-bit linears back into
+    Python (the packed aten op on bfloat16) instead of its own float32 GEMV
+    (worker/cpu_int4.cpp), and GGUF layers keep no copy of their weights for it."""
+    return os.environ.get("KVFLOW_CPU_INT4_GEMV", "1") != "0"
+
+
 def api_key() -> str | None:
     """KVFLOW_API_KEY: the server's API key when --api-key is not given."""
     return os.environ.get("KVFLOW_API_KEY") or None

@@ -166,3 +166,29 @@ def test_a_wrong_step_is_caught_by_the_self_check(caplog, monkeypatch):
     assert _runner(llm).graphs is None
     assert "disagrees with eager" in caplog.text
     assert not isinstance(_runner(llm).step_builder.attn_builder, cpu_step.CppMetadataBuilder)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(str(tmp_path_factory.mktemp("gguf") / "tiny.gguf"))
+
+
+def test_gguf_linears_take_the_int4_gemv(tiny_gguf, monkeypatch):
+    """GGUF 4-bit (and doubled 8-bit) linears run cpu_int4.cpp's float32 GEMV inside the
+    step: the same greedy tokens as the float32 model on the dequantized weights (the
+    bfloat16 callback path may differ from both), and the switch turns it off."""
+    prompts = _prompts((5, 9, 3))
+    kw = dict(load_format="gguf", max_model_len=128, num_gpu_blocks_override=64,
+              block_size=4, device="cpu", skip_tokenizer_init=True)
+    dense = _greedy(LLM(tiny_gguf, quantization="none", enforce_eager=True, **kw), prompts)
+    llm = LLM(tiny_gguf, **kw)
+    step = _runner(llm).graphs
+    assert isinstance(step, cpu_step.CppDecodeStep) and step.num_int4 == 8  # 2 layers x 4
+    calls = _count(step)
+    assert _greedy(llm, prompts) == dense
+    assert calls["cpp"] > 0
+    monkeypatch.setenv("KVFLOW_CPU_INT4_GEMV", "0")
+    off = _runner(LLM(tiny_gguf, **kw)).graphs
+    assert off.num_int4 == 0 and off.num_callbacks == 8

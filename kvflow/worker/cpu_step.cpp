@@ -38,15 +38,29 @@
 
 namespace py = pybind11;
 
+namespace kvflow {  // cpu_int4.cpp
+void int4_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sb, int64_t group,
+               bool doubled, at::Tensor& y);
+bool int4_gemv_simd();
+}  // namespace kvflow
+
 namespace {
 
-// A linear layer: a dense weight [N, K] (+ bias [N]) or a Python callable x -> y.
+// A linear layer: a dense weight [N, K] (+ bias [N]) or a Python callable x -> y; a
+// 4-bit layer may also hand its weights over for cpu_int4.cpp's GEMV (up to 4 rows).
 struct Linear {
   at::Tensor weight;
   at::Tensor wt;  // a small float32 weight transposed [K, N], else undefined
   c10::optional<at::Tensor> bias;
   py::object fn;  // None when dense
+  at::Tensor q4, sb4;  // int4_gemv's values [N, K2 / 2] and (scale, bias) [N, G, 2]
+  int64_t group4 = 0;
+  bool doubled4 = false;
   bool dense() const { return fn.is_none(); }
+  bool int4() const { return q4.defined() && q4.numel() > 0; }
+  int64_t out_features() const {
+    return int4() ? q4.size(0) : dense() ? weight.size(0) : 0;
+  }
 };
 
 struct Layer {
@@ -141,6 +155,15 @@ void small_linear_f32(const at::Tensor& x, const Linear& l, at::Tensor& y) {
 // x [T, K] -> [T, N]: into `buf` (a [T, N] workspace) on the small float32 path, else a
 // new tensor from ATen (at::linear, as F.linear) or the layer's Python method.
 at::Tensor linear(const at::Tensor& x, const Linear& l, at::Tensor& buf) {
+  if (l.int4() && x.size(0) <= 4) {
+    const bool f32 = x.scalar_type() == at::kFloat;
+    at::Tensor xf = f32 ? x : x.to(at::kFloat);
+    at::Tensor y = f32 && buf.size(1) == l.q4.size(0) ? buf
+                       : at::empty({x.size(0), l.q4.size(0)}, xf.options());
+    kvflow::int4_gemv(xf, l.q4, l.sb4, l.group4, l.doubled4, y);
+    if (l.bias.has_value()) y.add_(*l.bias);
+    return f32 ? y : y.to(x.scalar_type());
+  }
   if (!l.dense()) return l.fn(x).cast<at::Tensor>().contiguous();
   if (x.scalar_type() == at::kFloat && l.weight.scalar_type() == at::kFloat &&
       x.size(0) <= 4) {
@@ -183,15 +206,18 @@ void add_into(const T* a, T* acc, int64_t n) {
 class DecodeStep {
  public:
   DecodeStep(std::vector<at::Tensor> norms, std::vector<at::Tensor> dense,
-             std::vector<py::object> fns, std::vector<at::Tensor> caches,
+             std::vector<py::object> fns, std::vector<at::Tensor> int4,
+             std::vector<int64_t> int4_meta, std::vector<at::Tensor> caches,
              at::Tensor final_norm, at::Tensor cos_sin, int64_t num_heads,
              int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
       : final_norm_(final_norm), cos_sin_(cos_sin.contiguous()), h_(num_heads),
         kvh_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale) {
     // Per layer: norms [in, post]; dense [weight, bias or empty] x 4 linears (qkv, o,
-    // gate_up, down); fns: the callable or None per linear.
+    // gate_up, down); fns: the callable or None per linear; int4: [values, scales] per
+    // linear (empty: none) and int4_meta [group, doubled] per linear.
     const size_t nl = caches.size();
-    TORCH_CHECK(norms.size() == 2 * nl && dense.size() == 8 * nl && fns.size() == 4 * nl,
+    TORCH_CHECK(norms.size() == 2 * nl && dense.size() == 8 * nl && fns.size() == 4 * nl &&
+                    int4.size() == 8 * nl && int4_meta.size() == 8 * nl,
                 "DecodeStep: weights and caches disagree on the number of layers");
     TORCH_CHECK(d_ % 2 == 0 && h_ % kvh_ == 0, "DecodeStep: bad head layout");
     for (size_t i = 0; i < nl; ++i) {
@@ -201,6 +227,14 @@ class DecodeStep {
       Linear* lins[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
       for (int j = 0; j < 4; ++j) {
         lins[j]->fn = fns[4 * i + j];
+        lins[j]->q4 = int4[8 * i + 2 * j];
+        lins[j]->sb4 = int4[8 * i + 2 * j + 1];
+        lins[j]->group4 = int4_meta[8 * i + 2 * j];
+        lins[j]->doubled4 = int4_meta[8 * i + 2 * j + 1] != 0;
+        if (lins[j]->int4()) {
+          const at::Tensor& b = dense[8 * i + 2 * j + 1];
+          if (b.defined() && b.numel() > 0) lins[j]->bias = b.to(at::kFloat).contiguous();
+        }
         if (lins[j]->dense()) {
           lins[j]->weight = dense[8 * i + 2 * j].contiguous();
           const at::Tensor& w = lins[j]->weight;
@@ -252,6 +286,11 @@ class DecodeStep {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t num_int4() const {
+    int64_t c = 0;
+    for (const Layer& L : layers_) c += L.qkv.int4() + L.o.int4() + L.gate_up.int4() + L.down.int4();
+    return c;
+  }
 
  private:
   template <typename T>
@@ -267,7 +306,7 @@ class DecodeStep {
     const Layer& L0 = layers_[0];
     const auto opts = residual.options();
     const int64_t qkv_w = (h_ + 2 * kvh_) * d_;
-    const int64_t inter2 = L0.gate_up.dense() ? L0.gate_up.weight.size(0) : 0;
+    const int64_t inter2 = L0.gate_up.out_features();
     at::Tensor qkv_buf = at::empty({t, qkv_w}, opts), attn_buf = at::empty({t, h_ * d_}, opts);
     at::Tensor o_buf = at::empty({t, e}, opts), down_buf = at::empty({t, e}, opts);
     at::Tensor gu_buf = at::empty({t, inter2}, opts);
@@ -416,8 +455,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvflow's C++ CPU decode step (kvflow/worker/cpu_step.py)";
   py::class_<DecodeStep>(m, "DecodeStep")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<py::object>,
-                    std::vector<at::Tensor>, at::Tensor, at::Tensor, int64_t, int64_t, int64_t,
+                    std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
+                    at::Tensor, at::Tensor, int64_t, int64_t, int64_t,
                     double, double>())
       .def("forward", &DecodeStep::forward)
+      .def_property_readonly("num_int4", &DecodeStep::num_int4)
       .def_property_readonly("num_layers", &DecodeStep::num_layers);
+  m.def("int4_gemv", [](const at::Tensor& x, const at::Tensor& q, const at::Tensor& sb,
+                        int64_t group, bool doubled) {
+    at::Tensor y = at::empty({x.size(0), q.size(0)}, x.options());
+    kvflow::int4_gemv(x, q, sb, group, doubled, y);
+    return y;
+  }, "cpu_int4.cpp's GEMV: x [M <= 4, K] float32 -> [M, N] float32 (for tests)");
+  m.def("int4_gemv_simd", &kvflow::int4_gemv_simd);
 }

@@ -18,12 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow import envs
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import LinearBase, LinearMethod
 from kvflow.layers.quantization import ggml_blocks as gb
 from kvflow.layers.quantization import gpu
 from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, flatten_tokens,
-                                               int4_mm, refine_top_logits)
+                                               gemv_layout, int4_mm, refine_top_logits)
 from kvflow.layers.quantization.rtn import set_param
 
 
@@ -111,6 +112,11 @@ class GGUFLinearMethod(LinearMethod):
 
     triton: gpu.TritonWeight | None = None
     """Set after loading when the blocks went to the GPU kernels."""
+    gemv: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(values, scale_bias) for the C++ step's GEMV (packed.gemv_layout), or None."""
+    run_gemv = None
+    """The C++ step's ``int4_gemv`` (x, values, scale_bias, group, doubled) -> y, set on a
+    tied head by the step after its self-check; None: the packed aten op."""
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -138,6 +144,10 @@ class GGUFLinearMethod(LinearMethod):
         packed = PackedInt4(weight)
         self.group, self.doubled = packed.group, packed.doubled
         self.packed = True
+        # The C++ decode step's own 4-bit GEMV reads this copy (float32 activations, no
+        # call back into Python); a tied head runs it from here once the step is up.
+        self.gemv = gemv_layout(weight) if (envs.cpu_cpp_step() and envs.cpu_int4_gemv()
+                                            ) else None
         for name, t in packed.tensors().items():
             set_param(layer, name, t)
 
@@ -147,6 +157,13 @@ class GGUFLinearMethod(LinearMethod):
         if self.triton is not None:  # float32 sums: the logits need no refinement
             return gpu.triton_apply(layer, self.triton, x)
         x2, lead = flatten_tokens(x)
+        if self.run_gemv is not None and x2.shape[0] <= 4:
+            # float32 sums over the exact weights: no bf16 logits to refine.
+            y = self.run_gemv(x2.float().contiguous(), *self.gemv, self.group,
+                              self.doubled).to(x.dtype)
+            if layer.bias is not None:
+                y = y + layer.bias
+            return y.view(*lead, -1)
         y = int4_mm(x2, layer.qweight, layer.scales_and_zeros, self.group, self.doubled)
         if layer.bias is not None:
             y = y + layer.bias

@@ -123,6 +123,24 @@ class PackedInt4:
         return {"qweight": self.packed, "scales_and_zeros": self.scale_zero}
 
 
+def gemv_layout(w: Int4Groups) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``w`` in the layout of the C++ step's 4-bit GEMV (kvflow/worker/cpu_int4.cpp):
+    (values int32 [N, K2 / 8], scale_bias float32 [N, K2 / group, 2]). Per block of 64
+    inputs, word i holds input 8j + i in bits 4j..4j+3; the weight is ``v * scale + bias``
+    (bias = zero - 8 scale). None when the group is not a multiple of 32 or K2 not of 64
+    (the GEMV reads whole blocks)."""
+    n, k2 = w.values.shape
+    if w.group % 32 or k2 % w.group or k2 % 64:
+        return None
+    v = w.values.to(torch.int64).view(n, k2 // 64, 8, 8)  # [N, blocks, j, i]
+    shifts = (4 * torch.arange(8, dtype=torch.int64)).view(1, 1, 8, 1)
+    words = (v << shifts).sum(dim=2)  # [N, blocks, 8] in 0 .. 2^32 - 1
+    q = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(n, k2 // 8)
+    scale = w.scale.float()
+    sb = torch.stack([scale, w.zero.float() - 8.0 * scale], dim=-1).contiguous()
+    return q.contiguous(), sb
+
+
 # Up to this many rows the packed ops run on one thread. They split every call across the
 # intra-op threads, and on a shared (oversubscribed) machine each split waits for a
 # descheduled thread: measured on the 2-core dev machine at load 20, a 30-layer SmolLM2
