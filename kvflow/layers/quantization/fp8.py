@@ -133,6 +133,27 @@ class Fp8LinearMethod(_QuantizeAfterLoad):
         return _apply(layer, x)
 
 
+def shard_rows(layer: LinearBase, shard) -> tuple[int, int]:
+    """(first output row, rows) of one loaded shard (q/k/v, gate/up) in a merged layer."""
+    if shard is None:
+        return 0, layer.output_size
+    idx = layer.shard_ids.index(shard)
+    return sum(layer.output_sizes[:idx]), layer.output_sizes[idx]
+
+
+def load_fp8_weight(layer: LinearBase, param: nn.Parameter, t: torch.Tensor, shard) -> None:
+    """Copy one shard of a pre-quantized float8_e4m3fn weight [rows, K] into its rows."""
+    if t.dtype != torch.float8_e4m3fn:
+        raise ModelLoadError(f"{layer.prefix}: fp8 checkpoint weight has dtype {t.dtype} "
+                             f"(supported: float8_e4m3fn)")
+    start, size = shard_rows(layer, shard)
+    if tuple(t.shape) != (size, layer.input_size):
+        raise ModelLoadError(f"{layer.prefix}: fp8 weight shape {tuple(t.shape)} does not "
+                             f"match the layer's {(size, layer.input_size)}")
+    # Bytes: CPU copies of float8 tensors into a narrowed view are not all implemented.
+    param.data.view(torch.uint8).narrow(0, start, size).copy_(t.view(torch.uint8))
+
+
 class Fp8CheckpointLinearMethod(LinearMethod):
     """Pre-quantized FP8 weights: ``weight`` float8_e4m3fn [N, K] and ``weight_scale``
     per output channel ([N] or [N, 1]) or per tensor (one number per loaded shard)."""
@@ -142,7 +163,7 @@ class Fp8CheckpointLinearMethod(LinearMethod):
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         n, k = layer.output_size, layer.input_size
         w = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn), requires_grad=False)
-        w.weight_loader = lambda p, t, shard=None: self._load_weight(layer, p, t, shard)
+        w.weight_loader = lambda p, t, shard=None: load_fp8_weight(layer, p, t, shard)
         w.output_dim, w.input_dim = 0, 1
         layer.register_parameter("weight", w)
         s = nn.Parameter(torch.empty(n, dtype=torch.float32), requires_grad=False)
@@ -150,26 +171,8 @@ class Fp8CheckpointLinearMethod(LinearMethod):
         s.output_dim = 0
         layer.register_parameter("weight_scale", s)
 
-    @staticmethod
-    def _rows(layer: LinearBase, shard) -> tuple[int, int]:
-        if shard is None:
-            return 0, layer.output_size
-        idx = layer.shard_ids.index(shard)
-        return sum(layer.output_sizes[:idx]), layer.output_sizes[idx]
-
-    def _load_weight(self, layer, param, t: torch.Tensor, shard) -> None:
-        if t.dtype != torch.float8_e4m3fn:
-            raise ModelLoadError(f"{layer.prefix}: fp8 checkpoint weight has dtype {t.dtype} "
-                                 f"(supported: float8_e4m3fn)")
-        start, size = self._rows(layer, shard)
-        if tuple(t.shape) != (size, layer.input_size):
-            raise ModelLoadError(f"{layer.prefix}: fp8 weight shape {tuple(t.shape)} does not "
-                                 f"match the layer's {(size, layer.input_size)}")
-        # Bytes: CPU copies of float8 tensors into a narrowed view are not all implemented.
-        param.data.view(torch.uint8).narrow(0, start, size).copy_(t.view(torch.uint8))
-
     def _load_scale(self, layer, param, t: torch.Tensor, shard) -> None:
-        start, size = self._rows(layer, shard)
+        start, size = shard_rows(layer, shard)
         t = t.float().reshape(-1)
         if t.numel() not in (1, size):
             raise ModelLoadError(

@@ -27,8 +27,8 @@ from torch import nn
 
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import LinearBase, LinearMethod
-from kvflow.layers.quantization.fp8 import (FP8_MAX, _check_device, log_emulated,
-                                            use_fp8_kernels)
+from kvflow.layers.quantization.fp8 import (FP8_MAX, _check_device, load_fp8_weight,
+                                            log_emulated, shard_rows, use_fp8_kernels)
 from kvflow.layers.quantization.packed import flatten_tokens
 from kvflow.layers.quantization.rtn import _QuantizeAfterLoad, set_param
 
@@ -122,7 +122,7 @@ class Fp8BlockCheckpointLinearMethod(LinearMethod):
         rows = r if all(s % r == 0 for s in layer.output_sizes) else 1
         self.block = (rows, g)
         w = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn), requires_grad=False)
-        w.weight_loader = lambda p, t, shard=None: self._load_weight(layer, p, t, shard)
+        w.weight_loader = lambda p, t, shard=None: load_fp8_weight(layer, p, t, shard)
         w.output_dim, w.input_dim = 0, 1
         layer.register_parameter("weight", w)
         s = nn.Parameter(torch.empty(-(-n // rows), -(-k // g), dtype=torch.float32),
@@ -131,26 +131,8 @@ class Fp8BlockCheckpointLinearMethod(LinearMethod):
         s.output_dim, s.input_dim = 0, 1
         layer.register_parameter(self.scale_name, s)
 
-    @staticmethod
-    def _rows(layer: LinearBase, shard) -> tuple[int, int]:
-        if shard is None:
-            return 0, layer.output_size
-        idx = layer.shard_ids.index(shard)
-        return sum(layer.output_sizes[:idx]), layer.output_sizes[idx]
-
-    def _load_weight(self, layer, param, t: torch.Tensor, shard) -> None:
-        if t.dtype != torch.float8_e4m3fn:
-            raise ModelLoadError(f"{layer.prefix}: fp8 checkpoint weight has dtype {t.dtype} "
-                                 f"(supported: float8_e4m3fn)")
-        start, size = self._rows(layer, shard)
-        if tuple(t.shape) != (size, layer.input_size):
-            raise ModelLoadError(f"{layer.prefix}: fp8 weight shape {tuple(t.shape)} does not "
-                                 f"match the layer's {(size, layer.input_size)}")
-        # Bytes: CPU copies of float8 tensors into a narrowed view are not all implemented.
-        param.data.view(torch.uint8).narrow(0, start, size).copy_(t.view(torch.uint8))
-
     def _load_scale(self, layer, param, t: torch.Tensor, shard) -> None:
-        start, size = self._rows(layer, shard)
+        start, size = shard_rows(layer, shard)
         r, g = self.ckpt_block
         want = (-(-size // r), -(-layer.input_size // g))
         if tuple(t.shape) != want:
