@@ -9,31 +9,12 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
-from kvflow import LLM, SamplingParams
+from tiny_engine import greedy as _greedy
+from tiny_engine import prompts as _prompts
+from tiny_engine import runner as _runner
+from tiny_engine import tiny as _tiny
 from kvflow.worker import cpu_compile
-
-
-def _tiny(**kw) -> LLM:
-    args = dict(load_format="dummy", max_model_len=256, num_gpu_blocks_override=64,
-                block_size=4, max_num_batched_tokens=32, device="cpu")
-    args.update(kw)
-    return LLM("tiny-llama", **args)
-
-
-def _prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
-
-
-def _runner(llm: LLM):
-    return llm.engine.core.executor.runner
-
-
-def _greedy(llm: LLM, prompts, max_tokens=24):
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.fixture
