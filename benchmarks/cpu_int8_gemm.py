@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -25,20 +24,9 @@ import torch.nn.functional as F
 from kvflow.bench.machine import save_result
 from kvflow.layers.quantization.int8_gemm import prepare_weight, quantize_int8_rows, w8a8_apply
 
-# (name, N, K): qkv, o, gate_up and down of SmolLM2-135M.
-SHAPES = [("qkv_proj", 960, 576), ("o_proj", 576, 576), ("gate_up_proj", 3072, 576),
-          ("down_proj", 576, 1536)]
+from cpu_timing import SMOLLM2_LINEARS, best_us  # noqa: E402  (this folder)
 
-
-def best_us(fn, reps: int, inner: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.perf_counter() - t) / inner)
-    return best * 1e6
+SHAPES = SMOLLM2_LINEARS[:4]
 
 
 def main() -> None:

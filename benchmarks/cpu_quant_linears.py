@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -21,20 +20,9 @@ from kvflow.bench.machine import save_result
 from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, int4_mm, int8_mm,
                                                quantize_int4, quantize_int8)
 
-# (name, N, K): qkv, o, gate_up, down and the tied lm_head of SmolLM2-135M.
-SHAPES = [("qkv_proj", 960, 576), ("o_proj", 576, 576), ("gate_up_proj", 3072, 576),
-          ("down_proj", 576, 1536), ("lm_head", 49152, 576)]
+from cpu_timing import SMOLLM2_LINEARS, best_us  # noqa: E402  (this folder)
 
-
-def best_us(fn, reps: int, inner: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.perf_counter() - t) / inner)
-    return best * 1e6
+SHAPES = SMOLLM2_LINEARS
 
 
 def main() -> None:
