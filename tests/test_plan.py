@@ -346,3 +346,19 @@ def test_efficiency_constants_are_checked():
     assert gemm == pytest.approx(max(m.decode_weight_read_bytes / (0.92 * 4.2e12),
                                      (2 * 256 * (32 * m.layer_linear_params
                                                  + m.vocab * 4096)) / (0.98 * 790e12)))
+
+
+@pytest.mark.parametrize("seqs,batched,max_len,want", [
+    (256, 8192, 4096, [4095, 4095, 2]),  # the default: the whole token budget
+    (1, 8192, 4096, [4095]),  # --max-num-seqs 1 crashed the GPU start (batch full)
+    (2, 8192, 1024, [1023, 1023]),
+    (8, 512, 4096, [512]),
+])
+def test_profiling_step_fits_the_persistent_batch(seqs, batched, max_len, want):
+    profiler = pytest.importorskip("kvflow.worker.profiler")
+    from kvflow.engine.args import EngineArgs
+
+    cfg = EngineArgs(model="smollm2-135m-h64", load_format="dummy", device="cpu",
+                     max_num_seqs=seqs, max_num_batched_tokens=batched,
+                     max_model_len=max_len).create_engine_config()
+    assert profiler.profile_prompt_lengths(cfg) == want

@@ -29,6 +29,17 @@ CUDA_GRAPH_RESERVE = GiB // 2
 
 
 @torch.inference_mode()
+def profile_prompt_lengths(cfg: EngineConfig) -> list[int]:
+    """The prompt lengths of the profiling step: the largest step the scheduler can
+    build, ``max_num_batched_tokens`` split into prompts shorter than ``max_model_len``,
+    but no more prompts than ``max_num_seqs`` (the persistent batch's rows): with
+    ``--max-num-seqs 1`` the step is one prompt of at most ``max_model_len - 1``."""
+    max_len = cfg.model.max_model_len
+    tokens = min(cfg.scheduler.max_num_batched_tokens,
+                 cfg.scheduler.max_num_seqs * (max_len - 1))
+    return [min(max_len - 1, tokens - i) for i in range(0, tokens, max_len - 1)]
+
+
 def profile_kv_budget(cfg: EngineConfig, model: nn.Module, device: torch.device,
                       execute_model: Callable[[SchedulerOutput], object]) -> int:
     """Bytes the KV cache may take, measured with one largest-shape step run by
@@ -39,9 +50,8 @@ def profile_kv_budget(cfg: EngineConfig, model: nn.Module, device: torch.device,
     free_before, total = torch.cuda.mem_get_info(device)
     weights = torch.cuda.memory_allocated(device)
 
-    tokens = cfg.scheduler.max_num_batched_tokens
-    max_len = cfg.model.max_model_len
-    lengths = [min(max_len - 1, tokens - i) for i in range(0, tokens, max_len - 1)]
+    lengths = profile_prompt_lengths(cfg)
+    tokens = sum(lengths)
     bs = cfg.cache.block_size
     num_blocks = sum(cdiv(n, bs) for n in lengths)
     scratch = kv_cache.allocate_kv_cache(cfg, num_blocks, device)
