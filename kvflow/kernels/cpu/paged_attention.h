@@ -114,9 +114,25 @@ inline v8f widen8(const float* p) { return load8(p); }
 
 inline v8f widen8(const int8_t* p) { return __builtin_convertvector(load8i(p), v8f); }
 
+#if defined(__AVX2__) && defined(__F16C__)
+// E4M3 (float8_e4m3fn) bytes -> floats / 256, exactly: sign and the 7 other bits moved
+// into a half float's places (its exponent bias is 8 more than E4M3's, subnormals
+// included), then the hardware's half -> float conversion. 0x7f/0xff (NaN) never occur:
+// cache writes saturate. The 1 / 256 is folded into the per-tensor scales (kFp8Widen).
+constexpr float kFp8Widen = 1.0f / 256;
+
+inline v8f widen8(const uint8_t* p) {
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i mag = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7);
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+  return reinterpret_cast<v8f>(_mm256_cvtph_ps(_mm_or_si128(mag, sign)));
+}
+#else
 // E4M3 (float8_e4m3fn) bytes -> floats, exactly: sign, 4 exponent bits (bias 7), 3
 // mantissa bits; exponent 0 is subnormal (m * 2^-9). 0x7f/0xff (NaN) never occur:
 // cache writes saturate.
+constexpr float kFp8Widen = 1.0f;
+
 inline v8f widen8(const uint8_t* p) {
   const v8i x = load8i(p);
   const v8i e = (x >> 3) & 15, m = x & 7;
@@ -127,6 +143,7 @@ inline v8f widen8(const uint8_t* p) {
   const v8i v = reinterpret_cast<v8i>(__builtin_convertvector(mant, v8f) * pow2);
   return reinterpret_cast<v8f>(v | ((x & 0x80) << 24));
 }
+#endif
 
 inline float bits_to_float(uint32_t u) { return __builtin_bit_cast(float, u); }
 
@@ -196,12 +213,16 @@ void decode(float* out, const float* q, int64_t q_stride, const KV* cache,
   // split by KV head when there are few sequences, so every thread has work.
   const int64_t split = b_count >= 4 * threads ? 1 : kvh;
   const int64_t heads_per = kvh / split;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < b_count; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
+  const int64_t row_len = (max_len + 7) / 8 * 8;  // a query head's scores, padded
 #pragma omp parallel num_threads(threads)
   {
-    // Per thread: one block's widened K and V rows of one KV head [BS, D], the block's
-    // scores for each query head [G, BS], softmax state and accumulators [H, D].
-    std::vector<float> kbuf(bs * d), vbuf(bs * d), s(g_count * bs), acc(h * d);
-    std::vector<float> m(h), l(h), kscale(bs), vscale(bs);
+    // Per thread: one block's widened K and V rows of one KV head [BS, D], the scores
+    // of the item's query heads over its whole context [heads_per * G, row_len], and
+    // the accumulators of one KV head's query heads [G, D].
+    std::vector<float> kbuf(bs * d), vbuf(bs * d), s(heads_per * g_count * row_len);
+    std::vector<float> acc(g_count * d), vscale(bs), inv_sum(heads_per * g_count);
     // Dynamic: contexts differ in length, so equal shares of work items are not
     // equal work.
 #pragma omp for schedule(dynamic, 1)
@@ -210,30 +231,25 @@ void decode(float* out, const float* q, int64_t q_stride, const KV* cache,
       const int64_t h0 = (task % split) * heads_per, h1 = h0 + heads_per;
       const int64_t len = lens[b];
       const int32_t* table = tables + (row_of ? row_of[b] : b) * w;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(m.begin(), m.end(), -INFINITY);
-      std::fill(l.begin(), l.end(), 0.0f);
+      const int64_t bytes = ((bs - 1) * tok + (h1 - h0) * d) * sizeof(KV);
+      // Two passes over the context (no online softmax: its per-block running max,
+      // exp of the correction and rescaled accumulators cost more than the whole
+      // score row kept in L1/L2): 1. every score q . k, the token's scale after the
+      // dot; 2. one softmax per query head; 3. V accumulated with p times the value
+      // row's scale.
       for (int64_t j = 0; j * bs < len; ++j) {
         const int64_t blk = table[j];
         const int64_t n = std::min(bs, len - j * bs);
-        if ((j + 1) * bs < len) {
-          const int64_t next = table[j + 1] * bs * tok + h0 * d;
-          const int64_t bytes = ((bs - 1) * tok + (h1 - h0) * d) * sizeof(KV);
-          prefetch(cache + next, bytes);
-          prefetch(cache + half + next, bytes);
-        }
+        if ((j + 1) * bs < len) prefetch(cache + table[j + 1] * bs * tok + h0 * d, bytes);
         for (int64_t hk = h0; hk < h1; ++hk) {
           const KV* kp = cache + blk * bs * tok + hk * d;
           const float* ksp = scales ? scales + blk * bs * kvh + hk : nullptr;
-          for (int64_t t = 0; t < n; ++t) {
-            kscale[t] = (ksp ? ksp[t * kvh] : k_scale) * sm_scale;
-            vscale[t] = ksp ? ksp[shalf + t * kvh] : v_scale;
-          }
           const float* qh = q + b * q_stride + hk * g_count * d;  // [G, D] of this KV head
-          // Scores: q . k over the stored values, the token's scale after the dot.
+          float* sh = s.data() + (hk - h0) * g_count * row_len + j * bs;  // [G, row_len]
           if (DC) {
             // Each key row widened once, in registers, for all G query heads.
             for (int64_t t = 0; t < n; ++t) {
+              const float ks = (ksp ? ksp[t * kvh] : k_scale) * sm_scale;
               v8f kv[DC ? DC : 1];
               for (int c = 0; c < DC; ++c) kv[c] = widen8(kp + t * tok + 8 * c);
               for (int64_t gi = 0; gi < g_count; ++gi) {
@@ -243,67 +259,90 @@ void decode(float* out, const float* q, int64_t q_stride, const KV* cache,
                   a0 = fma8(load8(qr + 8 * c), kv[c], a0);
                   a1 = fma8(load8(qr + 8 * c + 8), kv[c + 1], a1);
                 }
-                s[gi * bs + t] = hsum(a0 + a1) * kscale[t];
+                sh[gi * row_len + t] = hsum(a0 + a1) * ks;
               }
             }
           } else {
-            int64_t ks;
-            const float* kr = rows(kp, n, d, tok, kbuf.data(), ks);
+            int64_t kst;
+            const float* kr = rows(kp, n, d, tok, kbuf.data(), kst);
             for (int64_t gi = 0; gi < g_count; ++gi) {
               const float* qr = qh + gi * d;
               for (int64_t t = 0; t < n; ++t) {
-                const float* k = kr + t * ks;
+                const float* k = kr + t * kst;
                 v8f a = load8(qr) * load8(k);
                 for (int64_t c = 1; c < dc; ++c) a = fma8(load8(qr + 8 * c), load8(k + 8 * c), a);
-                s[gi * bs + t] = hsum(a) * kscale[t];
+                sh[gi * row_len + t] = hsum(a) * ((ksp ? ksp[t * kvh] : k_scale) * sm_scale);
               }
             }
           }
-          int64_t vs;
-          const float* vr = rows(kp + half, n, d, tok, vbuf.data(), vs);
+        }
+      }
+      // Softmax of each query head's scores; the 1 / sum is applied to the output.
+      for (int64_t r = 0; r < heads_per * g_count; ++r) {
+        float* sr = s.data() + r * row_len;
+        v8f mx8 = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                   -INFINITY, -INFINITY};
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) {
+          const v8f x = load8(sr + t);
+          mx8 = x > mx8 ? x : mx8;
+        }
+        float mx = -INFINITY;
+        for (int i = 0; i < 8; ++i) mx = std::max(mx, mx8[i]);
+        for (; t < len; ++t) mx = std::max(mx, sr[t]);
+        for (t = 0; t < len; ++t) sr[t] -= mx;
+        exp_inplace(sr, static_cast<int>(len));
+        v8f sum8 = {};
+        for (t = 0; t + 8 <= len; t += 8) sum8 += load8(sr + t);
+        float sum = hsum(sum8);
+        for (; t < len; ++t) sum += sr[t];
+        inv_sum[r] = sum > 0.0f ? 1.0f / sum : 0.0f;  // empty context: zeros
+      }
+      for (int64_t hk = h0; hk < h1; ++hk) {
+        // Block by block: its V rows widened once (a float cache is read in place),
+        // then each query head's accumulator [D] loaded, fed the block's rows, stored.
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        const float* ph = s.data() + (hk - h0) * g_count * row_len;  // [G, row_len]
+        for (int64_t j = 0; j * bs < len; ++j) {
+          const int64_t blk = table[j];
+          const int64_t n = std::min(bs, len - j * bs);
+          if (hk == h0 && (j + 1) * bs < len)
+            prefetch(cache + half + table[j + 1] * bs * tok + h0 * d, bytes);
+          const float* vsp = scales ? scales + shalf + blk * bs * kvh + hk : nullptr;
+          for (int64_t t = 0; t < n; ++t) vscale[t] = vsp ? vsp[t * kvh] : v_scale;
+          int64_t vst;
+          const float* vr = rows(cache + half + blk * bs * tok + hk * d, n, d, tok,
+                                 vbuf.data(), vst);
           for (int64_t gi = 0; gi < g_count; ++gi) {
-            const int64_t g = hk * g_count + gi;  // query head
-            float* sg = s.data() + gi * bs;
-            // Online softmax: new running max, rescale what was summed so far.
-            float mx = m[g];
-            for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-            const float corr = std::exp(m[g] - mx);  // 0 on the first block (m = -inf)
-            for (int64_t t = 0; t < n; ++t) sg[t] -= mx;
-            exp_inplace(sg, static_cast<int>(n));
-            float sum = 0.0f;
-            for (int64_t t = 0; t < n; ++t) sum += sg[t];
-            l[g] = fmadd(l[g], corr, sum);
-            m[g] = mx;
-            // acc = acc * corr + sum_t p_t * v_scale_t * v_t.
-            float* ag = acc.data() + g * d;
+            const float* pr = ph + gi * row_len + j * bs;
+            float* ag = acc.data() + gi * d;
             if (DC) {
               v8f a[DC ? DC : 1];
-              for (int c = 0; c < DC; ++c) a[c] = load8(ag + 8 * c) * corr;
+              for (int c = 0; c < DC; ++c) a[c] = load8(ag + 8 * c);
               for (int64_t t = 0; t < n; ++t) {
-                const float p = sg[t] * vscale[t];
-                const float* v = vr + t * vs;
+                const float p = pr[t] * vscale[t];
                 const v8f pv = {p, p, p, p, p, p, p, p};
+                const float* v = vr + t * vst;
                 for (int c = 0; c < DC; ++c) a[c] = fma8(pv, load8(v + 8 * c), a[c]);
               }
               for (int c = 0; c < DC; ++c) store8(ag + 8 * c, a[c]);
             } else {
-              for (int64_t c = 0; c < dc; ++c)
-                store8(ag + 8 * c, load8(ag + 8 * c) * corr);
               for (int64_t t = 0; t < n; ++t) {
-                const float p = sg[t] * vscale[t];
-                const float* v = vr + t * vs;
+                const float p = pr[t] * vscale[t];
                 const v8f pv = {p, p, p, p, p, p, p, p};
+                const float* v = vr + t * vst;
                 for (int64_t c = 0; c < dc; ++c)
                   store8(ag + 8 * c, fma8(pv, load8(v + 8 * c), load8(ag + 8 * c)));
               }
             }
           }
         }
-      }
-      for (int64_t g = h0 * g_count; g < h1 * g_count; ++g) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;  // empty context: zeros
-        float* o = out + (b * h + g) * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = acc[g * d + i] * inv;
+        for (int64_t gi = 0; gi < g_count; ++gi) {
+          const float inv = inv_sum[(hk - h0) * g_count + gi];
+          const float* ag = acc.data() + gi * d;
+          float* o = out + (b * h + hk * g_count + gi) * d;
+          for (int64_t i = 0; i < d; ++i) o[i] = ag[i] * inv;
+        }
       }
     }
   }
@@ -315,6 +354,10 @@ void dispatch(int64_t d, float* out, const float* q, int64_t q_stride, const KV*
               const int32_t* lens, int64_t b, int64_t h, int64_t kvh, int64_t nb,
               int64_t bs, int64_t w, float sm_scale, float k_scale, float v_scale,
               int threads) {
+  if constexpr (std::is_same_v<KV, uint8_t>) {  // fp8: widened values are x kFp8Widen
+    k_scale /= kFp8Widen;  // a power of two: the products round as without it
+    v_scale /= kFp8Widen;
+  }
   auto run = [&](auto dc) {
     decode<decltype(dc)::value>(out, q, q_stride, cache, scales, tables, row_of, lens, b,
                                 h, kvh, d, nb, bs, w, sm_scale, k_scale, v_scale, threads);
