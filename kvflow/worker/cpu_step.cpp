@@ -94,7 +94,8 @@ void quantize_int8_row(const T* x, int8_t* q, float* s, int64_t kvh, int64_t d) 
   for (int64_t hh = 0; hh < kvh; ++hh) {
     const T* xh = x + hh * d;
     float amax = 0.f;
-    for (int64_t j = 0; j < d; ++j) amax = std::max(amax, std::fabs(static_cast<float>(xh[j])));
+    for (int64_t j = 0; j < d; ++j)
+      amax = std::max(amax, std::fabs(static_cast<float>(xh[j])));
     const float scale = amax / 127.f;
     const float div = scale > 0.f ? scale : 1.f;
     for (int64_t j = 0; j < d; ++j) {
@@ -603,7 +604,8 @@ class DecodeStep {
       obuf = at::empty({t, h * d}, qkv.options().dtype(at::kFloat));
       float* qb = qbuf.data_ptr<float>();
       for (int64_t i = 0; i < t; ++i)
-        for (int64_t j = 0; j < h * d; ++j) qb[i * h * d + j] = static_cast<float>(q_all[i * width + j]);
+        for (int64_t j = 0; j < h * d; ++j)
+          qb[i * h * d + j] = static_cast<float>(q_all[i * width + j]);
       qf = qb;
       q_stride = h * d;
       of = obuf.data_ptr<float>();

@@ -4,12 +4,13 @@
 // dequantized copy of the context (the torch path materializes one per layer and step;
 // at CPU-B that copy was ~0.9 GB per step in fp32).
 //
-// One new token per item (a sequence; the C++ step: a token). Work items are (sequence, KV head): the query heads that
-// share a KV head (GQA group, G of them) are done together, so each key and value row is
-// loaded and widened once for all G queries. Per cache block: scores of its tokens
-// (q . k over the stored integers, times the token's scale after the dot), an online
-// softmax step (running max, rescaled sum and accumulator), then V accumulated with
-// each probability times the value row's scale. Float32 math throughout.
+// One new token per item (a sequence; in the C++ step, a token). Work items are (item,
+// KV heads): the query heads that share a KV head (GQA group, G of them) are done
+// together, so each key and value row is loaded and widened once for all G queries.
+// Two passes over the item's context: every score (q . k over the stored integers,
+// times the token's scale after the dot) into a row per query head, one softmax per
+// row, then V accumulated block by block with each probability times the value row's
+// scale. Float32 math throughout.
 //
 // This header holds the kernel itself (namespace kvflow::paged, no torch headers): it is
 // compiled into paged_attention.cpp's plain C library (ctypes, the torch backend's

@@ -3,8 +3,9 @@
 // ops; at decode (1-16 rows of 576-1536 values) their dispatch costs far more than the
 // arithmetic, once per linear layer and step.
 //
-// Bit for bit what the torch ops compute (finite inputs): amax = max |x| per row; inv = (1 / amax) * 127
-// (torch evaluates ``127 / t`` as ``t.reciprocal() * 127``), 1 where amax is 0;
+// Bit for bit what the torch ops compute (finite inputs): amax = max |x| per row;
+// inv = (1 / amax) * 127 (torch evaluates ``127 / t`` as ``t.reciprocal() * 127``), 1
+// where amax is 0;
 // q = clamp(round_half_even(x * inv), -127, 127); scale = 1 / inv. Built with
 // -ffp-contract=off (build.py), so nothing fuses into a different rounding.
 //
