@@ -295,7 +295,9 @@ class CppDecodeStep:
                     b.random_(-127, 128, generator=gen)
                 elif b is not blocks[0]:  # int8 scales: values up to ~2.5 as dequantized
                     b.uniform_(0.005, 0.02, generator=gen)
-                else:  # float caches, and fp8 ones (rounded to E4M3 by copy_)
+                elif b.dtype.is_floating_point and b.dtype.itemsize > 1:  # float caches
+                    b.normal_(generator=gen)
+                else:  # fp8 (normal_ lacks float8): rounded to E4M3 by copy_
                     b.copy_(torch.randn(b.shape, generator=gen))
             mixed = self._check_one(kv_caches, block_size, [block_size + 3, 5, 7], [1, 1, 3],
                                     [[0, 1], [2, 0], [3, 0]], gen)
