@@ -5,7 +5,11 @@ SmolLM2-135M's real shapes, at M = 1 (one decode), 64 (a CPU-B decode batch) and
 * ``wt_view``: B = ``wq.t()`` of the row-major [N, K] weight (column-major B, no copy;
   what ``prepare_weight`` keeps);
 * ``wt_contig``: B = ``wq.t().contiguous()`` (row-major [K, N]);
-* ``w8a8_total``: the whole W8A8 linear of kvflow (per-token quantize + GEMM + scale).
+* ``w8a8_total``: the whole W8A8 linear of kvflow (per-token quantize + GEMM + scale);
+  ``w8a8_total_torch_quant`` the same with the activations quantized by the torch ops
+  (``quantize_int8_rows_ref``) instead of the one C call that takes up to 16 float32
+  rows (``kernels/cpu/quant_rows.cpp``); ``quantize_act`` / ``quantize_act_torch`` that
+  step alone.
 
     flock /tmp/kvflow-bench.lock python benchmarks/cpu_int8_gemm.py \
         --save-result benchmarks/results/cpu-int8-gemm.json
@@ -22,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.bench.machine import save_result
-from kvflow.layers.quantization.int8_gemm import prepare_weight, quantize_int8_rows, w8a8_apply
+from kvflow.layers.quantization.int8_gemm import (int8_mm, prepare_weight, quantize_int8_rows,
+                                                  quantize_int8_rows_ref, w8a8_apply)
 
 from cpu_timing import SMOLLM2_LINEARS, best_us  # noqa: E402  (this folder)
 
@@ -52,8 +57,13 @@ def main() -> None:
                    "int_mm_wt_contig_us": best_us(lambda: torch._int_mm(xq, wt_contig),
                                                   ns.reps, inner),
                    "quantize_act_us": best_us(lambda: quantize_int8_rows(x), ns.reps, inner),
+                   "quantize_act_torch_us": best_us(lambda: quantize_int8_rows_ref(x),
+                                                    ns.reps, inner),
                    "w8a8_total_us": best_us(lambda: w8a8_apply(x, pw, torch.float32),
-                                            ns.reps, inner)}
+                                            ns.reps, inner),
+                   "w8a8_total_torch_quant_us": best_us(
+                       lambda: int8_mm(*quantize_int8_rows_ref(x), pw, torch.float32),
+                       ns.reps, inner)}
             for key in [k2 for k2 in row if k2.endswith("_us") and k2 != "f32_linear_us"]:
                 row[key.replace("_us", "_speedup")] = row["f32_linear_us"] / row[key]
             rows.append(row)

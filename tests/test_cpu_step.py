@@ -1,19 +1,23 @@
 """The C++ CPU decode step (kvflow/worker/cpu_step.py + cpu_step.cpp): the same greedy
 tokens as eager under batching, chunked prefill (short chunks run through the C++ step
-as mixed steps) and recompute preemption, in float32 and bfloat16, with quantized
-linears called back; the off switches and fallbacks say why in the log."""
+as mixed steps) and recompute preemption, in float32 and bfloat16, with int8 and fp8 KV
+caches, with quantized linears called back; the off switches and fallbacks say why in
+the log."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
+import torch
 
 from kvflow import LLM
 from tiny_engine import greedy as _greedy
 from tiny_engine import prompts as _prompts
 from tiny_engine import runner as _runner
 from tiny_engine import tiny as _tiny
+from kvflow.layers.attention import AttentionMetadata
+from kvflow.models import registry
 from kvflow.worker import cpu_step
 
 pytestmark = pytest.mark.skipif(cpu_step.find_compiler() is None,
@@ -33,24 +37,47 @@ def _count(step: cpu_step.CppDecodeStep) -> dict[str, int]:
     return calls
 
 
-@pytest.mark.parametrize("scenario,model,dtype", [
-    ("batched", "tiny-llama", "float32"),
-    ("preempted", "tiny-llama", "float32"),
-    ("batched", "tiny-llama", "bfloat16"),
-    ("batched", "tiny-qwen2", "float32"),  # QKV bias, one KV head
+# The embedded model's head layout (head dim 64, 3 query heads per KV head) at tiny
+# size: the shared paged attention kernel's fixed-width path (tiny-llama's head dim 16
+# takes its run-time-width one).
+TINY_D64 = dict(registry.PRESETS["tiny-llama"], hidden_size=128, num_attention_heads=6,
+                num_key_value_heads=2, head_dim=64)
+
+
+@pytest.fixture
+def tiny_d64(monkeypatch):
+    monkeypatch.setitem(registry.PRESETS, "tiny-llama-d64", TINY_D64)
+    return "tiny-llama-d64"
+
+
+@pytest.mark.parametrize("scenario,model,dtype,kv", [
+    ("batched", "tiny-llama", "float32", "auto"),
+    ("preempted", "tiny-llama", "float32", "auto"),
+    ("batched", "tiny-llama", "bfloat16", "auto"),
+    ("batched", "tiny-qwen2", "float32", "auto"),  # QKV bias, one KV head
+    ("batched", "tiny-llama", "float32", "int8"),
+    ("preempted", "tiny-llama", "float32", "int8"),
+    ("batched", "tiny-llama-d64", "float32", "int8"),
+    ("batched", "tiny-llama", "float32", "fp8"),
+    ("preempted", "tiny-llama-d64", "float32", "fp8"),
+    ("batched", "tiny-llama", "bfloat16", "int8"),
 ])
-def test_cpp_step_matches_eager(scenario, model, dtype):
+def test_cpp_step_matches_eager(scenario, model, dtype, kv, monkeypatch):
     """Prompts of mixed lengths (contexts of 1 to many blocks; the batch changes step to
     step), prefills chunked by a 32-token budget; the 'preempted' engine has too few
-    blocks for everyone, so requests are preempted and recomputed."""
+    blocks for everyone, so requests are preempted and recomputed. Quantized KV caches
+    are written and read inside the C++ step."""
+    monkeypatch.setitem(registry.PRESETS, "tiny-llama-d64", TINY_D64)
     prompts = _prompts((5, 40, 100, 7, 1, 17))
-    kw = dict(dtype=dtype)
+    kw = dict(dtype=dtype, kv_cache_dtype=kv)
     if scenario == "preempted":
         kw.update(num_gpu_blocks_override=40, max_model_len=160)
     eager = _greedy(_tiny(model, enforce_eager=True, **kw), prompts)
     llm = _tiny(model, **kw)
     step = _runner(llm).graphs
     assert isinstance(step, cpu_step.CppDecodeStep)
+    assert step.kv_kind == (None if kv == "auto" else kv)
+    assert step.step.kv_cache_kind == ("model" if kv == "auto" else kv)
     calls = _count(step)
     got = _greedy(llm, prompts)
     if dtype == "float32":
@@ -148,6 +175,129 @@ def test_a_wrong_step_is_caught_by_the_self_check(caplog, monkeypatch):
     assert _runner(llm).graphs is None
     assert "disagrees with eager" in caplog.text
     assert not isinstance(_runner(llm).step_builder.attn_builder, cpu_step.CppMetadataBuilder)
+
+
+def _one_step_both_ways(llm) -> tuple[list, list]:
+    """One mixed step (a decode over 2 blocks of random context, a 5-token chunk) from
+    the same cache, eagerly and in C++: what each left in the layer caches (and int8
+    scales) at the step's slots."""
+    r = _runner(llm)
+    step = r.graphs
+    bs = r.block_size
+    gen = torch.Generator().manual_seed(1)
+    blocks = step._check_blocks(r.kv_caches)
+    for b in blocks:
+        if b.dtype == torch.int8:
+            b.random_(-127, 128, generator=gen)
+        elif b is not blocks[0]:
+            b.uniform_(0.005, 0.02, generator=gen)
+        else:
+            b.copy_(torch.randn(b.shape, generator=gen))
+    lens, qlens, table = [bs + 3, 5], [1, 5], [[0, 1], [2, 3]]
+    tables = torch.tensor(table, dtype=torch.int32)
+    positions, slots = [], []
+    for i, (n, q) in enumerate(zip(lens, qlens)):
+        for p in range(n - q, n):
+            positions.append(p)
+            slots.append(table[i][p // bs] * bs + p % bs)
+    meta = AttentionMetadata(
+        num_actual_tokens=len(slots), num_reqs=2, num_decodes=1, max_query_len=5,
+        max_seq_len=max(lens), slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor([0, 1, 6], dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+        query_start_loc_cpu=[0, 1, 6], seq_lens_cpu=lens)
+    ids, pos = torch.randint(3, 500, (len(slots),), generator=gen), torch.tensor(positions)
+    before = [b.clone() for b in blocks]
+    idx = torch.tensor(slots)
+
+    def written():
+        out = []
+        for b in blocks:  # [L, 2, NB', BS, ...] -> the step's slots
+            flat = b.reshape(b.shape[0], 2, -1, *b.shape[4:])
+            out.append(flat[:, :, idx].clone())
+        return out
+    step._eager_builder.build(meta, pos)
+    with torch.inference_mode():
+        step.model(ids, pos, meta)
+    eager = written()
+    for b, v in zip(blocks, before):
+        b.copy_(v)
+    with torch.inference_mode():
+        step.step.forward(step.embed(ids), pos, meta.slot_mapping, meta.query_start_loc,
+                          meta.seq_lens, tables)
+    return eager, written()
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_quantized_cache_write_matches_eager(kv, tiny_d64):
+    """The C++ step stores what kv_quant.py stores: the same int8 values and scales, the
+    same E4M3 bytes, up to the float32 rounding of the K/V rows themselves (their
+    projections and norms sum in another order), which moves a value by one step at
+    most and rarely; the rows are the ones attention then read."""
+    eager, got = _one_step_both_ways(_tiny(tiny_d64, kv_cache_dtype=kv))
+    if kv == "int8":
+        (eq, es), (gq, gs) = eager, got
+        diff = (eq.int() - gq.int()).abs()
+        assert diff.max() <= 1 and (diff == 0).float().mean() > 0.99
+        torch.testing.assert_close(gs, es, rtol=1e-5, atol=0)
+        assert (es > 0).all()
+    else:
+        (e,), (g,) = eager, got
+        ef, gf = e.float(), g.float()
+        assert (ef == gf).float().mean() > 0.99
+        torch.testing.assert_close(gf, ef, rtol=0.07, atol=2 ** -9)  # one E4M3 step
+
+
+def test_quantized_cache_head_dim_off_the_kernel_runs_eagerly(caplog, monkeypatch):
+    """A quantized cache whose head dim the paged kernel cannot read (not a multiple of
+    8) keeps the eager path, and says so."""
+    monkeypatch.setitem(registry.PRESETS, "tiny-llama-d12",
+                        dict(registry.PRESETS["tiny-llama"], head_dim=12))
+    with caplog.at_level(logging.INFO, logger="kvflow"):
+        llm = _tiny("tiny-llama-d12", kv_cache_dtype="int8")
+    assert _runner(llm).graphs is None
+    assert "C++ CPU decode step off (int8 KV cache with head dim 12" in caplog.text
+    prompts = _prompts((9, 3))
+    assert _greedy(llm, prompts) == _greedy(
+        _tiny("tiny-llama-d12", kv_cache_dtype="int8", enforce_eager=True), prompts)
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_wrong_kv_scales_are_caught_by_the_self_check(kv, caplog, monkeypatch):
+    """A step reading the quantized cache with the wrong scales (int8: another layer's;
+    fp8: twice the real one) fails the warm-up comparison: the check covers the
+    quantized read, and the engine decodes eagerly."""
+    real = cpu_step.CppDecodeStep._set_kv_quant
+
+    def wrong(self, quants):
+        kind = real(self, quants)
+        scales = [q.scales if q.scales is not None else torch.empty(0) for q in quants]
+        k = [q.k_scale * (2 if kind == "fp8" else 1) for q in quants]
+        v = [q.v_scale * (2 if kind == "fp8" else 1) for q in quants]
+        self.step.set_kv_quant(kind, scales[1:] + scales[:1] if kind == "int8" else scales,
+                               k, v)
+        return kind
+    monkeypatch.setattr(cpu_step.CppDecodeStep, "_set_kv_quant", wrong)
+    with caplog.at_level(logging.INFO, logger="kvflow"):
+        llm = _tiny(kv_cache_dtype=kv)
+    assert _runner(llm).graphs is None
+    assert "disagrees with eager" in caplog.text
+
+
+def test_set_kv_quant_rejects_a_mismatched_cache():
+    """The C++ side checks what it is handed (a float32 cache is not int8; int8 scales
+    must have the cache's block layout)."""
+    llm = _tiny()
+    step = _runner(llm).graphs
+    n = step.num_layers
+    with pytest.raises(RuntimeError, match="cache is Float, not int8"):
+        step.step.set_kv_quant("int8", [torch.zeros(2, 64, 4, 2)] * n, [1.0] * n, [1.0] * n)
+    llm = _tiny(kv_cache_dtype="int8")
+    step = _runner(llm).graphs
+    with pytest.raises(RuntimeError, match="int8 KV scales of layer 0"):
+        step.step.set_kv_quant("int8", [torch.zeros(2, 64, 4, 3)] * n, [1.0] * n, [1.0] * n)
+    with pytest.raises(RuntimeError, match="KV cache kind int4"):
+        step.step.set_kv_quant("int4", [], [1.0] * n, [1.0] * n)
 
 
 @pytest.fixture(scope="module")

@@ -95,7 +95,8 @@ def _fp8_checkpoint(dense: dict, per_tensor: bool, kv_scales: dict | None = None
         else:
             q, s = quantize_fp8_rows(w)
             out[name], out[name + "_scale"] = q, s[:, None]  # [N, 1], as compressed-tensors
-        out[name.replace(".weight", ".input_scale")] = torch.tensor(0.05)  # static: unused
+        # A static activation scale (used where the config says activations are static).
+        out[name.replace(".weight", ".input_scale")] = torch.tensor(0.05)
     out.update(kv_scales or {})
     return out
 
@@ -182,3 +183,104 @@ def test_another_method_on_an_fp8_checkpoint_is_refused():
 
     with pytest.raises(ModelLoadError, match="already fp8-quantized"):
         resolve_quantization("int8", "hf", CT_CONFIG, "cpu", False)
+
+
+def _calibrated_input_scales(dense_path: str, ids: list[int]) -> dict[str, float]:
+    """Per-tensor static activation scales (max |input| / 448) of every decoder linear of
+    the dense model on ``ids``, by checkpoint name (q/k/v and gate/up share an input)."""
+    scorer = _scorer(dense_path, quantization="none")
+    amax: dict[str, float] = {}
+    hooks = []
+    for name, mod in scorer.model.named_modules():
+        if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
+            def hook(m, args, name=name):
+                amax[name] = max(amax.get(name, 0.0), float(args[0].abs().max()))
+            hooks.append(mod.register_forward_pre_hook(hook))
+    scorer.logprobs(ids)
+    for h in hooks:
+        h.remove()
+    split = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj",
+                                                                          "up_proj")}
+    out = {}
+    for name, a in amax.items():
+        parent, leaf = name.rsplit(".", 1)
+        for ckpt in split.get(leaf, (leaf,)):
+            out[f"{parent}.{ckpt}.input_scale"] = a / FP8_MAX
+    return out
+
+
+CT_STATIC = json.loads(json.dumps(CT_CONFIG))
+CT_STATIC["config_groups"]["group_0"]["input_activations"] = {
+    "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "compressed-tensors"])
+def test_static_input_scales_from_a_checkpoint(tmp_path, fmt):
+    """Static per-tensor activation scales (the fp8 layout's activation_scheme static,
+    compressed-tensors dynamic: false) are loaded and used: a merged layer keeps the
+    largest of its shards' scales, a layer's product is the reference with x quantized
+    by that scale, the logits differ from per-token quantization of the same weights and
+    stay close to the dense model's."""
+    dense = _dense_tensors(4)
+    dense_path = _save(tmp_path / "dense", dense, None)
+    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    scales = _calibrated_input_scales(dense_path, ids)
+    scales["model.layers.0.self_attn.k_proj.input_scale"] *= 1.5  # the merged max wins
+    tensors = _fp8_checkpoint(dense, per_tensor=fmt == "fp8")
+    tensors.update({k: torch.tensor(v) for k, v in scales.items()})
+    static_qc = {"quant_method": "fp8", "activation_scheme": "static"} if fmt == "fp8" \
+        else CT_STATIC
+    dynamic_qc = {"quant_method": "fp8", "activation_scheme": "dynamic"} if fmt == "fp8" \
+        else CT_CONFIG
+    static = _scorer(_save(tmp_path / "static", tensors, static_qc))
+    dynamic = _scorer(_save(tmp_path / "dynamic", tensors, dynamic_qc))
+    assert static.model.quant_config.static_input_scale
+    assert not dynamic.model.quant_config.static_input_scale
+    assert "static scales" in static.model.quant_config.describe()
+    qkv = static.model.model.layers[0].self_attn.qkv_proj
+    assert float(qkv.input_scale) == pytest.approx(
+        scales["model.layers.0.self_attn.k_proj.input_scale"])
+    assert not hasattr(dynamic.model.model.layers[0].self_attn.qkv_proj, "input_scale")
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(3))
+    s = qkv.input_scale
+    xq = (x / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    ref = fp8_mm_ref(xq, s.expand(5), qkv.weight, qkv.weight_scale, torch.float32)
+    torch.testing.assert_close(qkv(x), ref)
+    ref_lp = _scorer(dense_path, quantization="none").logprobs(ids)
+    got, per_token = static.logprobs(ids), dynamic.logprobs(ids)
+    assert not torch.allclose(got, per_token)
+    kl = float((ref_lp.exp() * (ref_lp - got)).sum(-1).mean())
+    assert 0 < kl < 2e-2, kl
+
+
+@pytest.mark.parametrize("qc,fix,match", [
+    ({"quant_method": "fp8", "activation_scheme": "static"},
+     ("model.layers.1.mlp.down_proj.input_scale", torch.ones(4)), "input_scale has shape"),
+    ({"quant_method": "fp8", "activation_scheme": "static"},
+     ("model.layers.0.self_attn.v_proj.input_scale", torch.tensor(0.0)),
+     "input_scale must be positive"),
+    ({"quant_method": "fp8", "activation_scheme": "static"},
+     ("model.layers.0.mlp.up_proj.input_scale", None), "lacks 1 weights"),
+    ({"quant_method": "fp8", "activation_scheme": "sometimes"}, None,
+     "activation_scheme 'sometimes'"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [16, 16]},
+     None, "static activation scales with block-wise"),
+])
+def test_bad_static_input_scales_are_refused(tmp_path, qc, fix, match):
+    tensors = _fp8_checkpoint(_dense_tensors(5), per_tensor=True)
+    if fix is not None:
+        if fix[1] is None:
+            del tensors[fix[0]]
+        else:
+            tensors[fix[0]] = fix[1]
+    with pytest.raises(ModelLoadError, match=match):
+        _scorer(_save(tmp_path / "bad", tensors, qc))
+
+
+def test_static_per_token_activations_are_refused():
+    from kvflow.layers.quantization import resolve_quantization
+
+    qc = json.loads(json.dumps(CT_STATIC))
+    qc["config_groups"]["group_0"]["input_activations"]["strategy"] = "token"
+    with pytest.raises(ModelLoadError, match="static activations"):
+        resolve_quantization("auto", "hf", qc, "cpu", False)

@@ -5,6 +5,9 @@
 // 64 almost none of them does arithmetic. Here one call from Python runs all layers:
 // RMSNorm, QKV projection, rotary, paged cache write, paged attention over the block
 // tables, o_proj, residual adds, post-norm, gate_up, SiLU-mul and down projection.
+// Float32, int8 and fp8 KV caches are written (quantized as kv_quant.py does) and read
+// by kernels/cpu/paged_attention.h, the eager decodes' kernel; bf16/fp16 caches by the
+// loop in attention() below.
 //
 // The weights are handed over once (DecodeStep's constructor); per step only the small
 // step tensors cross (hidden states after the embedding, positions, slots, query start
@@ -29,12 +32,19 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
+
+// The paged attention kernel the torch backend's decodes also run (float32, int8 and
+// fp8 caches read in place): one copy of that code, compiled into both libraries.
+#include "../kernels/cpu/paged_attention.h"
 
 namespace py = pybind11;
 
@@ -67,7 +77,47 @@ struct Layer {
   at::Tensor in_norm, post_norm;  // [E]
   Linear qkv, o, gate_up, down;
   at::Tensor cache;  // [2, NB, BS, KVH, D]
+  // A quantized cache (set_kv_quant): int8's scales [2, NB, BS, KVH] float32, fp8's
+  // per-tensor K and V scales.
+  at::Tensor kv_scales;
+  float k_scale = 1.f, v_scale = 1.f;
 };
+
+// How the cache of every layer is stored: the model dtype, or quantized (kv_quant.py).
+enum class KVKind { kModel = 0, kInt8 = 1, kFp8 = 2 };
+
+// One token's K (or V) heads [KVH, D] of the model dtype -> int8 [KVH, D] and one scale
+// per head, as kv_quant.quantize_int8: s = max|x| / 127, q = round-half-away(x / s)
+// clamped to 127 (an all-zero head keeps s = 0 and stores zeros).
+template <typename T>
+void quantize_int8_row(const T* x, int8_t* q, float* s, int64_t kvh, int64_t d) {
+  for (int64_t hh = 0; hh < kvh; ++hh) {
+    const T* xh = x + hh * d;
+    float amax = 0.f;
+    for (int64_t j = 0; j < d; ++j)
+      amax = std::max(amax, std::fabs(static_cast<float>(xh[j])));
+    const float scale = amax / 127.f;
+    const float div = scale > 0.f ? scale : 1.f;
+    for (int64_t j = 0; j < d; ++j) {
+      const float y = static_cast<float>(xh[j]) / div;
+      const float r = std::min(std::floor(std::fabs(y) + 0.5f), 127.f);
+      q[hh * d + j] = static_cast<int8_t>(std::copysign(r, y));
+    }
+    s[hh] = scale;
+  }
+}
+
+// n values of the model dtype -> float8_e4m3fn bytes of x * inv_scale saturated to
+// +-448 (kv_quant.quantize_fp8: times the reciprocal, then torch's round-to-nearest-even
+// conversion; a plain cast would overflow to NaN).
+template <typename T>
+void quantize_fp8_row(const T* x, uint8_t* q, float inv_scale, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    float v = static_cast<float>(x[j]) * inv_scale;
+    v = v < -448.f ? -448.f : v > 448.f ? 448.f : v;  // NaN stays NaN, as clamp_
+    q[j] = c10::Float8_e4m3fn(v).x;
+  }
+}
 
 // Dot product of two float rows with 8 independent partial sums (vectorizes without
 // -ffast-math; the order is fixed, so results are deterministic).
@@ -292,6 +342,43 @@ class DecodeStep {
     return c;
   }
 
+  // A quantized KV cache for every layer: kind "int8" (scales: each layer's
+  // [2, NB, BS, KVH] float32) or "fp8" (k_scales / v_scales: each layer's per-tensor
+  // scales); the caches handed to the constructor then hold int8 / float8_e4m3fn.
+  void set_kv_quant(const std::string& kind, std::vector<at::Tensor> scales,
+                    std::vector<double> k_scales, std::vector<double> v_scales) {
+    const size_t nl = layers_.size();
+    TORCH_CHECK(kind == "int8" || kind == "fp8", "DecodeStep: KV cache kind ", kind);
+    TORCH_CHECK(d_ % 8 == 0, "DecodeStep: a quantized KV cache needs a head dim "
+                "that is a multiple of 8");
+    kv_kind_ = kind == "int8" ? KVKind::kInt8 : KVKind::kFp8;
+    const auto want = kv_kind_ == KVKind::kInt8 ? at::kChar : at::kFloat8_e4m3fn;
+    TORCH_CHECK(k_scales.size() == nl && v_scales.size() == nl &&
+                    (kv_kind_ == KVKind::kFp8 || scales.size() == nl),
+                "DecodeStep.set_kv_quant: one scale entry per layer");
+    for (size_t i = 0; i < nl; ++i) {
+      Layer& L = layers_[i];
+      TORCH_CHECK(L.cache.scalar_type() == want, "DecodeStep: layer ", i, " cache is ",
+                  L.cache.scalar_type(), ", not ", kind);
+      L.k_scale = static_cast<float>(k_scales[i]);
+      L.v_scale = static_cast<float>(v_scales[i]);
+      TORCH_CHECK(L.k_scale > 0.f && L.v_scale > 0.f, "DecodeStep: KV scales must be > 0");
+      if (kv_kind_ == KVKind::kInt8) {
+        const at::Tensor& sc = scales[i];
+        TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.dim() == 4 &&
+                        sc.size(0) == 2 && sc.size(1) == L.cache.size(1) &&
+                        sc.size(2) == L.cache.size(2) && sc.size(3) == kvh_,
+                    "DecodeStep: int8 KV scales of layer ", i, " must be float32 "
+                    "[2, NB, BS, KVH] like its cache");
+        L.kv_scales = sc;
+      }
+    }
+  }
+
+  std::string kv_cache_kind() const {
+    return kv_kind_ == KVKind::kInt8 ? "int8" : kv_kind_ == KVKind::kFp8 ? "fp8" : "model";
+  }
+
  private:
   template <typename T>
   at::Tensor run(const at::Tensor& hidden_in, const int64_t* pos, const int64_t* slots,
@@ -317,8 +404,11 @@ class DecodeStep {
       if (li > 0) add_into<T>(hidden.data_ptr<T>(), res, t * e);
       rms_norm_rows<T>(res, L.in_norm.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
       at::Tensor qkv = linear(normed, L.qkv, qkv_buf);  // [T, (H + 2 KVH) D]
-      attention<T>(qkv, L.cache, pos, slots, tok_req, tok_ctx, max_ctx, tables,
-                   attn_buf);  // [T, H D]
+      if (paged_kernel_reads(L.cache))
+        attention_paged<T>(L, qkv, pos, slots, tok_req, tok_ctx, tables, attn_buf);
+      else
+        attention<T>(qkv, L.cache, pos, slots, tok_req, tok_ctx, max_ctx, tables,
+                     attn_buf);  // [T, H D]
       hidden = linear(attn_buf, L.o, o_buf);  // [T, E]
       add_into<T>(hidden.data_ptr<T>(), res, t * e);
       rms_norm_rows<T>(res, L.post_norm.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
@@ -443,6 +533,105 @@ class DecodeStep {
     });
   }
 
+  // Whether the shared paged kernel reads this cache: float32, int8 and fp8 ones with a
+  // head dim that is a multiple of 8 (bf16/fp16 caches take attention() above).
+  bool paged_kernel_reads(const at::Tensor& cache) const {
+    const auto dt = cache.scalar_type();
+    return d_ % 8 == 0 && (dt == at::kFloat || dt == at::kChar || dt == at::kFloat8_e4m3fn);
+  }
+
+  // attention() for a float32 / int8 / fp8 cache: rotary on q and k, the cache write
+  // (quantizing as kv_quant.py does, so a cache written here holds the bytes the eager
+  // write stores), then every token through paged_attention.h's kernel, one item per
+  // token: its request's table row and its causal context length.
+  template <typename T>
+  void attention_paged(Layer& L, at::Tensor& qkv, const int64_t* pos, const int64_t* slots,
+                       const std::vector<int32_t>& tok_req,
+                       const std::vector<int32_t>& tok_ctx, const at::Tensor& tables,
+                       at::Tensor& out) {
+    const int64_t t = qkv.size(0), width = qkv.size(1), d = d_, h = h_, kvh = kvh_;
+    TORCH_CHECK(width == (h + 2 * kvh) * d, "DecodeStep: qkv width");
+    TORCH_CHECK(d <= 512, "DecodeStep: head_dim above 512");
+    at::Tensor& cache = L.cache;
+    const int64_t nb = cache.size(1), bs = cache.size(2), row = kvh * d;
+    const int64_t max_slot = nb * bs;
+    const KVKind kind = cache.scalar_type() == at::kChar ? KVKind::kInt8
+                        : cache.scalar_type() == at::kFloat8_e4m3fn ? KVKind::kFp8
+                                                                     : KVKind::kModel;
+    T* q_all = qkv.data_ptr<T>();
+    const float* cs = cos_sin_.data_ptr<float>();
+    uint8_t* raw = static_cast<uint8_t*>(cache.data_ptr());  // K at 0, V half-way
+    const int64_t half_bytes = max_slot * row * static_cast<int64_t>(cache.element_size());
+    float* sc = kind == KVKind::kInt8 ? L.kv_scales.data_ptr<float>() : nullptr;
+    // As the eager write: times the reciprocal of the per-tensor scale, in float32.
+    const float k_inv = static_cast<float>(1.0 / static_cast<double>(L.k_scale));
+    const float v_inv = static_cast<float>(1.0 / static_cast<double>(L.v_scale));
+    for (int64_t i = 0; i < t; ++i) {
+      T* tok = q_all + i * width;
+      const float* csr = cs + pos[i] * d;
+      for (int64_t hh = 0; hh < h + kvh; ++hh) rotate<T>(tok + hh * d, csr);
+      const int64_t slot = slots[i];
+      if (slot < 0) continue;
+      TORCH_CHECK(slot < max_slot, "DecodeStep: slot past the cache");
+      const T* k = tok + h * d;
+      const T* v = tok + (h + kvh) * d;
+      if (kind == KVKind::kInt8) {
+        int8_t* kq = reinterpret_cast<int8_t*>(raw) + slot * row;
+        quantize_int8_row<T>(k, kq, sc + slot * kvh, kvh, d);
+        quantize_int8_row<T>(v, kq + max_slot * row, sc + (max_slot + slot) * kvh, kvh, d);
+      } else if (kind == KVKind::kFp8) {
+        quantize_fp8_row<T>(k, raw + slot * row, k_inv, row);
+        quantize_fp8_row<T>(v, raw + half_bytes + slot * row, v_inv, row);
+      } else {  // a float32 cache of a float32 model
+        float* kc = reinterpret_cast<float*>(raw);
+        for (int64_t j = 0; j < row; ++j) kc[slot * row + j] = static_cast<float>(k[j]);
+        for (int64_t j = 0; j < row; ++j)
+          kc[(max_slot + slot) * row + j] = static_cast<float>(v[j]);
+      }
+    }
+    // The kernel takes float32 queries and writes float32 outputs: a float32 model's
+    // rows are used in place (q rows `width` apart), others go through a float copy.
+    const float* qf;
+    float* of;
+    int64_t q_stride;
+    at::Tensor qbuf, obuf;
+    if constexpr (std::is_same_v<T, float>) {
+      qf = q_all;
+      q_stride = width;
+      of = out.data_ptr<float>();
+    } else {
+      qbuf = at::empty({t, h * d}, qkv.options().dtype(at::kFloat));
+      obuf = at::empty({t, h * d}, qkv.options().dtype(at::kFloat));
+      float* qb = qbuf.data_ptr<float>();
+      for (int64_t i = 0; i < t; ++i)
+        for (int64_t j = 0; j < h * d; ++j)
+          qb[i * h * d + j] = static_cast<float>(q_all[i * width + j]);
+      qf = qb;
+      q_stride = h * d;
+      of = obuf.data_ptr<float>();
+    }
+    const int32_t* tab = tables.data_ptr<int32_t>();
+    const int64_t tw = tables.size(1);
+    const float scale = static_cast<float>(scale_);
+    const int threads = at::get_num_threads();
+    using kvflow::paged::dispatch;
+    if (kind == KVKind::kInt8)
+      dispatch(d, of, qf, q_stride, reinterpret_cast<const int8_t*>(raw), sc, tab,
+               tok_req.data(), tok_ctx.data(), t, h, kvh, nb, bs, tw, scale, 1.f, 1.f, threads);
+    else if (kind == KVKind::kFp8)
+      dispatch(d, of, qf, q_stride, static_cast<const uint8_t*>(raw), nullptr, tab,
+               tok_req.data(), tok_ctx.data(), t, h, kvh, nb, bs, tw, scale, L.k_scale,
+               L.v_scale, threads);
+    else
+      dispatch(d, of, qf, q_stride, reinterpret_cast<const float*>(raw), nullptr, tab,
+               tok_req.data(), tok_ctx.data(), t, h, kvh, nb, bs, tw, scale, 1.f, 1.f, threads);
+    if constexpr (!std::is_same_v<T, float>) {
+      T* op = out.data_ptr<T>();
+      for (int64_t j = 0; j < t * h * d; ++j) op[j] = round_to<T>(of[j]);
+    }
+  }
+
+  KVKind kv_kind_ = KVKind::kModel;
   std::vector<Layer> layers_;
   at::Tensor final_norm_, cos_sin_;
   int64_t h_, kvh_, d_;
@@ -459,6 +648,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     at::Tensor, at::Tensor, int64_t, int64_t, int64_t,
                     double, double>())
       .def("forward", &DecodeStep::forward)
+      .def("set_kv_quant", &DecodeStep::set_kv_quant)
+      .def_property_readonly("kv_cache_kind", &DecodeStep::kv_cache_kind)
       .def_property_readonly("num_int4", &DecodeStep::num_int4)
       .def_property_readonly("num_layers", &DecodeStep::num_layers);
   m.def("int4_gemv", [](const at::Tensor& x, const at::Tensor& q, const at::Tensor& sb,

@@ -11,8 +11,10 @@ It is built once with ``torch.utils.cpp_extension`` into torch's extension cache
 there at later starts. The weights are handed to the C++ object once, at warm-up; per
 step only the step tensors cross. A linear layer kept quantized by its method (GGUF,
 int8, int4 ...) is called back in Python with its activations, so every model of the
-Llama family on one rank can use the step; layers with q/k norms (Qwen3), quantized KV
-caches, tensor/pipeline parallelism and Medusa candidate-tree steps keep the eager path.
+Llama family on one rank can use the step. Float32, int8 and fp8 KV caches are written
+(quantized exactly as ``kv_quant.py`` does) and read by the paged attention kernel the
+eager decodes run (``kernels/cpu/paged_attention.h``); layers with q/k norms (Qwen3),
+tensor/pipeline parallelism and Medusa candidate-tree steps keep the eager path.
 
 Which steps: up to ``MAX_TOKENS`` scheduled tokens with no query longer than
 ``MAX_QUERY`` (decodes, and prefill chunks short enough that attention per token, done
@@ -41,6 +43,8 @@ logger = init_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_step.cpp")
 SOURCES = [SOURCE, Path(__file__).with_name("cpu_int4.cpp")]  # + the 4-bit GEMV
+# Included by cpu_step.cpp: the paged attention kernel the eager decodes run too.
+HEADERS = [Path(__file__).parent.parent / "kernels" / "cpu" / "paged_attention.h"]
 EXTENSION = "kvflow_cpu_step"
 # -ffp-contract=off: no fused multiply-adds, so element-wise math rounds like eager ops.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
@@ -108,7 +112,7 @@ def build_root() -> Path:
 
     from torch.utils import cpp_extension
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES))
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS))
     key.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
     try:
         with open("/proc/cpuinfo") as f:
@@ -123,9 +127,10 @@ def why_unsupported(runner) -> str | None:
     cfg = runner.config
     if runner.parallel.world.world_size > 1:
         return f"{runner.parallel.world.world_size} ranks"
-    if runner.kv_scales is not None or any(
-            m.kv_quant is not None for m in runner.model.modules() if isinstance(m, Attention)):
-        return "quantized KV cache"
+    quants = {m.kv_quant.kind for m in runner.model.modules()
+              if isinstance(m, Attention) and m.kv_quant is not None}
+    if len(quants) > 1:
+        return "KV caches quantized in different ways"
     inner = getattr(runner.model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "norm") or not hasattr(inner, "embed_tokens"):
@@ -139,6 +144,12 @@ def why_unsupported(runner) -> str | None:
             return "not a Llama-family decoder layer"
         if hasattr(layer.self_attn, "q_norm"):
             return "q/k norms"
+    if quants:  # int8 / fp8: written and read by the shared paged kernel
+        head_dim = runner.kv_caches.shape[-1]  # [L, 2, NB, BS, KVH, D]
+        if head_dim % 8:
+            return f"{quants.pop()} KV cache with head dim {head_dim} (the kernel needs " \
+                "a multiple of 8)"
+        return None
     if runner.kv_caches.dtype != torch.float32 and runner.kv_caches.dtype not in (
             torch.bfloat16, torch.float16):
         return f"KV cache dtype {runner.kv_caches.dtype}"
@@ -189,6 +200,7 @@ class CppDecodeStep:
         inner = model.model
         cfg = model.config
         norms, dense, fns, int4, int4_meta, caches = [], [], [], [], [], []
+        self._int4_linears: list[nn.Module] = []
         for layer in inner.layers:
             attn = layer.self_attn
             norms += [layer.input_layernorm.weight.detach(),
@@ -199,6 +211,8 @@ class CppDecodeStep:
                 dense += wb
                 fns.append(fn)
                 int4 += q
+                if q[0].numel():  # C++ runs this one's 4-bit GEMV for up to 4 rows
+                    self._int4_linears.append(lin)
                 int4_meta += meta
             caches.append(attn.attn.kv_cache)
         first = inner.layers[0].self_attn
@@ -211,6 +225,9 @@ class CppDecodeStep:
             norms, dense, fns, int4, int4_meta, caches, inner.norm.weight.detach(),
             runner.attn_spec.rotary.cos_sin_cache, first.num_heads, first.num_kv_heads,
             first.head_dim, eps, first.attn.scale)
+        self.kv_scales = runner.kv_scales  # int8: [L, 2, NB, BS, KVH]
+        self.kv_kind = self._set_kv_quant([layer.self_attn.attn.kv_quant
+                                           for layer in inner.layers])
         self.step_builder = runner.step_builder
         builder = runner.step_builder.attn_builder
         self._eager_builder = builder.inner if isinstance(builder, CppMetadataBuilder) \
@@ -219,6 +236,18 @@ class CppDecodeStep:
         self.hidden_size = cfg.hidden_size
         self.num_int4 = self.step.num_int4
         self.module = module
+
+    def _set_kv_quant(self, quants: list) -> str | None:
+        """Hand a quantized cache's scales to C++ (int8: each layer's scale tensor, fp8:
+        its per-tensor k/v scales); the cache kind, None for the model dtype."""
+        if all(q is None for q in quants):
+            return None
+        kind = quants[0].kind
+        empty = torch.empty(0)
+        self.step.set_kv_quant(kind, [q.scales if q.scales is not None else empty
+                                      for q in quants],
+                               [q.k_scale for q in quants], [q.v_scale for q in quants])
+        return kind
 
     def detach(self) -> None:
         """Back to the eager path (a failed self-check)."""
@@ -256,18 +285,65 @@ class CppDecodeStep:
         write (0 to 3) are restored. A cache of fewer blocks skips it (0.0)."""
         if kv_caches.shape[2] < 4:
             return 0.0
-        saved = kv_caches[:, :, :4].clone()
+        blocks = self._check_blocks(kv_caches)
+        saved = [b.clone() for b in blocks]
         gen = torch.Generator().manual_seed(0)
         try:
             # Fill the context both ways read with something that is not zero.
-            kv_caches[:, :, :4].normal_(generator=gen)
+            for b in blocks:
+                if b.dtype == torch.int8:  # stored int8 values; their scales are float32
+                    b.random_(-127, 128, generator=gen)
+                elif b is not blocks[0]:  # int8 scales: values up to ~2.5 as dequantized
+                    b.uniform_(0.005, 0.02, generator=gen)
+                elif b.dtype.is_floating_point and b.dtype.itemsize > 1:  # float caches
+                    b.normal_(generator=gen)
+                else:  # fp8 (normal_ lacks float8): rounded to E4M3 by copy_
+                    b.copy_(torch.randn(b.shape, generator=gen))
             mixed = self._check_one(kv_caches, block_size, [block_size + 3, 5, 7], [1, 1, 3],
                                     [[0, 1], [2, 0], [3, 0]], gen)
-            decodes = self._check_one(kv_caches, block_size, [block_size + 3, 5], [1, 1],
-                                      [[0, 1], [2, 0]], gen)
-            return max(mixed, decodes)
+            # Through a quantized cache the 4-bit GEMV's float32 sums and the eager int4
+            # GEMM's bf16-rounded inputs part much further than through a float one
+            # (0.26-0.39 against 0.03 on SmolLM2: a K/V value one rounding step apart
+            # is one quantization step apart, compounded over 30 layers). So there the
+            # eager reference runs the same GEMV, and the GEMV is compared with the
+            # int4 GEMM on its own.
+            same_gemv = self.kv_kind is not None and bool(self._int4_linears)
+            try:
+                self._eager_gemv(same_gemv)
+                decodes = self._check_one(kv_caches, block_size, [block_size + 3, 5], [1, 1],
+                                          [[0, 1], [2, 0]], gen)
+            finally:
+                self._eager_gemv(False)
+            return max(mixed, decodes, self._check_gemv(gen) if same_gemv else 0.0)
         finally:
-            kv_caches[:, :, :4].copy_(saved)
+            for b, v in zip(blocks, saved):
+                b.copy_(v)
+
+    def _eager_gemv(self, on: bool) -> None:
+        """Whether the decoder layers' 4-bit linears run the step's GEMV in eager calls
+        of up to 4 rows too (only inside the self-check)."""
+        for lin in self._int4_linears:
+            lin.quant_method.run_gemv = self.module.int4_gemv if on else None
+
+    def _check_gemv(self, gen: torch.Generator) -> float:
+        """The first 4-bit linear through the step's GEMV against its int4 GEMM (inputs
+        rounded to bf16: relative differences of ~1e-2), two random rows."""
+        lin = self._int4_linears[0]
+        m = lin.quant_method
+        x = torch.randn(2, lin.input_size, generator=gen)
+        want = m.apply(lin, x).float()
+        got = self.module.int4_gemv(x, *m.gemv, m.group, m.doubled)
+        if lin.bias is not None:
+            got = got + lin.bias.float()
+        return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+
+    def _check_blocks(self, kv_caches: torch.Tensor) -> list[torch.Tensor]:
+        """What the self-check writes: blocks 0 to 3 of every layer's cache, and of an
+        int8 cache's scales."""
+        blocks = [kv_caches[:, :, :4]]
+        if self.kv_kind == "int8":
+            blocks.append(self.kv_scales[:, :, :4])
+        return blocks
 
     def _check_one(self, kv_caches: torch.Tensor, block_size: int, lens: list[int],
                    qlens: list[int], table: list[list[int]], gen: torch.Generator) -> float:
@@ -291,12 +367,15 @@ class CppDecodeStep:
             query_start_loc_cpu=qsl, seq_lens_cpu=lens)
         pos = torch.tensor(positions)
         self._eager_builder.build(meta, pos)
-        before = kv_caches[:, :, :4].clone()
+        blocks = self._check_blocks(kv_caches)
+        before = [b.clone() for b in blocks]
         want = self.model(ids, pos, meta).float()
-        kv_caches[:, :, :4].copy_(before)
+        for b, v in zip(blocks, before):
+            b.copy_(v)
         got = self.step.forward(self.embed(ids), pos, meta.slot_mapping,
                                 meta.query_start_loc, meta.seq_lens, tables).float()
-        kv_caches[:, :, :4].copy_(before)
+        for b, v in zip(blocks, before):
+            b.copy_(v)
         return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
 
     def embed_vocab(self) -> int:
@@ -349,7 +428,8 @@ def cpu_decode_step(runner):
     # The 4-bit GEMV sums float32 inputs where the eager reference rounds them to bf16:
     # on the self-check's random tokens over 30 layers of SmolLM2 the two part by 0.11
     # (the GEMV being the exact one: its greedy tokens match the dense float32 model's).
-    tolerance = 1e-2 if exact else 2.5e-1 if step.num_int4 else 1e-1
+    # (With a quantized cache the eager reference runs the same GEMV: see self_check.)
+    tolerance = 1e-2 if exact else 2.5e-1 if step.num_int4 and not step.kv_kind else 1e-1
     if not error <= tolerance:
         step.detach()
         logger.warning("the C++ CPU decode step disagrees with eager (relative error %.2g "
@@ -357,8 +437,9 @@ def cpu_decode_step(runner):
         return None
     head = step.head_gemv(step.module.int4_gemv)
     logger.info("C++ CPU decode step: %d decoder layers in one call (%d quantized linears "
-                "called back, %d of them by its own 4-bit GEMV up to 4 rows%s), steps of "
-                "up to %d tokens; built/loaded in %.1f s (%s), self-check relative error "
-                "%.1e", step.num_layers, step.num_callbacks, step.num_int4,
-                ", the lm_head too" if head else "", MAX_TOKENS, seconds, build_root(), error)
+                "called back, %d of them by its own 4-bit GEMV up to 4 rows%s; %s KV cache), "
+                "steps of up to %d tokens; built/loaded in %.1f s (%s), self-check relative "
+                "error %.1e", step.num_layers, step.num_callbacks, step.num_int4,
+                ", the lm_head too" if head else "", step.kv_kind or "model-dtype",
+                MAX_TOKENS, seconds, build_root(), error)
     return step

@@ -65,7 +65,7 @@ def test_matches_reference_over_quantized_values(kind, h, kvh, d, bs):
 
 @needs_kernel
 def test_long_context_and_large_scores_stay_stable():
-    """Scores far from 0 (the online softmax rescales across hundreds of blocks)."""
+    """Scores far from 0 over hundreds of blocks (the softmax subtracts the row's max)."""
     g = torch.Generator().manual_seed(1)
     h, kvh, d, bs, nb = 6, 2, 64, 16, 160
     cache, quant = _cache("int8", nb, bs, kvh, d, g)
@@ -76,6 +76,28 @@ def test_long_context_and_large_scores_stay_stable():
     ref = paged_attention_ref(q, dequantize_cache(cache, quant, torch.float32), tables,
                               [0, 1, 2], lens.tolist(), d ** -0.5)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [64, 24])  # the fixed-width path and the run-time one
+def test_every_fp8_value_is_read_exactly(d):
+    """Each finite E4M3 byte (subnormals, zeros of both signs, +-448) read back as V of a
+    one-token context: the output is exactly that value times v_scale (the widening
+    folds a power of two into the scale, which must not change a bit)."""
+    values = torch.arange(256, dtype=torch.uint8)
+    values = values[(values & 0x7F) != 0x7F]  # not NaN
+    n_items = -(-values.numel() // d)
+    v = torch.zeros(n_items * d, dtype=torch.uint8)
+    v[: values.numel()] = values
+    cache = torch.zeros(2, n_items, 1, 1, d, dtype=torch.uint8)
+    cache[1, :, 0, 0] = v.view(n_items, d)
+    cache = cache.view(torch.float8_e4m3fn)
+    tables = torch.arange(n_items, dtype=torch.int32).view(n_items, 1)
+    lens = torch.ones(n_items, dtype=torch.int32)
+    q = torch.randn(n_items, 1, d)
+    out = pa.paged_decode(q, cache, tables, lens, 1.0, None, 0.5, 0.375)
+    want = cache[1, :, 0, 0].float() * 0.375  # [items, D]
+    assert torch.equal(out[:, 0], want)
 
 
 @needs_kernel

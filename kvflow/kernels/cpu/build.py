@@ -1,7 +1,8 @@
 """Build and load kvflow's C++ CPU kernels, once per machine.
 
 A kernel is one ``.cpp`` file in this folder with a plain C ABI (no torch headers, so it
-builds in about a second) called through ctypes. It is compiled with the system C++
+builds in about a second) called through ctypes; code it shares with the C++ decode step
+lives in a ``.h`` beside it. It is compiled with the system C++
 compiler (``$CXX``, else ``c++``/``g++``) into torch's extension cache folder
 (``torch.utils.cpp_extension.get_default_build_root()``, i.e. ``$TORCH_EXTENSIONS_DIR``
 or ``~/.cache/torch_extensions``); the file name carries a hash of the source, the flags
@@ -37,9 +38,11 @@ logger = init_logger(__name__)
 HERE = Path(__file__).resolve().parent
 # -march=native: the library is built on the machine that runs it (the hash below keys
 # it by CPU). No -ffast-math: the kernels rely on IEEE infinities; `omp simd` pragmas
-# mark the only reductions whose order may change.
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
-         "-std=c++17", "-shared", "-fPIC"]
+# mark the only reductions whose order may change. -ffp-contract=off, as the C++ decode
+# step is built: the fused multiply-adds are the explicit ones (fma8/fmadd), so the
+# shared paged attention kernel rounds alike in both libraries.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno",
+         "-fno-trapping-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -101,7 +104,8 @@ def _load(name: str) -> ctypes.CDLL | None:
                     "set CXX); using the torch path", name)
         return None
     source = HERE / f"{name}.cpp"
-    text = source.read_bytes()
+    # The headers beside it count too (paged_attention.h holds that kernel's code).
+    text = b"\0".join(p.read_bytes() for p in [source, *sorted(HERE.glob("*.h"))])
     key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), cxx.encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     root = build_root()

@@ -1,294 +1,11 @@
-// Paged decode attention on CPU that reads the KV cache where it lies: int8 (one float
-// scale per token and KV head), fp8 E4M3 (one scale per layer for K and one for V) or
-// float32, straight from the cache blocks through the block table, with no gathered or
-// dequantized copy of the context (the torch path materializes one per layer and step;
-// at CPU-B that copy was ~0.9 GB per step in fp32).
+// Paged decode attention on CPU, reading float32 / int8 / fp8 E4M3 KV blocks in place:
+// the plain C entry the torch backend calls through ctypes (paged_attention.py). The
+// kernel itself is in paged_attention.h (shared with the C++ decode step).
 //
-// One new token per sequence. Work items are (sequence, KV head): the query heads that
-// share a KV head (GQA group, G of them) are done together, so each key and value row is
-// loaded and widened once for all G queries. Per cache block: scores of its tokens
-// (q . k over the stored integers, times the token's scale after the dot), an online
-// softmax step (running max, rescaled sum and accumulator), then V accumulated with
-// each probability times the value row's scale. Float32 math throughout.
-//
-// Plain C ABI (called through ctypes with raw pointers): no torch headers, so the
-// translation unit builds in about a second. Loops are written for the auto-vectorizer
-// (-O3; `omp simd` marks the reductions it may reorder).
+// Plain C ABI with raw pointers: no torch headers, so the library builds in about a
+// second.
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
-
-#include <omp.h>
-
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
-
-namespace {
-
-// Eight floats: one AVX register, or two SSE ones (GCC vector extensions keep the source
-// free of ISA-specific intrinsics; -march=native picks the instructions).
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef int8_t v8b __attribute__((vector_size(8)));
-typedef uint8_t v8u __attribute__((vector_size(8)));
-
-inline v8f load8(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
-
-#ifdef __AVX2__
-// GCC lowers a byte-vector conversion to lane-by-lane inserts: use the widening loads.
-inline float hsum(v8f v) {
-  const __m256 x = reinterpret_cast<__m256>(v);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline v8i load8i(const int8_t* p) {
-  return reinterpret_cast<v8i>(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-inline v8i load8i(const uint8_t* p) {
-  return reinterpret_cast<v8i>(
-      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-#else
-inline float hsum(v8f v) {
-  float s = 0.0f;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
-}
-
-inline v8i load8i(const int8_t* p) {
-  v8b b;
-  std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, v8i);
-}
-
-inline v8i load8i(const uint8_t* p) {
-  v8u b;
-  std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, v8i);
-}
-#endif
-
-// Widen 8 stored values to float (without their scale).
-inline v8f widen8(const float* p) { return load8(p); }
-
-inline v8f widen8(const int8_t* p) { return __builtin_convertvector(load8i(p), v8f); }
-
-// E4M3 (float8_e4m3fn) bytes -> floats, exactly: sign, 4 exponent bits (bias 7), 3
-// mantissa bits; exponent 0 is subnormal (m * 2^-9). 0x7f/0xff (NaN) never occur:
-// cache writes saturate.
-inline v8f widen8(const uint8_t* p) {
-  const v8i x = load8i(p);
-  const v8i e = (x >> 3) & 15, m = x & 7;
-  const v8i zero = {};
-  const v8i mant = e != zero ? (m | 8) : m;
-  const v8i ee = e != zero ? e : zero + 1;
-  const v8f pow2 = reinterpret_cast<v8f>((ee + 117) << 23);  // 2^(ee - 10)
-  const v8i v = reinterpret_cast<v8i>(__builtin_convertvector(mant, v8f) * pow2);
-  return reinterpret_cast<v8f>(v | ((x & 0x80) << 24));
-}
-
-inline float bits_to_float(uint32_t u) { return __builtin_bit_cast(float, u); }
-
-// exp(x) for x <= 0, in place: 2^(x log2 e) split into 2^n * 2^f with |f| <= 1/2 and a
-// degree-6 polynomial for 2^f (relative error ~1e-7); vectorizes, unlike calls to expf.
-inline void exp_inplace(float* x, int n) {
-#pragma omp simd
-  for (int i = 0; i < n; ++i) {
-    float t = std::max(x[i], -87.0f) * 1.4426950408889634f;
-    float fi = std::floor(t + 0.5f);
-    float f = (t - fi) * 0.6931471805599453f;  // f ln 2, |.| <= 0.347
-    float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (
-        1.0f / 120 + f * (1.0f / 720))))));
-    x[i] = p * bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23);
-  }
-}
-
-// One cache block's rows of one KV head as floats: float caches are read in place
-// (rows ``tok`` floats apart), others widened into ``buf`` (rows D apart).
-inline const float* rows(const float* p, int64_t, int64_t, int64_t tok, float*,
-                         int64_t& stride) {
-  stride = tok;
-  return p;
-}
-
-template <typename KV>
-inline const float* rows(const KV* p, int64_t n, int64_t d, int64_t tok, float* buf,
-                         int64_t& stride) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t c = 0; c < d; c += 8) store8(buf + t * d + c, widen8(p + t * tok + c));
-  stride = d;
-  return buf;
-}
-
-// Ask for a region's cache lines ahead of use (the next block: its address comes from
-// the block table, which the hardware prefetcher cannot follow).
-inline void prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
-}
-
-// DC: D / 8 when it is a compile-time constant (the accumulators of one query head then
-// stay in registers), 0 for a head dim known only at run time.
-template <int DC, typename KV>
-void decode(float* out, const float* q, const KV* cache, const float* scales,
-            const int32_t* tables, const int32_t* lens, int64_t b_count, int64_t h,
-            int64_t kvh, int64_t d, int64_t nb, int64_t bs, int64_t w, float sm_scale,
-            float k_scale, float v_scale, int threads) {
-  const int64_t g_count = h / kvh;
-  const int64_t dc = DC ? DC : d / 8;
-  const int64_t tok = kvh * d;  // stride between tokens of one block
-  const int64_t half = nb * bs * tok;  // K is cache[0], V is cache[1]
-  const int64_t shalf = nb * bs * kvh;  // the same for the scales
-  // Work items: a sequence with a range of its KV heads. Whole sequences when there
-  // are enough of them (a block's K, then V, is then one contiguous run of memory);
-  // split by KV head when there are few sequences, so every thread has work.
-  const int64_t split = b_count >= 4 * threads ? 1 : kvh;
-  const int64_t heads_per = kvh / split;
-#pragma omp parallel num_threads(threads)
-  {
-    // Per thread: one block's widened K and V rows of one KV head [BS, D], the block's
-    // scores for each query head [G, BS], softmax state and accumulators [H, D].
-    std::vector<float> kbuf(bs * d), vbuf(bs * d), s(g_count * bs), acc(h * d);
-    std::vector<float> m(h), l(h), kscale(bs), vscale(bs);
-    // Dynamic: contexts differ in length, so equal shares of work items are not
-    // equal work.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < b_count * split; ++task) {
-      const int64_t b = task / split;
-      const int64_t h0 = (task % split) * heads_per, h1 = h0 + heads_per;
-      const int64_t len = lens[b];
-      const int32_t* table = tables + b * w;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(m.begin(), m.end(), -INFINITY);
-      std::fill(l.begin(), l.end(), 0.0f);
-      for (int64_t j = 0; j * bs < len; ++j) {
-        const int64_t blk = table[j];
-        const int64_t n = std::min(bs, len - j * bs);
-        if ((j + 1) * bs < len) {
-          const int64_t next = table[j + 1] * bs * tok + h0 * d;
-          const int64_t bytes = ((bs - 1) * tok + (h1 - h0) * d) * sizeof(KV);
-          prefetch(cache + next, bytes);
-          prefetch(cache + half + next, bytes);
-        }
-        for (int64_t hk = h0; hk < h1; ++hk) {
-          const KV* kp = cache + blk * bs * tok + hk * d;
-          const float* ksp = scales ? scales + blk * bs * kvh + hk : nullptr;
-          for (int64_t t = 0; t < n; ++t) {
-            kscale[t] = (ksp ? ksp[t * kvh] : k_scale) * sm_scale;
-            vscale[t] = ksp ? ksp[shalf + t * kvh] : v_scale;
-          }
-          const float* qh = q + (b * h + hk * g_count) * d;  // [G, D] of this KV head
-          // Scores: q . k over the stored values, the token's scale after the dot.
-          if (DC) {
-            // Each key row widened once, in registers, for all G query heads.
-            for (int64_t t = 0; t < n; ++t) {
-              v8f kv[DC ? DC : 1];
-              for (int c = 0; c < DC; ++c) kv[c] = widen8(kp + t * tok + 8 * c);
-              for (int64_t gi = 0; gi < g_count; ++gi) {
-                const float* qr = qh + gi * d;
-                v8f a0 = load8(qr) * kv[0], a1 = load8(qr + 8) * kv[1];  // two chains
-                for (int c = 2; c < DC; c += 2) {
-                  a0 += load8(qr + 8 * c) * kv[c];
-                  a1 += load8(qr + 8 * c + 8) * kv[c + 1];
-                }
-                s[gi * bs + t] = hsum(a0 + a1) * kscale[t];
-              }
-            }
-          } else {
-            int64_t ks;
-            const float* kr = rows(kp, n, d, tok, kbuf.data(), ks);
-            for (int64_t gi = 0; gi < g_count; ++gi) {
-              const float* qr = qh + gi * d;
-              for (int64_t t = 0; t < n; ++t) {
-                const float* k = kr + t * ks;
-                v8f a = load8(qr) * load8(k);
-                for (int64_t c = 1; c < dc; ++c) a += load8(qr + 8 * c) * load8(k + 8 * c);
-                s[gi * bs + t] = hsum(a) * kscale[t];
-              }
-            }
-          }
-          int64_t vs;
-          const float* vr = rows(kp + half, n, d, tok, vbuf.data(), vs);
-          for (int64_t gi = 0; gi < g_count; ++gi) {
-            const int64_t g = hk * g_count + gi;  // query head
-            float* sg = s.data() + gi * bs;
-            // Online softmax: new running max, rescale what was summed so far.
-            float mx = m[g];
-            for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-            const float corr = std::exp(m[g] - mx);  // 0 on the first block (m = -inf)
-            for (int64_t t = 0; t < n; ++t) sg[t] -= mx;
-            exp_inplace(sg, static_cast<int>(n));
-            float sum = 0.0f;
-            for (int64_t t = 0; t < n; ++t) sum += sg[t];
-            l[g] = l[g] * corr + sum;
-            m[g] = mx;
-            // acc = acc * corr + sum_t p_t * v_scale_t * v_t.
-            float* ag = acc.data() + g * d;
-            if (DC) {
-              v8f a[DC ? DC : 1];
-              for (int c = 0; c < DC; ++c) a[c] = load8(ag + 8 * c) * corr;
-              for (int64_t t = 0; t < n; ++t) {
-                const float p = sg[t] * vscale[t];
-                const float* v = vr + t * vs;
-                for (int c = 0; c < DC; ++c) a[c] += p * load8(v + 8 * c);
-              }
-              for (int c = 0; c < DC; ++c) store8(ag + 8 * c, a[c]);
-            } else {
-              for (int64_t c = 0; c < dc; ++c)
-                store8(ag + 8 * c, load8(ag + 8 * c) * corr);
-              for (int64_t t = 0; t < n; ++t) {
-                const float p = sg[t] * vscale[t];
-                const float* v = vr + t * vs;
-                for (int64_t c = 0; c < dc; ++c)
-                  store8(ag + 8 * c, load8(ag + 8 * c) + p * load8(v + 8 * c));
-              }
-            }
-          }
-        }
-      }
-      for (int64_t g = h0 * g_count; g < h1 * g_count; ++g) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;  // empty context: zeros
-        float* o = out + (b * h + g) * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = acc[g * d + i] * inv;
-      }
-    }
-  }
-}
-
-template <typename KV>
-void dispatch(int64_t d, float* out, const float* q, const KV* cache, const float* scales,
-              const int32_t* tables, const int32_t* lens, int64_t b, int64_t h, int64_t kvh,
-              int64_t nb, int64_t bs, int64_t w, float sm_scale, float k_scale,
-              float v_scale, int threads) {
-  auto run = [&](auto dc) {
-    decode<decltype(dc)::value>(out, q, cache, scales, tables, lens, b, h, kvh, d, nb, bs,
-                                w, sm_scale, k_scale, v_scale, threads);
-  };
-  switch (d) {
-    case 32: run(std::integral_constant<int, 4>{}); break;
-    case 64: run(std::integral_constant<int, 8>{}); break;
-    case 128: run(std::integral_constant<int, 16>{}); break;
-    default: run(std::integral_constant<int, 0>{}); break;
-  }
-}
-
-}  // namespace
+#include "paged_attention.h"
 
 extern "C" {
 
@@ -301,19 +18,20 @@ int kvflow_paged_decode(int kind, float* out, const float* q, const void* cache,
                         int64_t b, int64_t h, int64_t kvh, int64_t d, int64_t nb,
                         int64_t bs, int64_t w, float sm_scale, float k_scale,
                         float v_scale, int threads) {
+  using kvflow::paged::dispatch;
   if (d % 8 != 0) return 2;
   switch (kind) {
     case 0:
-      dispatch(d, out, q, static_cast<const float*>(cache), nullptr, tables, lens, b, h,
-               kvh, nb, bs, w, sm_scale, 1.0f, 1.0f, threads);
+      dispatch(d, out, q, h * d, static_cast<const float*>(cache), nullptr, tables,
+               nullptr, lens, b, h, kvh, nb, bs, w, sm_scale, 1.0f, 1.0f, threads);
       return 0;
     case 1:
-      dispatch(d, out, q, static_cast<const int8_t*>(cache), scales, tables, lens, b, h,
-               kvh, nb, bs, w, sm_scale, 1.0f, 1.0f, threads);
+      dispatch(d, out, q, h * d, static_cast<const int8_t*>(cache), scales, tables,
+               nullptr, lens, b, h, kvh, nb, bs, w, sm_scale, 1.0f, 1.0f, threads);
       return 0;
     case 2:
-      dispatch(d, out, q, static_cast<const uint8_t*>(cache), nullptr, tables, lens, b, h,
-               kvh, nb, bs, w, sm_scale, k_scale, v_scale, threads);
+      dispatch(d, out, q, h * d, static_cast<const uint8_t*>(cache), nullptr, tables,
+               nullptr, lens, b, h, kvh, nb, bs, w, sm_scale, k_scale, v_scale, threads);
       return 0;
     default:
       return 1;

@@ -40,7 +40,8 @@ def linear_method(config: QuantizationConfig | None, prefix: str, tied_to=None):
     if kind == "fp8":
         from kvflow.layers.quantization.fp8 import Fp8CheckpointLinearMethod, Fp8LinearMethod
 
-        return Fp8CheckpointLinearMethod() if config.prequantized else Fp8LinearMethod()
+        return Fp8CheckpointLinearMethod(config.static_input_scale) if config.prequantized \
+            else Fp8LinearMethod()
     if kind == "w8a8-int8":
         from kvflow.layers.quantization.smoothquant import (Int8W8A8CheckpointLinearMethod,
                                                             Int8W8A8LinearMethod)

@@ -65,6 +65,12 @@ class QuantizationConfig:
     scale_name: str = "weight_scale"
     """fp8 checkpoints with block-wise scales: the scale tensor's name
     (``weight_scale_inv`` in the fp8 layout, ``weight_scale`` in compressed-tensors)."""
+    static_input_scale: bool = False
+    """fp8 checkpoints with static activation scales (compressed-tensors
+    ``input_activations`` with ``dynamic: false``, strategy tensor; the fp8 layout's
+    ``activation_scheme: static``): each layer quantizes its input with the checkpoint's
+    per-tensor ``input_scale`` (a merged layer: the largest of its shards') instead of a
+    scale per token."""
 
     def __post_init__(self) -> None:
         require(self.method in ("int8", "int4", "gguf", "fp8", "w8a8-int8", "llm-int8")
@@ -78,6 +84,10 @@ class QuantizationConfig:
         require(self.lm_head in ("int8", "none"), "lm_head", "must be int8 or none")
         require(self.weight_block is None or (self.method == "fp8" and len(
             self.weight_block) == 2), "weight_block", "is two sizes, for fp8 only")
+        require(not self.static_input_scale or (self.method == "fp8" and self.prequantized
+                                                and self.weight_block is None),
+                "static_input_scale", "is for fp8 checkpoints with per-channel or "
+                "per-tensor weight scales")
 
     def is_skipped(self, prefix: str) -> bool:
         return any(prefix == p or prefix.startswith(p + ".") for p in self.skip_modules)
@@ -122,8 +132,9 @@ class QuantizationConfig:
                 r, g = self.weight_block
                 return (f"fp8 W8A8 block-wise ({src}; {r}x{g} weight blocks, 1x{g} "
                         f"activation groups, lm_head {self.lm_head})")
-            return (f"fp8 W8A8 ({src}; weights per channel, activations per token, "
-                    f"lm_head {self.lm_head})")
+            acts = ("activations per tensor with the checkpoint's static scales"
+                    if self.static_input_scale else "activations per token")
+            return f"fp8 W8A8 ({src}; weights per channel, {acts}, lm_head {self.lm_head})"
         return "gguf (blocks kept quantized)"
 
 
@@ -220,6 +231,11 @@ def _fp8_checkpoint(qc: dict, method: str, requested: str) -> QuantizationConfig
         if qc.get("weight_block_size"):  # DeepSeek-style: weight_scale_inv per block
             block, scale_name = _block_size(qc["weight_block_size"]), "weight_scale_inv"
         skip = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise ModelLoadError(f"fp8 checkpoint: activation_scheme {scheme!r} is not "
+                                 f"supported (supported: dynamic, static)")
+        static = scheme == "static"
     else:
         groups = list((qc.get("config_groups") or {}).values())
         w = (groups[0].get("weights") or {}) if len(groups) == 1 else {}
@@ -231,11 +247,21 @@ def _fp8_checkpoint(qc: dict, method: str, requested: str) -> QuantizationConfig
         if w.get("strategy") == "block":
             block = _block_size(w.get("block_structure"))
         skip = tuple(m for m in qc.get("ignore") or () if not m.startswith("re:"))
-    # Static activation scales (input_scale) are not used: activations are quantized
-    # dynamically per token (per 1 x block group with block-wise weights), at least as
-    # accurate as one scale per tensor.
+        acts = groups[0].get("input_activations") or {}
+        static = acts.get("dynamic", True) is False
+        if static and acts.get("strategy", "tensor") != "tensor":
+            raise ModelLoadError(f"compressed-tensors float-quantized static activations "
+                                 f"{acts} are not supported (supported: dynamic, or static "
+                                 f"with strategy tensor)")
+    if static and block is not None:
+        raise ModelLoadError("fp8 checkpoint: static activation scales with block-wise "
+                             "weight scales are not supported (block-wise checkpoints "
+                             "quantize activations dynamically per 1 x block group)")
+    # Static: each layer's per-tensor input_scale quantizes its input (Fp8Checkpoint-
+    # LinearMethod); else activations are quantized per token (per 1 x block group).
     return QuantizationConfig("fp8", lm_head="none", skip_modules=skip, prequantized=True,
-                              weight_block=block, scale_name=scale_name)
+                              weight_block=block, scale_name=scale_name,
+                              static_input_scale=static)
 
 
 def _block_size(value) -> tuple[int, int]:

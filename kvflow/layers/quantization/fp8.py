@@ -10,7 +10,9 @@ Two sources of weights, one layer format (``weight`` float8_e4m3fn [N, K] and
   weights, channel or tensor strategy) or the ``fp8`` quantization_config layout
   (per-tensor ``weight_scale``). A per-tensor scale of a merged layer's shard (q, k, v;
   gate, up) fills that shard's rows of the per-channel scale, so merged layers need no
-  re-quantization.
+  re-quantization. Activations: per token, or, where the checkpoint says they are static
+  (``activation_scheme: static``; compressed-tensors ``dynamic: false``, strategy
+  tensor), with each layer's per-tensor ``input_scale`` (``quantize_fp8_static``).
 
 The product: ``y = (xq @ wq^T) * sx[:, None] * sw[None, :]``. On a GPU with FP8 (compute
 capability 8.9+) the activations are quantized in one Triton launch
@@ -47,6 +49,15 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from kvflow.kernels.fp8_quant import quantize_fp8_ref
 
     return quantize_fp8_ref(x)
+
+
+def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] with a checkpoint's static per-tensor scale [] -> (float8_e4m3fn [M, K]
+    of x / scale saturated to +-448, round to nearest even; float32 scales [M], all
+    ``scale``): the rows' layout of ``quantize_fp8_rows``, so the product is the same."""
+    xq = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return xq, scale.reshape(1).expand(x.shape[0])
 
 
 def fp8_mm_ref(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
@@ -98,9 +109,13 @@ def _check_device(layer: LinearBase, w: torch.Tensor) -> None:
             f"none (or int8 weight-only)")
 
 
-def _apply(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+def _apply(layer: LinearBase, x: torch.Tensor,
+           input_scale: torch.Tensor | None = None) -> torch.Tensor:
     x2, lead = flatten_tokens(x)  # [M, K]
-    if use_fp8_kernels(x2.device):
+    if input_scale is not None:  # the checkpoint's static per-tensor activation scale
+        xq, sx = quantize_fp8_static(x2, input_scale)
+        y = fp8_mm(xq, sx, layer.weight, layer.weight_scale, x.dtype)
+    elif use_fp8_kernels(x2.device):
         from kvflow.kernels.fp8_quant import quantize_fp8
 
         # One launch for the per-token quantization, then _scaled_mm at every M: on the
@@ -156,11 +171,23 @@ def load_fp8_weight(layer: LinearBase, param: nn.Parameter, t: torch.Tensor, sha
 
 class Fp8CheckpointLinearMethod(LinearMethod):
     """Pre-quantized FP8 weights: ``weight`` float8_e4m3fn [N, K] and ``weight_scale``
-    per output channel ([N] or [N, 1]) or per tensor (one number per loaded shard)."""
+    per output channel ([N] or [N, 1]) or per tensor (one number per loaded shard).
+    ``static``: the checkpoint's ``input_scale`` (one number per loaded shard) quantizes
+    the activations, per tensor."""
 
     name = "fp8"
 
+    def __init__(self, static: bool = False) -> None:
+        self.static = static
+
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
+        if self.static:
+            # One per loaded shard (q, k, v; gate, up): reduced to one after loading.
+            a = nn.Parameter(torch.full((len(layer.output_sizes),), float("nan")),
+                             requires_grad=False)
+            a.weight_loader = lambda p, t, shard=None: self._load_input_scale(layer, p, t,
+                                                                              shard)
+            layer.register_parameter("input_scale", a)
         n, k = layer.output_size, layer.input_size
         w = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn), requires_grad=False)
         w.weight_loader = lambda p, t, shard=None: load_fp8_weight(layer, p, t, shard)
@@ -181,11 +208,26 @@ class Fp8CheckpointLinearMethod(LinearMethod):
                 f"quantization_config weight_block_size)")
         param.data.narrow(0, start, size).copy_(t.expand(size))
 
+    @staticmethod
+    def _load_input_scale(layer, param, t: torch.Tensor, shard) -> None:
+        if t.numel() != 1:
+            raise ModelLoadError(f"{layer.prefix}: input_scale has shape {tuple(t.shape)}; "
+                                 f"a static activation scale is one number (per tensor)")
+        idx = 0 if shard is None else layer.shard_ids.index(shard)
+        param.data[idx] = float(t)
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         _check_device(layer, layer.weight)
         if not bool(torch.isfinite(layer.weight_scale).all()) or bool(
                 (layer.weight_scale <= 0).any()):
             raise ModelLoadError(f"{layer.prefix}: weight_scale must be positive and finite")
+        if self.static:
+            a = layer.input_scale
+            if not bool(torch.isfinite(a).all()) or bool((a <= 0).any()):
+                raise ModelLoadError(f"{layer.prefix}: input_scale must be positive and "
+                                     f"finite, got {a.tolist()}")
+            # The shards of a merged layer read one input: the largest scale clips none.
+            set_param(layer, "input_scale", a.max().to(layer.weight.device))
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        return _apply(layer, x)
+        return _apply(layer, x, layer.input_scale if self.static else None)
