@@ -383,6 +383,11 @@ class SpeculativeConfig:
     exp(-entropy))."""
     posterior_alpha: float = 0.3
     """medusa tree, temperature > 0: see posterior_threshold."""
+    draft_confidence: float = 0.0
+    """eagle_mlp: a request's drafts stop at the first one the head gives a probability
+    below this (softmax over its draft vocabulary); with none left the request takes a
+    plain decode step. Where each verified row costs nearly as much as a decode step
+    (CPU), drafting only sure tokens keeps speculation from losing. 0: always k."""
 
     def __post_init__(self) -> None:
         require(self.method in SPEC_METHODS, "speculative_config.method",
@@ -446,6 +451,10 @@ class SpeculativeConfig:
             require(isinstance(self.model, str) and bool(self.model),
                     "speculative_config.model", "is needed for method eagle_mlp: the "
                     "directory of the head (config.json and eagle_mlp.safetensors)")
+            v = self.draft_confidence
+            require(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1,
+                    "speculative_config.draft_confidence",
+                    f"must be a number in [0, 1), got {v!r}")
             for name in ("draft_num_layers", "draft_quantization"):
                 require(getattr(self, name) is None, f"speculative_config.{name}",
                         "is an option of method draft_model, not eagle_mlp")
@@ -456,6 +465,9 @@ class SpeculativeConfig:
         if self.method != "medusa":
             require(self.medusa_tree is None, "speculative_config.medusa_tree",
                     f"is an option of method medusa, not {self.method}")
+        if self.method != "eagle_mlp":
+            require(self.draft_confidence == 0.0, "speculative_config.draft_confidence",
+                    f"is an option of method eagle_mlp, not {self.method}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "SpeculativeConfig":

@@ -30,6 +30,9 @@ def write_head(path, hidden=HIDDEN, vocab=VOCAB, draft_vocab=128, seed=0):
             p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if p.dim() == 1 and
                                                                   p.shape[0] == hidden else 0))
         head.vocab.copy_(torch.randperm(vocab, generator=g)[:draft_vocab].sort().values)
+        # The tiny dummy model's lm_head is small: a large output scale makes the head's
+        # probabilities peaked enough for draft_confidence to keep some drafts.
+        head.out_norm.weight.mul_(20)
     head.save(str(path))
     return head
 
@@ -75,6 +78,36 @@ def test_drafting_loop_matches_reference(tmp_path):
     assert all(t in set(head.vocab.tolist()) for row in got for t in row)
 
 
+def test_draft_confidence_cuts_drafts_at_the_first_unsure_one(tmp_path):
+    """With draft_confidence, a request's drafts end before the first the head gives a
+    probability under it (so a sure first draft and an unsure second give one draft)."""
+    write_head(tmp_path)
+    target = tiny().engine.core.executor.runner.model
+    sure = EagleMlpProposer(str(tmp_path), 3, target, torch.float32, torch.device("cpu"))
+    hidden = torch.randn(4, HIDDEN)
+    last = torch.tensor([5, 9, 11, 7])
+    drafts, keep = sure.draft(hidden, last, 3)
+    assert keep.tolist() == [3] * 4
+    gated = EagleMlpProposer(str(tmp_path), 3, target, torch.float32, torch.device("cpu"),
+                             min_confidence=0.3)
+    with torch.no_grad():  # the probabilities the gate reads, step by step
+        f, tok, probs = hidden, last, []
+        for _ in range(3):
+            f = gated.head(f, gated.embed(tok))
+            p = (f @ gated.lm_rows.t()).softmax(-1)
+            probs.append(p.max(-1).values)
+            tok = gated.vocab[p.argmax(-1)]
+    want = (torch.stack(probs, 1) >= 0.3).long().cumprod(1).sum(1)
+    got_drafts, got_keep = gated.draft(hidden, last, 3)
+    assert torch.equal(got_drafts, drafts) and torch.equal(got_keep, want)
+    rows = gated.propose([t.numpy()[None] for t in last], [3] * 4, hidden=hidden)
+    assert [len(r) for r in rows] == want.tolist()
+    top = float(torch.stack(probs).max())
+    never = EagleMlpProposer(str(tmp_path), 3, target, torch.float32, torch.device("cpu"),
+                             min_confidence=(1 + top) / 2)
+    assert never.propose([t.numpy()[None] for t in last], [3] * 4, hidden=hidden) == [[]] * 4
+
+
 @pytest.mark.parametrize("overrides", [
     {},
     dict(num_gpu_blocks_override=24, max_model_len=96),  # preemption
@@ -88,8 +121,8 @@ def test_greedy_eagle_mlp_equals_plain_greedy(tmp_path, overrides):
                              n=2 if i == 1 else 1, logprobs=1) for i in range(len(prompts))]
     want = tiny(**overrides).generate(prompts, params, use_tqdm=False)
     llm = tiny(speculative_config={"method": "eagle_mlp", "model": str(tmp_path),
-                                   "num_speculative_tokens": 3,
-                                   "disable_by_batch_size": None}, **overrides)
+                                   "num_speculative_tokens": 3, "disable_by_batch_size": None,
+                                   "draft_confidence": 0.2}, **overrides)
     got = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(want, got):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
@@ -107,6 +140,8 @@ def test_greedy_eagle_mlp_equals_plain_greedy(tmp_path, overrides):
     ("medusa", ModelLoadError, "speculative_config.model: cannot read .* as an eagle_mlp"),
     ("none", InvalidParameterError, "speculative_config.model is needed for method eagle_mlp"),
     ("tree", InvalidParameterError, "medusa_tree is an option of method medusa"),
+    ("confidence", InvalidParameterError, "draft_confidence must be a number in"),
+    ("ngram", InvalidParameterError, "draft_confidence is an option of method eagle_mlp"),
 ])
 def test_bad_heads_fail_at_startup_naming_the_option(tmp_path, kind, error, match):
     write_head(tmp_path, hidden=32 if kind == "hidden" else HIDDEN,
@@ -120,6 +155,10 @@ def test_bad_heads_fail_at_startup_naming_the_option(tmp_path, kind, error, matc
         del spec["model"]
     if kind == "tree":
         spec["medusa_tree"] = 4
+    if kind == "confidence":
+        spec["draft_confidence"] = 1.5
+    if kind == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "draft_confidence": 0.5}
     args = EngineArgs(model="tiny-llama", load_format="dummy", device="cpu",
                       max_model_len=64, speculative_config=spec)
     with pytest.raises(error, match=match):

@@ -132,8 +132,9 @@ class EagleMlpProposer(Proposer):
     wants_hidden = True
 
     def __init__(self, path: str, num_speculative_tokens: int, target: nn.Module,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, min_confidence: float = 0.0) -> None:
         arch = target.config
+        self.min_confidence = min_confidence
         self.num_speculative_tokens = num_speculative_tokens
         cfg = EagleMlpConfig.read(path)
         cfg.check(arch.hidden_size, arch.vocab_size)
@@ -144,15 +145,27 @@ class EagleMlpProposer(Proposer):
         self.device = device
 
     @torch.inference_mode()
-    def draft(self, hidden: torch.Tensor, last: torch.Tensor, k: int) -> torch.Tensor:
+    def draft(self, hidden: torch.Tensor, last: torch.Tensor, k: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [R, H], last token ids [R] -> drafts [R, k] (greedy over the draft
-        vocabulary)."""
-        feature, token, out = hidden, last, []
+        vocabulary) and how many of them to propose [R] (all k, or fewer where a draft's
+        probability under the head falls below ``min_confidence``)."""
+        feature, token, out, probs = hidden, last, [], []
         for _ in range(k):
             feature = self.head(feature, self.embed(token).to(feature.dtype))  # [R, H]
-            token = self.vocab[(feature @ self.lm_rows.t()).argmax(dim=-1)]  # [R]
+            logits = feature @ self.lm_rows.t()  # [R, Vd]
+            if self.min_confidence > 0:
+                best, pick = logits.float().softmax(dim=-1).max(dim=-1)  # [R] each
+                probs.append(best)
+            else:
+                pick = logits.argmax(dim=-1)
+            token = self.vocab[pick]  # [R]
             out.append(token)
-        return torch.stack(out, dim=1)
+        drafts = torch.stack(out, dim=1)  # [R, k]
+        if not probs:
+            return drafts, torch.full((len(drafts),), k, dtype=torch.int64)
+        sure = torch.stack(probs, dim=1) >= self.min_confidence  # [R, k]
+        return drafts, sure.long().cumprod(dim=1).sum(dim=1)
 
     def propose(self, token_ids: list[np.ndarray], max_drafts: list[int],
                 req_ids: list[str] | None = None, params=None,
@@ -166,8 +179,9 @@ class EagleMlpProposer(Proposer):
             return [[] for _ in token_ids]
         last = torch.as_tensor(np.array([int(t[-1]) for t in token_ids]), dtype=torch.int64,
                                device=hidden.device)
-        rows = self.draft(hidden, last, k).tolist()  # [R, k]
-        return [row[: min(m, k)] for row, m in zip(rows, max_drafts)]
+        drafts, keep = self.draft(hidden, last, k)
+        return [row[: min(m, n)] for row, m, n in zip(drafts.tolist(), max_drafts,
+                                                      keep.tolist())]
 
 
 __all__ = ["EagleMlpHead", "EagleMlpProposer", "target_lm_head_rows"]

@@ -74,5 +74,6 @@ def make_proposer(spec: "SpeculativeConfig", engine: "EngineConfig | None" = Non
     if spec.method == "eagle_mlp":
         from kvflow.spec_decode.eagle_mlp import EagleMlpProposer
 
-        return EagleMlpProposer(spec.model, spec.num_speculative_tokens, target, dtype, device)
+        return EagleMlpProposer(spec.model, spec.num_speculative_tokens, target, dtype, device,
+                                spec.draft_confidence)
     raise ValueError(f"unknown speculative method {spec.method!r}")  # config validated it

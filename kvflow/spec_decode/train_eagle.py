@@ -101,11 +101,38 @@ def evaluate(head, embed, lm_rows, f, x, y, batch: int = 2048) -> dict:
             "positions": len(f)}
 
 
+def cached_hidden_states(llm, seqs: list[list[int]], path: str | None
+                         ) -> list[torch.Tensor]:
+    """The base's final hidden states over each sequence ([T, H] bfloat16 each: half the
+    memory, and the head trains in float32 on them). With ``path``: read from it when it
+    holds the same sequences, else computed and written there, so a retrain with other
+    head settings skips the base's forward too."""
+    import os
+
+    from kvflow.spec_decode.train_medusa import last_hidden_states
+
+    if path and os.path.isfile(path):
+        saved = torch.load(path)
+        if saved.get("seqs") == seqs:
+            return saved["hidden"]
+        logger.info("--hidden-cache %s holds other sequences: computing again", path)
+    hidden = [h.to(torch.bfloat16) for h in last_hidden_states(llm, seqs)]
+    if path:
+        torch.save({"seqs": seqs, "hidden": hidden}, path)
+    return hidden
+
+
 def train(ns: argparse.Namespace) -> dict:
     from kvflow import LLM
     from kvflow.spec_decode.eagle_mlp import EagleMlpHead, target_lm_head_rows
-    from kvflow.spec_decode.train_medusa import generate_answers, last_hidden_states, read_prompts
+    from kvflow.spec_decode.train_medusa import generate_answers, read_prompts
 
+    from kvflow.errors import InvalidParameterError
+
+    for name in ("unroll", "draft_vocab_size", "intermediate_size", "epochs", "batch_size"):
+        if getattr(ns, name) < 1:
+            raise InvalidParameterError(f"--{name.replace('_', '-')} must be >= 1, got "
+                                        f"{getattr(ns, name)}", param=name)
     start_time = time.perf_counter()
     torch.manual_seed(ns.seed)
     prompts = read_prompts(ns.prompts or default_prompts_path())[: ns.num_prompts]
@@ -115,7 +142,7 @@ def train(ns: argparse.Namespace) -> dict:
     gen_s = time.perf_counter() - start_time
     logger.info("generated %d answers (%d tokens) in %.0f s", len(seqs),
                 sum(len(s) - b for s, b in zip(seqs, starts)), gen_s)
-    hidden = [h.to(torch.bfloat16) for h in last_hidden_states(llm, seqs)]  # half the memory
+    hidden = cached_hidden_states(llm, seqs, getattr(ns, "hidden_cache", None))
     model = llm.engine.core.executor.runner.model
     arch = model.config
     with torch.inference_mode():
