@@ -147,24 +147,32 @@ class EagleMlpProposer(Proposer):
     @torch.inference_mode()
     def draft(self, hidden: torch.Tensor, last: torch.Tensor, k: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [R, H], last token ids [R] -> drafts [R, k] (greedy over the draft
-        vocabulary) and how many of them to propose [R] (all k, or fewer where a draft's
-        probability under the head falls below ``min_confidence``)."""
+        """hidden [R, H], last token ids [R] -> drafts [R, n] (greedy over the draft
+        vocabulary; n = k, or fewer once every row's chain has ended) and how many of them
+        to propose [R] (all, or fewer where a draft's probability under the head falls
+        below ``min_confidence``)."""
         feature, token, out, probs = hidden, last, [], []
+        alive = torch.ones(len(hidden), dtype=torch.bool, device=hidden.device)
         for _ in range(k):
             feature = self.head(feature, self.embed(token).to(feature.dtype))  # [R, H]
             logits = feature @ self.lm_rows.t()  # [R, Vd]
             if self.min_confidence > 0:
                 best, pick = logits.float().softmax(dim=-1).max(dim=-1)  # [R] each
                 probs.append(best)
+                alive &= best >= self.min_confidence
             else:
                 pick = logits.argmax(dim=-1)
             token = self.vocab[pick]  # [R]
             out.append(token)
-        drafts = torch.stack(out, dim=1)  # [R, k]
+            # Every chain has ended: the later drafts would all be cut (a draft step
+            # costs ~10-20% of a CPU decode step, so gated steps must not pay for them).
+            if probs and not bool(alive.any()):
+                break
+        n = len(out)
+        drafts = torch.stack(out, dim=1)  # [R, n]
         if not probs:
-            return drafts, torch.full((len(drafts),), k, dtype=torch.int64)
-        sure = torch.stack(probs, dim=1) >= self.min_confidence  # [R, k]
+            return drafts, torch.full((len(drafts),), n, dtype=torch.int64)
+        sure = torch.stack(probs, dim=1) >= self.min_confidence  # [R, n]
         return drafts, sure.long().cumprod(dim=1).sum(dim=1)
 
     def propose(self, token_ids: list[np.ndarray], max_drafts: list[int],
