@@ -164,9 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.plan.cli import add_plan_parser
 
     add_plan_parser(sub)
-    from kvflow.spec_decode.train_cli import add_train_medusa_parser
+    from kvflow.spec_decode.train_cli import add_train_eagle_parser, add_train_medusa_parser
 
     add_train_medusa_parser(sub)
+    add_train_eagle_parser(sub)
     from kvflow.quantize.cli import add_quantize_parser
 
     add_quantize_parser(sub)

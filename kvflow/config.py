@@ -331,7 +331,7 @@ class DeviceConfig:
         return self.device.startswith("cuda")
 
 
-SPEC_METHODS = ("ngram", "draft_model", "medusa")
+SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle_mlp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -343,7 +343,9 @@ class SpeculativeConfig:
     """How drafts are proposed: ngram (prompt lookup: continue the longest recent n-gram
     that occurred earlier in the request's own tokens; no extra model) or draft_model (a
     smaller model with the same vocabulary runs k steps ahead of the target) or medusa
-    (heads on the target's last hidden state guess the next k tokens at once)."""
+    (heads on the target's last hidden state guess the next k tokens at once) or
+    eagle_mlp (a small head trained with ``kvflow train-eagle`` predicts the target's next
+    hidden state from its last one and the emitted token, k times in a row)."""
     num_speculative_tokens: int
     """Draft tokens proposed per request per step (k); a step yields 1 to k + 1 tokens."""
     prompt_lookup_min: int = 1
@@ -358,7 +360,8 @@ class SpeculativeConfig:
     """draft_model: the draft (a preset name, Hugging Face directory or GGUF file, like
     ``--model``) with the target's vocabulary. Omitted together with ``draft_num_layers``:
     the target model itself, cut to its first layers. medusa: the heads' directory
-    (config.json and medusa_lm_head.safetensors)."""
+    (config.json and medusa_lm_head.safetensors). eagle_mlp: the head's directory
+    (config.json and eagle_mlp.safetensors)."""
     draft_load_format: str = "auto"
     """draft_model: how to load the draft (auto, hf, gguf, dummy), like --load-format."""
     draft_num_layers: int | None = None
@@ -380,6 +383,11 @@ class SpeculativeConfig:
     exp(-entropy))."""
     posterior_alpha: float = 0.3
     """medusa tree, temperature > 0: see posterior_threshold."""
+    draft_confidence: float = 0.0
+    """eagle_mlp: a request's drafts stop at the first one the head gives a probability
+    below this (softmax over its draft vocabulary); with none left the request takes a
+    plain decode step. Where each verified row costs nearly as much as a decode step
+    (CPU), drafting only sure tokens keeps speculation from losing. 0: always k."""
 
     def __post_init__(self) -> None:
         require(self.method in SPEC_METHODS, "speculative_config.method",
@@ -439,6 +447,17 @@ class SpeculativeConfig:
                 v = getattr(self, name)
                 require(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1,
                         f"speculative_config.{name}", f"must be a number in [0, 1], got {v!r}")
+        elif self.method == "eagle_mlp":
+            require(isinstance(self.model, str) and bool(self.model),
+                    "speculative_config.model", "is needed for method eagle_mlp: the "
+                    "directory of the head (config.json and eagle_mlp.safetensors)")
+            v = self.draft_confidence
+            require(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1,
+                    "speculative_config.draft_confidence",
+                    f"must be a number in [0, 1), got {v!r}")
+            for name in ("draft_num_layers", "draft_quantization"):
+                require(getattr(self, name) is None, f"speculative_config.{name}",
+                        "is an option of method draft_model, not eagle_mlp")
         else:
             for name in ("model", "draft_num_layers", "draft_quantization"):
                 require(getattr(self, name) is None, f"speculative_config.{name}",
@@ -446,6 +465,9 @@ class SpeculativeConfig:
         if self.method != "medusa":
             require(self.medusa_tree is None, "speculative_config.medusa_tree",
                     f"is an option of method medusa, not {self.method}")
+        if self.method != "eagle_mlp":
+            require(self.draft_confidence == 0.0, "speculative_config.draft_confidence",
+                    f"is an option of method eagle_mlp, not {self.method}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "SpeculativeConfig":

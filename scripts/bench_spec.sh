@@ -42,3 +42,21 @@ bench --dataset chat --num-prompts 3 --output-len 48 --max-num-seqs 1 \
   --speculative-config "$(medusa 4)" --spec-baseline --save-result "$OUT/spec-medusa-tree4-chat-bs1-cpu.json"
 bench --dataset chat --num-prompts 64 --output-len 24 --max-num-seqs 64 \
   --speculative-config "$(medusa null)" --spec-baseline --save-result "$OUT/spec-medusa-chat-bs64-cpu.json"
+# eagle_mlp: a feature-level draft head trained here (kvflow train-eagle), chat bs1 with
+# k = 3 (always) and k = 3 with draft_confidence (drafts only where the head is sure),
+# and bs64 (speculation switches itself off above disable_by_batch_size).
+EAGLE=${EAGLE:-heads/smollm2-eagle}
+[ -f "$EAGLE/config.json" ] || nice -n 19 "$PY" -m kvflow.cli train-eagle --output "$EAGLE" \
+  --data-cache "$EAGLE.answers.json"
+eagle() { echo "{\"method\": \"eagle_mlp\", \"model\": \"$EAGLE\", \"num_speculative_tokens\": ${1:-3}, \"draft_confidence\": ${2:-0}}"; }
+for k in 1 2 3; do
+  bench --dataset chat --num-prompts 5 --output-len 64 --max-num-seqs 1 \
+    --speculative-config "$(eagle $k 0)" --spec-baseline --save-result "$OUT/spec-eagle-k$k-chat-bs1-cpu.json"
+done
+for kc in "1 0.7" "2 0.6" "3 0.6"; do
+  set -- $kc
+  bench --dataset chat --num-prompts 5 --output-len 64 --max-num-seqs 1 \
+    --speculative-config "$(eagle $1 $2)" --spec-baseline --save-result "$OUT/spec-eagle-k$1-conf$2-chat-bs1-cpu.json"
+done
+bench --dataset chat --num-prompts 64 --output-len 64 --max-num-seqs 64 \
+  --speculative-config "$(eagle 3 0.6)" --spec-baseline --save-result "$OUT/spec-eagle-chat-bs64-cpu.json"

@@ -260,6 +260,11 @@ class EngineArgs:
             parse_tree_option(speculative.medusa_tree, heads.num_heads,
                               "cuda" if device.startswith("cuda") else "cpu", None,
                               speculative.num_speculative_tokens)
+        if speculative is not None and speculative.method == "eagle_mlp":
+            from kvflow.spec_decode.heads_config import EagleMlpConfig
+
+            EagleMlpConfig.read(speculative.model).check(resolved.arch.hidden_size,
+                                                         resolved.arch.vocab_size)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(device=device,
                                                 enforce_eager=self.enforce_eager,

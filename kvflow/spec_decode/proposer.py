@@ -71,4 +71,9 @@ def make_proposer(spec: "SpeculativeConfig", engine: "EngineConfig | None" = Non
 
         return MedusaProposer(spec.model, spec.num_speculative_tokens, target, dtype, device,
                               spec.medusa_tree)
+    if spec.method == "eagle_mlp":
+        from kvflow.spec_decode.eagle_mlp import EagleMlpProposer
+
+        return EagleMlpProposer(spec.model, spec.num_speculative_tokens, target, dtype, device,
+                                spec.draft_confidence)
     raise ValueError(f"unknown speculative method {spec.method!r}")  # config validated it

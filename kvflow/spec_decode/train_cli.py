@@ -37,3 +37,45 @@ def add_train_medusa_parser(sub) -> None:
     p.add_argument("--quantization", default="auto", help="the base model's weights while "
                    "training (auto: as served)")
     p.set_defaults(func=_run)
+
+
+def _run_eagle(ns: argparse.Namespace) -> int:
+    from kvflow.spec_decode.train_eagle import train
+
+    train(ns)
+    return 0
+
+
+def add_train_eagle_parser(sub) -> None:
+    p = sub.add_parser("train-eagle", help="train an eagle_mlp draft head (next hidden state "
+                       "from the last one and the emitted token) for a frozen base model by "
+                       "self-distillation (CPU)")
+    p.add_argument("--model", default="smollm2-135m", help="the base model")
+    p.add_argument("--output", required=True, help="directory for the head's checkpoint")
+    p.add_argument("--prompts", default=None, help="prompt file, one per line (default: "
+                   "900 varied instructions shipped with kvflow)")
+    p.add_argument("--num-prompts", type=int, default=900)
+    p.add_argument("--max-tokens", type=int, default=128, help="answer length per prompt")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--unroll", type=int, default=2, help="draft steps trained on the head's "
+                   "own outputs (the k it is trained for; later drafts reuse the same block)")
+    p.add_argument("--draft-vocab-size", type=int, default=4096, help="tokens the head can "
+                   "propose (the most frequent answer tokens): its lm_head cost")
+    p.add_argument("--intermediate-size", type=int, default=768)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--feature-weight", type=float, default=0.1, help="weight of the "
+                   "feature-regression loss beside the token cross-entropy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt: "
+                   "the greedy one plus N - 1 sampled ones")
+    p.add_argument("--sample-temperature", type=float, default=0.8)
+    p.add_argument("--data-cache", default=None, help="JSON file of the generated answers: "
+                   "written by the first run, read (skipping generation) by later ones")
+    p.add_argument("--hidden-cache", default=None, help="file of the base's hidden states "
+                   "over those answers (torch): written by the first run, read (skipping "
+                   "the base's forward) by later ones")
+    p.add_argument("--quantization", default="auto", help="the base model's weights while "
+                   "training (auto: as served)")
+    p.set_defaults(func=_run_eagle)
