@@ -40,6 +40,47 @@ def gemv_table() -> str | None:
     return os.environ.get("KVFLOW_GEMV_TABLE") or None
 
 
+def pdl_mode() -> str:
+    """KVFLOW_PDL: programmatic dependent launch of the decode Triton kernels
+    (kvflow/kernels/pdl.py): ``off`` (default) or ``on`` (compute capability >= 9)."""
+    mode = os.environ.get("KVFLOW_PDL", "off").lower()
+    if mode not in ("on", "off"):
+        from kvflow.errors import InvalidParameterError
+
+        raise InvalidParameterError(f"KVFLOW_PDL must be on or off, not {mode!r}")
+    return mode
+
+
+def pdl_prefetch_tiles() -> int:
+    """KVFLOW_PDL_PREFETCH: weight tiles each GEMV program prefetches into L2 before its
+    PDL wait (default 4; 0 turns the prefetch off). Read only where PDL is on."""
+    value = int(os.environ.get("KVFLOW_PDL_PREFETCH", "4"))
+    if not 0 <= value <= 32:
+        from kvflow.errors import InvalidParameterError
+
+        raise InvalidParameterError(f"KVFLOW_PDL_PREFETCH must be in 0..32, not {value}")
+    return value
+
+
+def gemv_norm_one_row() -> bool:
+    """KVFLOW_GEMV_NORM_ROW=1: the norm-folded GEMV (kvflow/kernels/gemv_norm.py) computes
+    its x side (residual add, squares, norm weight) on the single row at M = 1 instead of
+    on the dot's 16 padded rows (default 0 until measured on a GPU)."""
+    return os.environ.get("KVFLOW_GEMV_NORM_ROW", "0") == "1"
+
+
+def attn_merge_mode() -> str:
+    """KVFLOW_ATTN_MERGE: how split-KV decode attention combines its splits: ``kernel``
+    (default: a second launch) or ``fused`` (the last split of each KV head merges,
+    kvflow/kernels/paged_attention.py)."""
+    mode = os.environ.get("KVFLOW_ATTN_MERGE", "kernel").lower()
+    if mode not in ("kernel", "fused"):
+        from kvflow.errors import InvalidParameterError
+
+        raise InvalidParameterError(f"KVFLOW_ATTN_MERGE must be kernel or fused, not {mode!r}")
+    return mode
+
+
 def no_progress_bar() -> bool:
     """KVFLOW_NO_PROGRESS=1 hides tqdm progress bars (logs and CI)."""
     return os.environ.get("KVFLOW_NO_PROGRESS", "0") == "1"

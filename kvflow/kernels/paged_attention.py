@@ -70,6 +70,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvflow.kernels.pdl import launch_kw, pdl_enabled, pdl_enter
+
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 64
@@ -160,11 +162,13 @@ def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
         req_offset, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
         stride_bt, stride_kb, stride_kt, stride_kh, ks_ptr, vs_ptr, out_scale,
-        stride_sb, stride_st, stride_sh, tree_bits_ptr, tree_start_ptr,
+        stride_sb, stride_st, stride_sh, tree_bits_ptr, tree_start_ptr, lock_ptr,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr, QUANT: tl.constexpr, TREE: tl.constexpr):
+        UPCAST: tl.constexpr, QUANT: tl.constexpr, TREE: tl.constexpr,
+        FUSED_MERGE: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # before the early return: completion must imply the predecessor's
     num_qb = tl.num_programs(0)
     qb = num_qb - 1 - tl.program_id(0)  # longest causal range first
     req = tl.program_id(1) + req_offset
@@ -243,16 +247,52 @@ def _paged_attn_kernel(
         tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
         tl.store(part_o_ptr + part_row[:, None] * D_PAD + offs_d[None, :], o,
                  mask=row_ok[:, None])
+        if FUSED_MERGE:  # the last split of this (request, KV head) to finish merges
+            tl.debug_barrier()  # every thread's partials are written before the release
+            slot = req * (tl.num_programs(2) // num_splits) + kvh
+            arrived = tl.atomic_add(lock_ptr + slot, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, (part_row - split), row_ok,
+                            row[:, None] * stride_ot + head[:, None] * stride_oh
+                            + offs_d[None, :], q_mask, offs_d, num_splits, BLOCK_Q * G_PAD,
+                            D_PAD)
+                tl.atomic_xchg(lock_ptr + slot, 0)  # zero again for the next launch
     else:
         tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh
                  + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
+def _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, base, row_ok, out_off, o_mask, offs_d,
+                num_splits, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr):
+    """The merge of ``_merge_splits_kernel`` for one program's rows: partial rows
+    ``base + s`` (s < num_splits) [BLOCK_M], combined online in split order, read at L2
+    (.cg) where the other programs wrote them."""
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(part_lse_ptr + base + s, mask=row_ok, other=float("-inf"),
+                      cache_modifier=".cg")
+        o = tl.load(part_o_ptr + (base + s)[:, None] * D_PAD + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_safe)  # empty splits and no max yet weigh 0
+        w = tl.exp2(lse - m_safe)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        den = den * alpha + w
+        m_run = m_new
+    den = tl.where(den == 0.0, 1.0, den)
+    tl.store(out_ptr + out_off, (acc / den[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
 def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits,
                          stride_ot, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         S_PAD: tl.constexpr):
+                         S_PAD: tl.constexpr, PDL: tl.constexpr = False):
     """out[req, h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)."""
+    pdl_enter(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + req)
@@ -418,8 +458,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                   DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
                   UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16, QUANT=quant)
 
+    pdl = pdl_enabled(q.device)
+    pdl_kw = {"PDL": True, **launch_kw(True)} if pdl else {}
     if num_decodes > 0:
         splits = max(1, int(num_kv_splits))
+        locks = None
+        if splits > 1 and merge_mode() == "fused":
+            locks = _merge_locks(q.device, num_decodes * num_kv_heads)
         if splits > 1:
             part_o = torch.empty((num_decodes, num_heads, splits, d_pad), dtype=torch.float32,
                                  device=q.device)
@@ -430,14 +475,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         _paged_attn_kernel[(1, num_decodes, num_kv_heads * splits)](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
             part_o, part_lse, 0, splits, *common, seq_lens, seq_lens,
+            out if locks is None else locks,
             G_PAD=max(g_pad, dec_cfg.block_m), BLOCK_Q=1, BLOCK_N=dec_cfg.block_n,
             SPLIT=splits > 1, num_warps=dec_cfg.num_warps, num_stages=dec_cfg.num_stages,
-            TREE=False, **consts)
-        if splits > 1:
+            TREE=False, **({"FUSED_MERGE": True} if locks is not None else {}), **pdl_kw,
+            **consts)
+        if splits > 1 and locks is None:
             _merge_splits_kernel[(num_decodes, num_heads)](
                 part_o, part_lse, out, query_start_loc, splits, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=triton.next_power_of_2(splits),
-                num_warps=4 if splits * d_pad <= 4096 else 8)
+                num_warps=4 if splits * d_pad <= 4096 else 8, **pdl_kw)
 
     num_prefills = num_reqs - num_decodes
     if num_prefills > 0 and max_query_len > 0:
@@ -445,11 +492,37 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         grid = (triton.cdiv(max_query_len, block_q), num_prefills, num_kv_heads)
         _paged_attn_kernel[grid](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-            out, out, num_decodes, 1, *common, *tree_args,
+            out, out, num_decodes, 1, *common, *tree_args, out,
             G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=pre_cfg.block_n, SPLIT=False,
             num_warps=pre_cfg.num_warps, num_stages=pre_cfg.num_stages,
-            TREE=tree is not None, **consts)
+            TREE=tree is not None, **pdl_kw, **consts)
     return out
+
+
+MERGE_LOCK_SLOTS = 1024  # (request, KV head) pairs of a fused-merge launch (splits > 1
+# only below ~4 programs per SM, so far fewer in practice)
+_merge_lock_bufs: dict[torch.device, torch.Tensor] = {}
+
+
+@functools.lru_cache(maxsize=1)
+def merge_mode() -> str:
+    """``KVFLOW_ATTN_MERGE`` (``kvflow.envs.attn_merge_mode``), read once per process."""
+    from kvflow import envs
+
+    return envs.attn_merge_mode()
+
+
+def _merge_locks(device: torch.device, slots: int) -> torch.Tensor | None:
+    """Arrival counters of the fused merge (zeroed once, reset by the kernel: a launch
+    adds no memset and captures in a CUDA graph; the first, uncaptured, warm-up call
+    allocates them), or None (too many pairs: the merge kernel runs instead)."""
+    if slots > MERGE_LOCK_SLOTS:
+        return None
+    locks = _merge_lock_bufs.get(device)
+    if locks is None:
+        locks = _merge_lock_bufs[device] = torch.zeros(MERGE_LOCK_SLOTS, dtype=torch.int32,
+                                                       device=device)
+    return locks
 
 
 def attention_bytes_flops(q_lens: list[int], seq_lens: list[int], num_heads: int,
