@@ -126,7 +126,8 @@ def _grid(kind: str, m: int, n: int, k: int, sms: int) -> list[GemvConfig]:
 
 
 def bench(sweep: bool, budget_s: float, sweep_kinds: set[str] | None = None,
-          ms: tuple[int, ...] = MS, shapes: set[str] | None = None) -> dict:
+          ms: tuple[int, ...] = MS, shapes: set[str] | None = None,
+          configs: list[GemvConfig] | None = None) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, sweeps, table = [], [], []
     end = time.time() + budget_s
@@ -179,7 +180,10 @@ def bench(sweep: bool, budget_s: float, sweep_kinds: set[str] | None = None,
                      "hbm_fraction": total / cub_ms / 1e-3 / HBM})
         known = _device_table(torch.cuda.get_device_name()).get((kind, n_out, k), {})
         own = known.get(m)
-        if swept(kind):
+        if swept(kind) and configs:  # a given list: each one timed, no budget cut
+            grid = [c for c in [own, *configs] if c is not None]
+            timed = grid
+        elif swept(kind):
             grid = _grid(kind, m, n_out, k, sms)
             timed = [own] if own is not None else []
         else:  # the table's configs for this shape (every bucket) and the heuristic
@@ -246,6 +250,9 @@ def main() -> int:
                         "norm_linear, norm_silu_mul); the others time the table's configs")
     p.add_argument("--shapes", default="",
                    help="only these shapes (comma-separated: qkv, o, gate_up, down, lm_head)")
+    p.add_argument("--configs", default="",
+                   help="with --sweep: time exactly these configurations (and the table's) "
+                        "instead of the grid: BN:BK:SPLIT:WARPS:STAGES,...")
     p.add_argument("--budget-s", type=float, default=150.0,
                    help="seconds of sweeping in all; later cases get the heuristic only")
     ns = p.parse_args()
@@ -253,7 +260,9 @@ def main() -> int:
     result = bench(ns.sweep, ns.budget_s,
                    set(ns.sweep_kinds.split(",")) if ns.sweep_kinds else None,
                    tuple(int(m) for m in ns.ms.split(",")),
-                   set(ns.shapes.split(",")) if ns.shapes else None)
+                   set(ns.shapes.split(",")) if ns.shapes else None,
+                   [GemvConfig(*map(int, c.split(":")[:3]), True, *map(int, c.split(":")[3:]))
+                    for c in ns.configs.split(",") if c] or None)
     result.update({"command": "python " + " ".join(sys.argv),
                    "device": torch.cuda.get_device_name(), "hbm_bytes_per_s": HBM,
                    "seconds": time.time() - start,

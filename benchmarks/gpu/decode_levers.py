@@ -132,7 +132,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--variants", default="base,fused,row+table,pdl,pdl+fused,"
                                           "pdl+fused+row+table,pdl+fused+row+table+down,"
-                                          "pdl0+fused+row+table")
+                                          "pdl0+fused+row+table,pdl16+fused+row+table")
     ap.add_argument("--table", default=None, help="bench_gemv.py result for 'table'")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--input-len", type=int, default=128)
@@ -176,8 +176,13 @@ def main() -> int:
         results.append(fig)
         print(f"{v:28s} {fig['decode_tokens_per_s_per_seq']:7.1f} tok/s "
               f"({fig['ms_per_output_token']:.3f} ms/token)", flush=True)
-    base = next((r for r in results if r.get("variant") == variants[0] and "error" not in r),
-                None)
+        _save(ns, results, variants[0], start)  # after every variant: a timeout keeps them
+    _save(ns, results, variants[0], start)
+    return 0
+
+
+def _save(ns, results: list[dict], first: str, start: float) -> None:
+    base = next((r for r in results if r.get("variant") == first and "error" not in r), None)
     if base is not None:
         for r in results:
             if "error" not in r:
@@ -188,8 +193,6 @@ def main() -> int:
                                       "output_len": ns.output_len, "iters": ns.iters},
                          "device": torch.cuda.get_device_name(), "variants": results,
                          "seconds": time.time() - start, "loadavg": list(os.getloadavg())})
-    print(f"wrote {ns.out}")
-    return 0
 
 
 if __name__ == "__main__":

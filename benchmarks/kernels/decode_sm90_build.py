@@ -98,8 +98,14 @@ def main() -> int:
     for bn in (64, 32, 16):
         rows.append(_build(f"gemv_norm qkv bn{bn}", gemv_norm._gemv_norm_kernel, nsig,
                            dict(ACT=False, BLOCK_N=bn, BLOCK_K=256, **ncommon), 4, 4))
+    for bn in (64, 16):  # the M = 1 form (KVFLOW_GEMV_NORM_ROW): x side on one row
+        rows.append(_build(f"gemv_norm qkv bn{bn} one-row", gemv_norm._gemv_norm_kernel,
+                           nsig, dict(ACT=False, BLOCK_N=bn, BLOCK_K=256, X_ROWS=1,
+                                      **ncommon), 4, 4))
     rows.append(_build("gemv_norm gate_up", gemv_norm._gemv_norm_kernel, nsig,
                        dict(ACT=True, BLOCK_N=64, BLOCK_K=128, **ncommon), 4, 3))
+    rows.append(_build("gemv_norm gate_up one-row", gemv_norm._gemv_norm_kernel, nsig,
+                       dict(ACT=True, BLOCK_N=64, BLOCK_K=128, X_ROWS=1, **ncommon), 4, 3))
     asig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
             "bt_ptr": "*i32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "req_offset": "i32",
