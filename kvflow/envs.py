@@ -62,6 +62,18 @@ def pdl_prefetch_tiles() -> int:
     return value
 
 
+def attn_split_keys() -> int:
+    """KVFLOW_ATTN_SPLIT_KEYS: with KVFLOW_ATTN_MERGE=fused, a decode request's context is
+    split on device into at most the launch's split count, each split getting at least
+    this many keys (one split: no partials, no merge); 0 (default) uses every split."""
+    value = int(os.environ.get("KVFLOW_ATTN_SPLIT_KEYS", "0"))
+    if value < 0:
+        from kvflow.errors import InvalidParameterError
+
+        raise InvalidParameterError(f"KVFLOW_ATTN_SPLIT_KEYS must be >= 0, not {value}")
+    return value
+
+
 def gemv_norm_one_row() -> bool:
     """KVFLOW_GEMV_NORM_ROW=1: the norm-folded GEMV (kvflow/kernels/gemv_norm.py) computes
     its x side (residual add, squares, norm weight) on the single row at M = 1 instead of

@@ -1,6 +1,7 @@
 """GPU micro-benchmark of batch-1 decode attention at Llama-3.1-8B shape (32 query heads,
 8 KV heads, head dim 128, bf16, 16-token blocks): split counts, the merge as its own
-launch or fused into the attention launch (KVFLOW_ATTN_MERGE), PDL off / on (KVFLOW_PDL).
+launch or fused into the attention launch (KVFLOW_ATTN_MERGE; ``fused-K``: with KVFLOW_ATTN_SPLIT_KEYS=K, the split count
+decided on device), PDL off / on (KVFLOW_PDL).
 
     python benchmarks/gpu/bench_decode_attn.py --out $OUT/decode-attn.json
 
@@ -32,9 +33,12 @@ DT = torch.bfloat16
 
 
 def _set(merge: str, pdl_on: bool) -> None:
-    os.environ["KVFLOW_ATTN_MERGE"] = merge
+    """merge: kernel, fused, or fused-K (fused with KVFLOW_ATTN_SPLIT_KEYS=K)."""
+    os.environ["KVFLOW_ATTN_MERGE"] = merge.split("-")[0]
+    os.environ["KVFLOW_ATTN_SPLIT_KEYS"] = merge.split("-")[1] if "-" in merge else "0"
     os.environ["KVFLOW_PDL"] = "on" if pdl_on else "off"
     pa.merge_mode.cache_clear()
+    pa.split_keys.cache_clear()
     pdl._enabled.cache_clear()
 
 
@@ -81,8 +85,9 @@ def bench(contexts: list[int], splits_list: list[int]) -> list[dict]:
         ref = paged_attention_ref(q, cache, tables[0], [0, 1], [ctx], D ** -0.5).float()
         outs = [torch.empty_like(q) for _ in range(layers)]
         for splits in splits_list:
-            for merge in ("kernel", "fused"):
-                if splits == 1 and merge == "fused":
+            for merge in ("kernel", "fused", "fused-128", "fused-256"):
+                if splits == 1 and merge != "kernel" or merge.startswith("fused-") and (
+                        splits != 16):
                     continue
                 for pdl_on in (False, True):
                     _set(merge, pdl_on)
@@ -99,7 +104,7 @@ def bench(contexts: list[int], splits_list: list[int]) -> list[dict]:
                          "gb_per_s": per_layer / ms / 1e6, "max_abs_err": err,
                          "layers": layers}
                     rows.append(r)
-                    print(f"ctx {ctx:5d} splits {splits:2d} merge {merge:6s} pdl {pdl_on:d}: "
+                    print(f"ctx {ctx:5d} splits {splits:2d} merge {merge:9s} pdl {pdl_on:d}: "
                           f"{r['us']:6.2f} us/layer  {r['gb_per_s']:6.0f} GB/s  err {err:.1e}",
                           flush=True)
         cache = tables = outs = None  # free before the next context

@@ -10,7 +10,7 @@ between variants shows.
         [--variants base,fused,pdl,...] [--table $OUT/gemv-bench.json]
 
 Variants (environment switches, kvflow/envs.py): ``base`` (none: main's defaults),
-``fused`` (KVFLOW_ATTN_MERGE=fused), ``row`` (KVFLOW_GEMV_NORM_ROW=1), ``pdl``
+``fused`` (KVFLOW_ATTN_MERGE=fused), ``keysK`` (fused, KVFLOW_ATTN_SPLIT_KEYS=K), ``row`` (KVFLOW_GEMV_NORM_ROW=1), ``pdl``
 (KVFLOW_PDL=on), ``pdl0`` (PDL without the L2 weight prefetch), ``pdl8`` (8 tiles
 prefetched), ``down`` (down_proj at M = 1 on the GEMV instead of cuBLAS, so PDL chains
 through it), ``table`` (KVFLOW_GEMV_TABLE=--table), joined with ``+`` (``pdl+fused+row``).
@@ -41,8 +41,8 @@ from kvflow.sampling_params import SamplingParams  # noqa: E402
 # cuBLAS launch breaks the chain of overlapping launches.
 DOWN_M1 = {"block_n": 64, "block_k": 256, "split_k": 2, "dot": True, "num_warps": 4,
            "num_stages": 4}
-SWITCHES = ("KVFLOW_PDL", "KVFLOW_PDL_PREFETCH", "KVFLOW_ATTN_MERGE", "KVFLOW_GEMV_NORM_ROW",
-            "KVFLOW_GEMV_TABLE")
+SWITCHES = ("KVFLOW_PDL", "KVFLOW_PDL_PREFETCH", "KVFLOW_ATTN_MERGE", "KVFLOW_ATTN_SPLIT_KEYS",
+            "KVFLOW_GEMV_NORM_ROW", "KVFLOW_GEMV_TABLE")
 
 
 def _env(variant: str, table: str | None, down_table: str) -> dict:
@@ -53,6 +53,9 @@ def _env(variant: str, table: str | None, down_table: str) -> dict:
             continue
         elif part == "fused":
             env["KVFLOW_ATTN_MERGE"] = "fused"
+        elif part.startswith("keys"):  # fused merge, on-device split count
+            env["KVFLOW_ATTN_MERGE"] = "fused"
+            env["KVFLOW_ATTN_SPLIT_KEYS"] = part[4:]
         elif part == "row":
             env["KVFLOW_GEMV_NORM_ROW"] = "1"
         elif part.startswith("pdl"):
@@ -92,7 +95,7 @@ def _apply(engine, env: dict) -> None:
         os.environ.pop(k, None)
     os.environ.update(env)
     for fn in (pdl._enabled, pdl.prefetch_tiles_default, paged_attention.merge_mode,
-               gemv_norm.one_row, gemv_config._device_table):
+               paged_attention.split_keys, gemv_norm.one_row, gemv_config._device_table):
         fn.cache_clear()
     runner = engine.core.executor.runner
     for m in runner.model.modules():
@@ -131,8 +134,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--variants", default="base,fused,row+table,pdl,pdl+fused,"
-                                          "pdl+fused+row+table,pdl+fused+row+table+down,"
-                                          "pdl0+fused+row+table,pdl16+fused+row+table")
+                                          "pdl+fused+row+table,pdl+keys256+row+table,"
+                                          "pdl+fused+row+table+down,pdl0+fused+row+table,"
+                                          "pdl16+fused+row+table")
     ap.add_argument("--table", default=None, help="bench_gemv.py result for 'table'")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--input-len", type=int, default=128)

@@ -35,11 +35,12 @@ def _build(name: str, kernel, sig: dict, consts: dict, warps: int, stages: int) 
         return {}
     if "PDL" in consts and "--no-pdl" in sys.argv:
         consts = {**consts, "PDL": False}
+    # every constexpr given explicitly: a direct compile applies no defaults
     sig = {**sig, **{c: "constexpr" for c in consts}}
     names = list(sig)
     # What a real launch specializes: 16-aligned pointers, ints divisible by 16 (row
     # counts, split counts, positions and scales left generic).
-    generic = {"M", "split_k", "num_splits", "req_offset", "n_rows", "n_slots", "eps",
+    generic = {"M", "split_k", "num_splits", "req_offset", "split_keys", "n_rows", "n_slots", "eps",
                "qk_scale", "out_scale", "k_inv_scale", "v_inv_scale", "num_kv_heads"}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if sig[n] != "constexpr" and not sig[n].startswith("fp") and n not in generic}
@@ -97,13 +98,14 @@ def main() -> int:
                    PDL=True, PREFETCH=4)
     for bn in (64, 32, 16):
         rows.append(_build(f"gemv_norm qkv bn{bn}", gemv_norm._gemv_norm_kernel, nsig,
-                           dict(ACT=False, BLOCK_N=bn, BLOCK_K=256, **ncommon), 4, 4))
+                           dict(ACT=False, BLOCK_N=bn, BLOCK_K=256, X_ROWS=16, **ncommon),
+                           4, 4))
     for bn in (64, 16):  # the M = 1 form (KVFLOW_GEMV_NORM_ROW): x side on one row
         rows.append(_build(f"gemv_norm qkv bn{bn} one-row", gemv_norm._gemv_norm_kernel,
                            nsig, dict(ACT=False, BLOCK_N=bn, BLOCK_K=256, X_ROWS=1,
                                       **ncommon), 4, 4))
     rows.append(_build("gemv_norm gate_up", gemv_norm._gemv_norm_kernel, nsig,
-                       dict(ACT=True, BLOCK_N=64, BLOCK_K=128, **ncommon), 4, 3))
+                       dict(ACT=True, BLOCK_N=64, BLOCK_K=128, X_ROWS=16, **ncommon), 4, 3))
     rows.append(_build("gemv_norm gate_up one-row", gemv_norm._gemv_norm_kernel, nsig,
                        dict(ACT=True, BLOCK_N=64, BLOCK_K=128, X_ROWS=1, **ncommon), 4, 3))
     asig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
@@ -113,7 +115,8 @@ def main() -> int:
             "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32", "stride_kb": "i32",
             "stride_kt": "i32", "stride_kh": "i32", "ks_ptr": "*bf16", "vs_ptr": "*bf16",
             "out_scale": "fp32", "stride_sb": "i32", "stride_st": "i32", "stride_sh": "i32",
-            "tree_bits_ptr": "*i32", "tree_start_ptr": "*i32", "lock_ptr": "*i32"}
+            "tree_bits_ptr": "*i32", "tree_start_ptr": "*i32", "lock_ptr": "*i32",
+            "split_keys": "i32"}
     for fused in (False, True):
         rows.append(_build(f"paged_attn decode fused_merge={fused}",
                            paged_attention._paged_attn_kernel, asig,

@@ -157,12 +157,12 @@ def _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos, offs_n,
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["req_offset", "num_splits"])
+@triton.jit(do_not_specialize=["req_offset", "num_splits", "split_keys"])
 def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
         req_offset, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
         stride_bt, stride_kb, stride_kt, stride_kh, ks_ptr, vs_ptr, out_scale,
-        stride_sb, stride_st, stride_sh, tree_bits_ptr, tree_start_ptr, lock_ptr,
+        stride_sb, stride_st, stride_sh, tree_bits_ptr, tree_start_ptr, lock_ptr, split_keys,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -203,7 +203,16 @@ def _paged_attn_kernel(
     hi = tl.minimum(seq_len, ctx + (qb + 1) * BLOCK_Q)
     lo = 0
     if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
+        # The splits this request uses: all of them, or (fused merge with split_keys > 0)
+        # as many as give each at least split_keys keys; the rest exit here. One split
+        # writes the output itself: no partials, no merge.
+        eff = num_splits
+        if FUSED_MERGE:
+            if split_keys > 0:
+                eff = tl.minimum(tl.maximum(tl.cdiv(hi, split_keys), 1), num_splits)
+        if split >= eff:
+            return
+        chunk = tl.cdiv(tl.cdiv(hi, eff), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(hi, lo + chunk)
     # Keys <= the block's first query position are visible to every row: no masks.
@@ -240,23 +249,25 @@ def _paged_attn_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty split or empty context -> zeros
     o = acc * (out_scale / l_safe)[:, None]  # out_scale: fp8's V scale, else 1
     if SPLIT:
-        # Partial results of decode request `req`: [num_decodes, H, S, D_PAD] and [.., S].
-        num_heads = tl.num_programs(2) // num_splits * GROUP
-        part_row = (req.to(tl.int64) * num_heads + head) * num_splits + split
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
-        tl.store(part_o_ptr + part_row[:, None] * D_PAD + offs_d[None, :], o,
-                 mask=row_ok[:, None])
-        if FUSED_MERGE:  # the last split of this (request, KV head) to finish merges
-            tl.debug_barrier()  # every thread's partials are written before the release
-            slot = req * (tl.num_programs(2) // num_splits) + kvh
-            arrived = tl.atomic_add(lock_ptr + slot, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, (part_row - split), row_ok,
-                            row[:, None] * stride_ot + head[:, None] * stride_oh
-                            + offs_d[None, :], q_mask, offs_d, num_splits, BLOCK_Q * G_PAD,
-                            D_PAD)
-                tl.atomic_xchg(lock_ptr + slot, 0)  # zero again for the next launch
+        out_off = row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        if eff == 1:  # (fused merge only) the whole context in this program
+            tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:
+            # Partials of decode request `req`: [num_decodes, H, S, D_PAD] and [.., S].
+            num_heads = tl.num_programs(2) // num_splits * GROUP
+            part_row = (req.to(tl.int64) * num_heads + head) * num_splits + split
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
+            tl.store(part_o_ptr + part_row[:, None] * D_PAD + offs_d[None, :], o,
+                     mask=row_ok[:, None])
+            if FUSED_MERGE:  # the last split of this (request, KV head) to finish merges
+                tl.debug_barrier()  # every thread's partials are written before the release
+                slot = req * (tl.num_programs(2) // num_splits) + kvh
+                arrived = tl.atomic_add(lock_ptr + slot, 1, sem="acq_rel", scope="gpu")
+                if arrived == eff - 1:
+                    _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, (part_row - split),
+                                row_ok, out_off, q_mask, offs_d, eff, BLOCK_Q * G_PAD, D_PAD)
+                    tl.atomic_xchg(lock_ptr + slot, 0)  # zero again for the next launch
     else:
         tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh
                  + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -475,7 +486,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         _paged_attn_kernel[(1, num_decodes, num_kv_heads * splits)](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
             part_o, part_lse, 0, splits, *common, seq_lens, seq_lens,
-            out if locks is None else locks,
+            out if locks is None else locks, 0 if locks is None else split_keys(),
             G_PAD=max(g_pad, dec_cfg.block_m), BLOCK_Q=1, BLOCK_N=dec_cfg.block_n,
             SPLIT=splits > 1, num_warps=dec_cfg.num_warps, num_stages=dec_cfg.num_stages,
             TREE=False, **({"FUSED_MERGE": True} if locks is not None else {}), **pdl_kw,
@@ -492,7 +503,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         grid = (triton.cdiv(max_query_len, block_q), num_prefills, num_kv_heads)
         _paged_attn_kernel[grid](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-            out, out, num_decodes, 1, *common, *tree_args, out,
+            out, out, num_decodes, 1, *common, *tree_args, out, 0,
             G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=pre_cfg.block_n, SPLIT=False,
             num_warps=pre_cfg.num_warps, num_stages=pre_cfg.num_stages,
             TREE=tree is not None, **pdl_kw, **consts)
@@ -510,6 +521,16 @@ def merge_mode() -> str:
     from kvflow import envs
 
     return envs.attn_merge_mode()
+
+
+@functools.lru_cache(maxsize=1)
+def split_keys() -> int:
+    """``KVFLOW_ATTN_SPLIT_KEYS`` (``kvflow.envs.attn_split_keys``), read once per process:
+    with the fused merge, the fewest keys per split the decode launch uses on device
+    (0: every split of the launch)."""
+    from kvflow import envs
+
+    return envs.attn_split_keys()
 
 
 def _merge_locks(device: torch.device, slots: int) -> torch.Tensor | None:

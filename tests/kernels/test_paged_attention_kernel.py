@@ -127,23 +127,32 @@ def test_decode_only(device, num_kv_splits):
 
 @pytest.fixture
 def fused_merge(monkeypatch):
-    """KVFLOW_ATTN_MERGE=fused for one test (the mode is read once per process)."""
+    """KVFLOW_ATTN_MERGE=fused for one test (the mode is read once per process); the
+    returned function sets KVFLOW_ATTN_SPLIT_KEYS."""
     from kvflow.kernels import paged_attention as pa
 
+    def keys(n: int) -> None:
+        monkeypatch.setenv("KVFLOW_ATTN_SPLIT_KEYS", str(n))
+        pa.split_keys.cache_clear()
     monkeypatch.setenv("KVFLOW_ATTN_MERGE", "fused")
     pa.merge_mode.cache_clear()
-    yield
+    keys(0)
+    yield keys
     monkeypatch.delenv("KVFLOW_ATTN_MERGE")
+    monkeypatch.delenv("KVFLOW_ATTN_SPLIT_KEYS")
     pa.merge_mode.cache_clear()
+    pa.split_keys.cache_clear()
 
 
-@pytest.mark.parametrize("num_kv_splits", [3, 16])
-def test_decode_fused_merge(device, fused_merge, num_kv_splits):
+@pytest.mark.parametrize("num_kv_splits,split_keys", [(3, 0), (16, 0), (16, 64), (4, 256)])
+def test_decode_fused_merge(device, fused_merge, num_kv_splits, split_keys):
     """The last split of each (request, KV head) merges in the attention launch: same
     result as the merge kernel, with empty splits, a 1-key context, GQA 4; the arrival
-    counters are left at zero for the next launch."""
+    counters are left at zero for the next launch. With split_keys the request uses
+    cdiv(context, split_keys) splits at most (1: no partials at all)."""
     from kvflow.kernels import paged_attention as pa
 
+    fused_merge(split_keys)
     rng = random.Random(3)
     seq_lens = [1, 64, 65, rng.randint(100, 300)]
     batch = Batch([1] * 4, seq_lens, 4, 8, 2, 64, 16, torch.bfloat16, device, 3)
