@@ -9,7 +9,8 @@ between variants shows.
     python benchmarks/gpu/decode_levers.py --out $OUT/decode-levers.json \\
         [--variants base,fused,pdl,...] [--table $OUT/gemv-bench.json]
 
-Variants (environment switches, kvflow/envs.py): ``base`` (none: main's defaults),
+Variants (environment switches, kvflow/envs.py): ``base`` (every switch off), ``auto``
+(none set: this GPU's measured defaults, kvflow/kernels/decode_defaults.py),
 ``fused`` (KVFLOW_ATTN_MERGE=fused), ``keysK`` (fused, KVFLOW_ATTN_SPLIT_KEYS=K), ``row`` (KVFLOW_GEMV_NORM_ROW=1), ``pdl``
 (KVFLOW_PDL=on), ``pdl0`` (PDL without the L2 weight prefetch), ``pdl8`` (8 tiles
 prefetched), ``down`` (down_proj at M = 1 on the GEMV instead of cuBLAS, so PDL chains
@@ -45,8 +46,15 @@ SWITCHES = ("KVFLOW_PDL", "KVFLOW_PDL_PREFETCH", "KVFLOW_ATTN_MERGE", "KVFLOW_AT
             "KVFLOW_GEMV_NORM_ROW", "KVFLOW_GEMV_TABLE")
 
 
+# every switch off: main's behaviour before them, whatever the GPU's measured defaults
+OFF = {"KVFLOW_PDL": "off", "KVFLOW_ATTN_MERGE": "kernel", "KVFLOW_ATTN_SPLIT_KEYS": "0",
+       "KVFLOW_GEMV_NORM_ROW": "0"}
+
+
 def _env(variant: str, table: str | None, down_table: str) -> dict:
-    env: dict[str, str] = {}
+    if variant == "auto":  # nothing set: the defaults (decode_defaults.MEASURED)
+        return {}
+    env: dict[str, str] = dict(OFF)
     tables = []
     for part in variant.split("+"):
         if part == "base":

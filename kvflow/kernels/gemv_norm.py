@@ -178,11 +178,14 @@ def _epilogue(gate, up, ssq, K, eps, out_ptr, offs_m, offs_n, stride_om, o_mask,
 
 @functools.lru_cache(maxsize=1)
 def one_row() -> bool:
-    """``KVFLOW_GEMV_NORM_ROW`` (``kvflow.envs.gemv_norm_one_row``): the x side of an M = 1
-    launch as [1, BK] vectors (on) or as the dot's full 16 rows (off)."""
+    """``KVFLOW_GEMV_NORM_ROW`` (``kvflow.envs.gemv_norm_one_row``, else the GPU's measured
+    default): the x side of an M = 1 launch as [1, BK] vectors (on) or as the dot's full
+    16 rows (off)."""
     from kvflow import envs
+    from kvflow.kernels.decode_defaults import measured
 
-    return envs.gemv_norm_one_row()
+    value = envs.gemv_norm_one_row()
+    return measured()["gemv_norm_one_row"] if value is None else value
 
 
 def gemv_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,

@@ -517,10 +517,13 @@ _merge_lock_bufs: dict[torch.device, torch.Tensor] = {}
 
 @functools.lru_cache(maxsize=1)
 def merge_mode() -> str:
-    """``KVFLOW_ATTN_MERGE`` (``kvflow.envs.attn_merge_mode``), read once per process."""
+    """``KVFLOW_ATTN_MERGE`` (``kvflow.envs.attn_merge_mode``; ``auto``: the GPU's
+    measured default, ``kvflow/kernels/decode_defaults.py``), read once per process."""
     from kvflow import envs
+    from kvflow.kernels.decode_defaults import measured
 
-    return envs.attn_merge_mode()
+    mode = envs.attn_merge_mode()
+    return measured()["attn_merge"] if mode == "auto" else mode
 
 
 @functools.lru_cache(maxsize=1)
@@ -529,8 +532,10 @@ def split_keys() -> int:
     with the fused merge, the fewest keys per split the decode launch uses on device
     (0: every split of the launch)."""
     from kvflow import envs
+    from kvflow.kernels.decode_defaults import measured
 
-    return envs.attn_split_keys()
+    value = envs.attn_split_keys()
+    return measured()["attn_split_keys"] if value is None else value
 
 
 def _merge_locks(device: torch.device, slots: int) -> torch.Tensor | None:

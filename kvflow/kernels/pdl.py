@@ -25,10 +25,10 @@ The protocol every kernel launched with PDL follows (``pdl_enter``):
   take free SM slots and prefetch while this one streams.
 
 Kernels launched without the attribute (cuBLAS, torch ops) serialize as usual, so mixing
-is safe. ``KVFLOW_PDL`` (``kvflow.envs.pdl_mode``) switches it: ``off`` (default until
-measured on a GPU), ``on`` (compute capability >= 9 with a Triton that has the
-intrinsics). The decision is made once per process, so every launch of a captured graph
-agrees with its capture.
+is safe. ``KVFLOW_PDL`` (``kvflow.envs.pdl_mode``) switches it: ``auto`` (default: on
+where ``decode_defaults.MEASURED`` says it measured faster on this GPU), ``on``
+(compute capability >= 9 with a Triton that has the intrinsics), ``off``. The decision
+is made once per process, so every launch of a captured graph agrees with its capture.
 """
 
 from __future__ import annotations
@@ -50,8 +50,11 @@ except ImportError:  # pragma: no cover - old Triton
 @functools.lru_cache(maxsize=8)
 def _enabled(index: int) -> bool:
     from kvflow import envs
+    from kvflow.kernels.decode_defaults import measured
 
-    return envs.pdl_mode() == "on" and torch.cuda.get_device_capability(index)[0] >= 9
+    mode = envs.pdl_mode()
+    on = mode == "on" or (mode == "auto" and measured(torch.device("cuda", index))["pdl"])
+    return on and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -64,10 +67,13 @@ def pdl_enabled(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def prefetch_tiles_default() -> int:
-    """Weight tiles a GEMV program prefetches before its wait (``KVFLOW_PDL_PREFETCH``)."""
+    """Weight tiles a GEMV program prefetches before its wait (``KVFLOW_PDL_PREFETCH``,
+    else the GPU's measured default)."""
     from kvflow import envs
+    from kvflow.kernels.decode_defaults import measured
 
-    return envs.pdl_prefetch_tiles()
+    value = envs.pdl_prefetch_tiles()
+    return measured()["pdl_prefetch"] if value is None else value
 
 
 def launch_kw(pdl: bool) -> dict:

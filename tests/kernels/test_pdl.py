@@ -50,6 +50,34 @@ def test_modes_and_cpu(monkeypatch, pdl_env):
         envs.attn_merge_mode()
 
 
+def test_decode_defaults_off_the_gpu(monkeypatch):
+    """Unset / auto switches take decode_defaults' values; off CUDA (and on any GPU not
+    in MEASURED) those are the behaviour before the switches."""
+    from kvflow.kernels import decode_defaults, gemv_norm, paged_attention
+
+    for var in ("KVFLOW_PDL", "KVFLOW_ATTN_MERGE", "KVFLOW_ATTN_SPLIT_KEYS",
+                "KVFLOW_GEMV_NORM_ROW", "KVFLOW_PDL_PREFETCH"):
+        monkeypatch.delenv(var, raising=False)
+    assert decode_defaults.measured(torch.device("cpu")) == decode_defaults.OFF
+    assert envs.pdl_mode() == "auto" and envs.attn_merge_mode() == "auto"
+    assert envs.attn_split_keys() is None and envs.gemv_norm_one_row() is None
+    if not torch.cuda.is_available():
+        for fn in (paged_attention.merge_mode, paged_attention.split_keys, gemv_norm.one_row,
+                   pdl.prefetch_tiles_default):
+            fn.cache_clear()
+        try:
+            assert paged_attention.merge_mode() == "kernel"
+            assert paged_attention.split_keys() == 0
+            assert gemv_norm.one_row() is False
+            assert pdl.prefetch_tiles_default() == 4
+        finally:
+            for fn in (paged_attention.merge_mode, paged_attention.split_keys,
+                       gemv_norm.one_row, pdl.prefetch_tiles_default):
+                fn.cache_clear()
+    for token, values in decode_defaults.MEASURED.items():  # only known switches
+        assert set(values) <= set(decode_defaults.OFF), token
+
+
 def _decode_chain(seed: int = 0):
     """One decoder layer's batch-1 kernels at small 8B-like widths, as a list of calls
     over static buffers: add+norm+qkv GEMV, rotary + cache write, split-KV attention,
