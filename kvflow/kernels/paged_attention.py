@@ -25,7 +25,12 @@ Algorithm (one kernel body, two launches):
   num_kv_splits = S > 1, split s handles keys [s*c, (s+1)*c) with
   ``c = roundup(cdiv(seq_len, S), BLOCK_N)`` (computed on device per request), and
   writes a normalised partial output and its log2-sum-exp (float32) to a workspace; a
-  second kernel, grid ``(num_decodes, H)``, merges the S partials.
+  second kernel, grid ``(num_decodes, H)``, merges the S partials. With the fused merge
+  (``KVFLOW_ATTN_MERGE=fused``) there is no second kernel: each split bumps an arrival
+  counter per (request, KV head) after storing its partial, and the last one merges the
+  S partials of its G heads (same online combine, split order) and resets the counter;
+  ``KVFLOW_ATTN_SPLIT_KEYS=K`` then also lowers S per request on device to
+  ``cdiv(seq_len, K)`` (one split: the output directly, no partials).
 * Prefill launch: requests [num_decodes, R), grid ``(cdiv(max_query_len, BLOCK_Q),
   R - num_decodes, KVH)``; q-blocks past a request's q_len exit at once. The q-block axis
   is walked from the last block (longest causal range) first, and sits on the fastest
