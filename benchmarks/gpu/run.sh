@@ -40,6 +40,9 @@
 #             (decode-levers.json; GEMV2_VARIANTS picks); GEMV2_PROFILE=1 adds the batch-1
 #             per-kernel profile of the CUDA graph with GEMV2_PROFILE_ENV's switches
 #             (profile-decode1-graph.json)
+#   gemv2-confirm  GPU-A by `kvflow bench latency` with every decode switch off, then with the
+#             defaults (gpu-a-gemv2-off/auto.json); GEMV2_PROFILE=1 adds the batch-1 profile
+#             (CUDA graph and eager) with the defaults (profile-decode1-gemv2.json)
 #   spec-verify  speculative verification cost at Llama-3.1-8B shape (dummy weights, <= 5 min):
 #             batch-1 plain decode, always-right drafts at k=1..8 and Medusa trees of 8/16/32/63
 #             nodes, the heads' forward, batch 64 with speculation switched off / forced on
@@ -116,6 +119,13 @@ for stage in "$@"; do
       if [ -n "${GEMV2_PROFILE:-}" ]; then
         env ${GEMV2_PROFILE_ENV:-} timeout 100 python benchmarks/gpu/profile_steps.py --cases decode1-graph --out "$OUT/profile-decode1-graph.json" 2>&1 | grep -v "^INFO" | tail -18
       fi;;
+    gemv2-confirm)  # GPU-A by `kvflow bench latency`: every decode switch off, then the defaults
+      off="KVFLOW_PDL=off KVFLOW_ATTN_MERGE=kernel KVFLOW_ATTN_SPLIT_KEYS=0 KVFLOW_GEMV_NORM_ROW=0"
+      for mode in ${GEMV2_CONFIRM_MODES:-off auto}; do
+        env $([ $mode = off ] && echo $off) timeout ${GEMV2_E2E_TIMEOUT:-150} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --backend kvflow --max-num-seqs 8 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-gemv2-$mode.json" 2>&1 | grep -E "GEMV|tokens/s|rror|Traceback" | tail -6
+        echo "gpu-a-gemv2-$mode exit ${PIPESTATUS[0]}"
+      done
+      [ -n "${GEMV2_PROFILE:-}" ] && timeout 100 python benchmarks/gpu/profile_steps.py --cases decode1-graph,decode1 --out "$OUT/profile-decode1-gemv2.json" 2>&1 | grep -v "^INFO" | tail -36;;
     spec-verify)
       timeout ${SPEC_VERIFY_TIMEOUT:-270} $KV bench spec-verify --model llama-3.1-8b --load-format dummy --input-len 128 --output-len 128 --max-model-len 4096 --gpu-memory-utilization 0.45 --save-result "$OUT/spec-verify.json" 2>&1 | grep -v "^INFO" | tail -30
       [ -f "$OUT/spec-verify.json" ] && python scripts/predict_spec_speedup.py --gpu "$OUT/spec-verify.json" --out "$OUT/spec-predict.json" 2>&1 | tail -15;;
