@@ -34,7 +34,7 @@
 #   gemv2     batch-1 decode levers (~4 min, each sub-run under its own timeout): PDL / fused
 #             merge / one-row norm GEMV GPU tests; batch-1 attention micro-benchmark (splits,
 #             merge kernel vs fused, PDL; decode-attn.json); M = 1 tiles of qkv / o
-#             (GEMV2_CONFIGS: BLOCK_N 16..64) with the one-row norm GEMV (gemv2-sweep.json);
+#             and down (GEMV2_CONFIGS: BLOCK_N 16..64), one-row norm GEMV (gemv2-sweep.json);
 #             the table's GEMVs
 #             with PDL on (gemv2-pdl.json); GPU-A with each lever on/off in one process
 #             (decode-levers.json; GEMV2_VARIANTS picks); GEMV2_PROFILE=1 adds the batch-1
@@ -113,7 +113,7 @@ for stage in "$@"; do
     gemv2)
       timeout ${GEMV2_TEST_TIMEOUT:-90} python -m pytest tests/kernels/test_pdl.py tests/kernels/test_paged_attention_kernel.py tests/kernels/test_gemv_kernel.py -q -x -k "pdl or fused or one_row or cuda_graph" 2>&1 | tail -4
       timeout ${GEMV2_ATTN_TIMEOUT:-75} python benchmarks/gpu/bench_decode_attn.py --out "$OUT/decode-attn.json" --contexts ${GEMV2_CONTEXTS:-256,1024,4096} 2>&1 | grep -v "^INFO" | tail -32 || echo "decode-attn failed"
-      KVFLOW_GEMV_NORM_ROW=1 timeout ${GEMV2_SWEEP_TIMEOUT:-90} python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv2-sweep.json" --ms 1 --shapes qkv,o --sweep --sweep-kinds linear,norm_linear --configs ${GEMV2_CONFIGS:-64:256:1:4:4,32:256:1:4:4,32:256:1:4:3,32:128:1:4:6,16:256:1:4:4,16:256:1:4:6,16:512:1:4:3,16:256:1:2:4} 2>&1 | grep -v "^INFO" | tail -6 || echo "gemv2-sweep failed"
+      KVFLOW_GEMV_NORM_ROW=1 timeout ${GEMV2_SWEEP_TIMEOUT:-110} python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv2-sweep.json" --ms 1 --shapes qkv,o,down --sweep --sweep-kinds linear,norm_linear --configs ${GEMV2_CONFIGS:-64:256:1:4:4,32:256:1:4:4,32:256:1:4:3,32:128:1:4:6,16:256:1:4:4,16:256:1:4:6,16:512:1:4:3,16:256:1:2:4} 2>&1 | grep -v "^INFO" | tail -6 || echo "gemv2-sweep failed"
       KVFLOW_PDL=on timeout ${GEMV2_PDL_TIMEOUT:-60} python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv2-pdl.json" --ms 1 2>&1 | grep -v "^INFO" | tail -10 || echo "gemv2-pdl failed"
       timeout ${GEMV2_E2E_TIMEOUT:-180} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-levers.json" --table "$OUT/gemv2-sweep.json" --budget-s $(( ${GEMV2_E2E_TIMEOUT:-180} - 30 )) ${GEMV2_VARIANTS:+--variants "$GEMV2_VARIANTS"} 2>&1 | grep -v "^INFO" | tail -14 || echo "decode-levers failed"
       if [ -n "${GEMV2_PROFILE:-}" ]; then
