@@ -40,6 +40,9 @@
 #             (decode-levers.json; GEMV2_VARIANTS picks); GEMV2_PROFILE=1 adds the batch-1
 #             per-kernel profile of the CUDA graph with GEMV2_PROFILE_ENV's switches
 #             (profile-decode1-graph.json)
+#   gemv2-final  (<= 115 s) PDL with the late trigger: its GPU test, GPU-A base / PDL without and
+#             with the weight prefetch (decode-levers-late.json), qkv / o / down GEMVs at M = 1
+#             with PDL on and off (gemv2-pdl-on/off.json)
 #   gemv2-confirm  GPU-A by `kvflow bench latency` with every decode switch off, then with the
 #             defaults (gpu-a-gemv2-off/auto.json); GEMV2_PROFILE=1 adds the batch-1 profile
 #             (CUDA graph and eager) with the defaults (profile-decode1-gemv2.json)
@@ -119,6 +122,12 @@ for stage in "$@"; do
       if [ -n "${GEMV2_PROFILE:-}" ]; then
         env ${GEMV2_PROFILE_ENV:-} timeout 100 python benchmarks/gpu/profile_steps.py --cases decode1-graph --out "$OUT/profile-decode1-graph.json" 2>&1 | grep -v "^INFO" | tail -18
       fi;;
+    gemv2-final)  # <= 115 s: PDL with the late trigger (GPU test, GPU-A levers, GEMVs on/off)
+      timeout 20 python -m pytest tests/kernels/test_pdl.py -q -x 2>&1 | tail -3
+      timeout 55 python benchmarks/gpu/decode_levers.py --out "$OUT/decode-levers-late.json" --variants ${GEMV2_VARIANTS:-base,pdl0,pdl,pdl8} --budget-s 45 2>&1 | grep -v "^INFO" | tail -6 || echo "levers failed"
+      for p in on off; do
+        KVFLOW_PDL=$p timeout 20 python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv2-pdl-$p.json" --ms 1 --shapes qkv,o,down 2>&1 | grep -E "M=1|rror" | tail -5 || echo "gemv pdl $p failed"
+      done;;
     gemv2-confirm)  # GPU-A by `kvflow bench latency`: every decode switch off, then the defaults
       off="KVFLOW_PDL=off KVFLOW_ATTN_MERGE=kernel KVFLOW_ATTN_SPLIT_KEYS=0 KVFLOW_GEMV_NORM_ROW=0"
       for mode in ${GEMV2_CONFIRM_MODES:-off auto}; do

@@ -41,8 +41,8 @@ import triton
 import triton.language as tl
 
 from kvflow.kernels.gemv_config import GemvConfig, default_config
-from kvflow.kernels.pdl import (launch_kw, pdl_enabled, pdl_enter, prefetch_tiles,
-                                prefetch_tiles_default)
+from kvflow.kernels.pdl import (launch_kw, pdl_enabled, pdl_trigger, pdl_wait,
+                                prefetch_tiles, prefetch_tiles_default)
 from kvflow.kernels.woq_config import LOCK_SLOTS, split_buffers, store_output
 
 MAX_M = 16  # activation rows of the DOT path (one MMA N-tile)
@@ -103,9 +103,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride
     if PDL:  # the weight does not depend on the previous kernel: start it streaming
         prefetch_tiles(w_ptr, offs_n.to(tl.int64)[:, None] * K, offs_n < N, t_start, t_end,
                        BLOCK_K, PREFETCH)
-    pdl_enter(PDL)
+    pdl_wait(PDL)
     acc = _partial(x_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_xm, t_start, t_end,
                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT, UPCAST)
+    pdl_trigger(PDL)  # in the tail: the next kernel may become resident
     if HAS_BIAS:  # added by the first split only (the others' partials exclude it)
         b = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         acc += tl.where(pid_k == 0, 1.0, 0.0) * b[None, :]
@@ -131,11 +132,12 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, wu_ptr, out_ptr, ws_ptr, lock_ptr, M, D,
         rows_w = offs_n.to(tl.int64)[:, None] * K
         prefetch_tiles(w_ptr, rows_w, offs_n < D, t_start, t_end, BLOCK_K, PREFETCH // 2)
         prefetch_tiles(wu_ptr, rows_w, offs_n < D, t_start, t_end, BLOCK_K, PREFETCH // 2)
-    pdl_enter(PDL)
+    pdl_wait(PDL)
     gate = _partial(x_ptr, w_ptr, offs_m, offs_n, M, D, K, stride_xm, t_start, t_end,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT, UPCAST)
     up = _partial(x_ptr, wu_ptr, offs_m, offs_n, M, D, K, stride_xm,
                   t_start, t_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT, UPCAST)
+    pdl_trigger(PDL)
     o_mask = (offs_m < M)[:, None] & (offs_n < D)[None, :]
     if SPLIT:  # workspace [split_k, 2, M, D]: this split's gate and up partials
         ws = ws_ptr + offs_m[:, None] * D + offs_n[None, :]

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kvflow.kernels.gemv import MAX_M, _pdl_args
 from kvflow.kernels.gemv_config import GemvConfig
-from kvflow.kernels.pdl import pdl_enter, prefetch_tiles
+from kvflow.kernels.pdl import pdl_trigger, pdl_wait, prefetch_tiles
 from kvflow.kernels.woq_config import LOCK_SLOTS, split_buffers
 
 
@@ -61,7 +61,7 @@ def _gemv_norm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, wu_ptr, out_ptr, r_out_ptr,
             prefetch_tiles(wu_ptr, rows_w, n_ok, t_start, t_end, BLOCK_K, PREFETCH // 2)
         else:
             prefetch_tiles(w_ptr, rows_w, n_ok, t_start, t_end, BLOCK_K, PREFETCH)
-    pdl_enter(PDL)
+    pdl_wait(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # X_ROWS: activation rows the x side computes on, BLOCK_M, or 1 when M == 1 (the x side
@@ -114,6 +114,7 @@ def _gemv_norm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, wu_ptr, out_ptr, r_out_ptr,
                                 input_precision="ieee")
             else:
                 acc_u += tl.dot(wu, tl.trans(a))
+    pdl_trigger(PDL)  # in the tail: the next kernel may become resident
     if X_ROWS == 1:
         ssq = tl.where(offs_m == 0, tl.sum(ssq, axis=0), 0.0)  # [BM]
     gate = tl.trans(acc)  # [BM, BN]

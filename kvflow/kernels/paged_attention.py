@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.kernels.pdl import launch_kw, pdl_enabled, pdl_enter
+from kvflow.kernels.pdl import launch_kw, pdl_enabled, pdl_enter, pdl_trigger, pdl_wait
 
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 256
@@ -173,7 +173,7 @@ def _paged_attn_kernel(
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr, QUANT: tl.constexpr, TREE: tl.constexpr,
         FUSED_MERGE: tl.constexpr = False, PDL: tl.constexpr = False):
-    pdl_enter(PDL)  # before the early return: completion must imply the predecessor's
+    pdl_wait(PDL)  # before the early returns: completion must imply the predecessor's
     num_qb = tl.num_programs(0)
     qb = num_qb - 1 - tl.program_id(0)  # longest causal range first
     req = tl.program_id(1) + req_offset
@@ -251,6 +251,7 @@ def _paged_attn_kernel(
                                    BLOCK_SIZE, HEAD_DIM, D_PAD, True, DOT_PREC, UPCAST, QUANT,
                                    TREE)
 
+    pdl_trigger(PDL)  # the K/V loop is done: the next kernel may become resident
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty split or empty context -> zeros
     o = acc * (out_scale / l_safe)[:, None]  # out_scale: fp8's V scale, else 1
     if SPLIT:

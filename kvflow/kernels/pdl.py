@@ -21,8 +21,9 @@ The protocol every kernel launched with PDL follows (``pdl_enter``):
 * every program calls ``gdc_wait``, before any early return, so a kernel's completion
   still implies its predecessor's (kernels further down wait only on their direct
   predecessor);
-* ``gdc_launch_dependents`` right after the wait: the next kernel's programs may then
-  take free SM slots and prefetch while this one streams.
+* ``gdc_launch_dependents``: right after the wait in the short kernels; after the main
+  loop in the streaming ones (GEMVs, attention), so the next kernel's programs become
+  resident, prefetch and wait only during this one's tail.
 
 Kernels launched without the attribute (cuBLAS, torch ops) serialize as usual, so mixing
 is safe. ``KVFLOW_PDL`` (``kvflow.envs.pdl_mode``) switches it: ``auto`` (default: on
@@ -83,9 +84,27 @@ def launch_kw(pdl: bool) -> dict:
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """Wait for the previous kernel, then let the next one launch (see the module doc)."""
+    """Wait for the previous kernel, then let the next one launch at once: for the short
+    kernels (rotary, norms, the merge), whose few programs leave most SMs free."""
     if PDL:
         gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait for the previous kernel (the streaming kernels; ``pdl_trigger`` comes later)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_trigger(PDL: tl.constexpr):
+    """Let the next kernel launch: the streaming kernels call it after their main loop, so
+    the next kernel's programs become resident in this one's tail only (launched at once,
+    they took SM slots and prefetched weights that this kernel's stream evicted again:
+    slower end to end on the H200, results/decode-levers-run1-h200.json)."""
+    if PDL:
         gdc_launch_dependents()
 
 

@@ -119,7 +119,7 @@ def _decode_chain(seed: int = 0):
         o = gemv(a.view(1, h * d), w_o, None, cfg)
         act, r2 = gemv_rms_norm(o, r1, nw2, 1e-5, w_gu, GemvConfig(32, 128, 1), True)
         y = gemv(act, w_down, None, GemvConfig(32, 256, 2))
-        return rms_norm(y, nw1)
+        return rms_norm(y, nw1, 1e-5)
     return step, cache
 
 
