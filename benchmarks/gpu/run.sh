@@ -123,10 +123,10 @@ for stage in "$@"; do
         env ${GEMV2_PROFILE_ENV:-} timeout 100 python benchmarks/gpu/profile_steps.py --cases decode1-graph --out "$OUT/profile-decode1-graph.json" 2>&1 | grep -v "^INFO" | tail -18
       fi;;
     gemv2-final)  # <= 115 s: PDL with the late trigger (GPU test, GPU-A levers, GEMVs on/off)
-      timeout 20 python -m pytest tests/kernels/test_pdl.py -q -x 2>&1 | tail -3
+      timeout 30 python -m pytest tests/kernels/test_pdl.py -q -x 2>&1 | tail -3
       timeout 55 python benchmarks/gpu/decode_levers.py --out "$OUT/decode-levers-late.json" --variants ${GEMV2_VARIANTS:-base,pdl0,pdl,pdl8} --budget-s 45 2>&1 | grep -v "^INFO" | tail -6 || echo "levers failed"
       for p in on off; do
-        KVFLOW_PDL=$p timeout 20 python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv2-pdl-$p.json" --ms 1 --shapes qkv,o,down 2>&1 | grep -E "M=1|rror" | tail -5 || echo "gemv pdl $p failed"
+        KVFLOW_PDL=$p timeout 15 python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv2-pdl-$p.json" --ms 1 --shapes qkv,o,down 2>&1 | grep -E "M=1|rror" | tail -5 || echo "gemv pdl $p failed"
       done;;
     gemv2-confirm)  # GPU-A by `kvflow bench latency`: every decode switch off, then the defaults
       off="KVFLOW_PDL=off KVFLOW_ATTN_MERGE=kernel KVFLOW_ATTN_SPLIT_KEYS=0 KVFLOW_GEMV_NORM_ROW=0"
