@@ -54,7 +54,7 @@ def pdl_mode() -> str:
 
 def pdl_prefetch_tiles() -> int | None:
     """KVFLOW_PDL_PREFETCH: weight tiles each GEMV program prefetches into L2 before its
-    PDL wait (0 turns the prefetch off; unset: the GPU's measured default, else 4)."""
+    PDL wait (0 turns the prefetch off; unset: the GPU's measured default, else 0)."""
     raw = os.environ.get("KVFLOW_PDL_PREFETCH")
     if raw is None or raw == "":
         return None

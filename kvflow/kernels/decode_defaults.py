@@ -20,10 +20,14 @@ import functools
 
 import torch
 
-OFF: dict = {"pdl": False, "pdl_prefetch": 4, "attn_merge": "kernel", "attn_split_keys": 0,
+# The behaviour before the switches; the prefetch (only read with PDL on) defaults to 0
+# tiles, the best PDL variant measured on the H200 (results/decode-levers-late-h200.json).
+OFF: dict = {"pdl": False, "pdl_prefetch": 0, "attn_merge": "kernel", "attn_split_keys": 0,
              "gemv_norm_one_row": False}
 
-# device-name token -> the switches' measured best (each entry cites its result file)
+# device-name token -> the switches' measured best (each entry cites its result file).
+# H200: none is a win, so no entry: every lever measured slower or even in GPU-A
+# (results/decode-levers-run1-h200.json, decode-levers-late-h200.json; docs/decode-gemv.md).
 MEASURED: dict[str, dict] = {}
 
 

@@ -69,7 +69,7 @@ def test_decode_defaults_off_the_gpu(monkeypatch):
             assert paged_attention.merge_mode() == "kernel"
             assert paged_attention.split_keys() == 0
             assert gemv_norm.one_row() is False
-            assert pdl.prefetch_tiles_default() == 4
+            assert pdl.prefetch_tiles_default() == 0
         finally:
             for fn in (paged_attention.merge_mode, paged_attention.split_keys,
                        gemv_norm.one_row, pdl.prefetch_tiles_default):
