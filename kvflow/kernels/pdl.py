@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (PDL) for the batch-1 decode kernels, and the L2 weight
-prefetch that makes it pay.
+"""Programmatic dependent launch (PDL) for the batch-1 decode kernels, with an optional L2
+weight prefetch before the wait.
 
 A batch-1 decode step on an 8B model is ~260 kernels replayed from one CUDA graph; every
 one of them ramps up (launch, first loads in flight) and drains (the last programs
@@ -12,8 +12,12 @@ visible. Work that does not depend on the previous kernel can go before the wait
 GEMV that is the weight, so each program issues L2 prefetches of its first weight tiles
 (``prefetch_tiles``), and the HBM keeps streaming through the previous kernel's tail
 (a paged-attention launch at batch 1 is latency-bound and leaves the HBM mostly idle).
+Measured on the H200 (docs/decode-gemv.md): PDL without the prefetch is even with plain
+launches at GPU-A, every prefetched tile makes it slower, and launching the next kernel
+at once (not in the tail) was slower too; so it is off by default.
 
-The protocol every kernel launched with PDL follows (``pdl_enter``):
+The protocol every kernel launched with PDL follows (``pdl_enter``, or ``pdl_wait`` then
+``pdl_trigger``):
 
 * nothing before ``gdc_wait`` reads data another kernel writes or writes anything (a
   graph reuses buffers, so even a fresh output may still be read by the previous kernel);
