@@ -98,7 +98,7 @@ def _grid(kind: str, m: int, n: int, k: int, sms: int) -> list[GemvConfig]:
     base = default_config(m, n, k, torch.device("cuda"), pairs=pairs)
     out = [base]
     stages = (2, 3) if pairs else (4, 3, 5)
-    for bn, bk, w, st in itertools.product((64, 32, 128), (256, 128), (4, 8), stages):
+    for bn, bk, w, st in itertools.product((64, 32, 16, 128), (256, 128), (4, 8), stages):
         tiles = -(-n // bn)
         k_tiles = -(-k // bk)
         for split in (1, 2, 3, 4, 6, 8, 12, 16):
@@ -126,11 +126,12 @@ def _grid(kind: str, m: int, n: int, k: int, sms: int) -> list[GemvConfig]:
 
 
 def bench(sweep: bool, budget_s: float, sweep_kinds: set[str] | None = None,
-          ms: tuple[int, ...] = MS) -> dict:
+          ms: tuple[int, ...] = MS, shapes: set[str] | None = None,
+          configs: list[GemvConfig] | None = None) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, sweeps, table = [], [], []
     end = time.time() + budget_s
-    cases = list(itertools.product(SHAPES, ms))
+    cases = [c for c in itertools.product(SHAPES, ms) if not shapes or c[0][0] in shapes]
     swept = lambda kind: sweep and (not sweep_kinds or kind in sweep_kinds)  # noqa: E731
 
     def weight(kind: str, m: int) -> int:  # batch 1 is the target
@@ -179,7 +180,10 @@ def bench(sweep: bool, budget_s: float, sweep_kinds: set[str] | None = None,
                      "hbm_fraction": total / cub_ms / 1e-3 / HBM})
         known = _device_table(torch.cuda.get_device_name()).get((kind, n_out, k), {})
         own = known.get(m)
-        if swept(kind):
+        if swept(kind) and configs:  # a given list: each one timed, no budget cut
+            grid = [c for c in [own, *configs] if c is not None]
+            timed = grid
+        elif swept(kind):
             grid = _grid(kind, m, n_out, k, sms)
             timed = [own] if own is not None else []
         else:  # the table's configs for this shape (every bucket) and the heuristic
@@ -244,17 +248,27 @@ def main() -> int:
     p.add_argument("--sweep-kinds", default="",
                    help="sweep only these kinds (comma-separated: linear, silu_mul, "
                         "norm_linear, norm_silu_mul); the others time the table's configs")
+    p.add_argument("--shapes", default="",
+                   help="only these shapes (comma-separated: qkv, o, gate_up, down, lm_head)")
+    p.add_argument("--configs", default="",
+                   help="with --sweep: time exactly these configurations (and the table's) "
+                        "instead of the grid: BN:BK:SPLIT:WARPS:STAGES,...")
     p.add_argument("--budget-s", type=float, default=150.0,
                    help="seconds of sweeping in all; later cases get the heuristic only")
     ns = p.parse_args()
     start = time.time()
     result = bench(ns.sweep, ns.budget_s,
                    set(ns.sweep_kinds.split(",")) if ns.sweep_kinds else None,
-                   tuple(int(m) for m in ns.ms.split(",")))
+                   tuple(int(m) for m in ns.ms.split(",")),
+                   set(ns.shapes.split(",")) if ns.shapes else None,
+                   [GemvConfig(*map(int, c.split(":")[:3]), True, *map(int, c.split(":")[3:]))
+                    for c in ns.configs.split(",") if c] or None)
     result.update({"command": "python " + " ".join(sys.argv),
                    "device": torch.cuda.get_device_name(), "hbm_bytes_per_s": HBM,
                    "seconds": time.time() - start,
-                   "timing": "one CUDA graph over weight copies > L2, median per launch"})
+                   "timing": "one CUDA graph over weight copies > L2, median per launch",
+                   # the decode switches in force (PDL makes the copies' launches overlap)
+                   "env": {k: v for k, v in os.environ.items() if k.startswith("KVFLOW_")}})
     save_result(ns.out, result)
     print(f"wrote {ns.out}")
     return 0

@@ -94,18 +94,22 @@ def main() -> None:
     ap.add_argument("--cases", default="decode1,decode256,prefill",
                     help="comma-separated subset of decode1, decode256, prefill")
     ns = ap.parse_args()
-    cases = dict(zip(("decode1", "decode256", "prefill"), range(3)))
+    cases = dict(zip(("decode1", "decode256", "prefill", "decode1-graph"), range(4)))
     wanted = {cases[c] for c in ns.cases.split(",")}
     results = []
     for i, (label, batch, prompt, eager, extra) in enumerate([
         ("decode batch 1 (ctx ~1k, eager)", 1, 1024, True, {}),
         ("decode batch 256 (ctx ~1k, eager)", 256, 1024, True, {}),
         ("prefill 8192 tokens", 1, 8192, True, {"max_num_batched_tokens": 8192}),
+        # the decode graph GPU-A replays (its split-KV count is the graph's, 16 at batch
+        # 1, not the eager step's 4); the profiler lists the kernels of the replay
+        ("decode batch 1 (ctx ~256, CUDA graph)", 1, 256, False,
+         {"max_num_seqs": 1, "max_model_len": 4096}),
     ]):
         if i not in wanted:
             continue
-        args = EngineArgs(model=ns.model, load_format="dummy", enforce_eager=eager,
-                          max_model_len=16384, max_num_seqs=256, **extra)
+        extra = {"max_model_len": 16384, "max_num_seqs": 256, **extra}
+        args = EngineArgs(model=ns.model, load_format="dummy", enforce_eager=eager, **extra)
         engine = LLMEngine.from_engine_args(args)
         arch = engine.config.model.arch
         if label.startswith("prefill"):

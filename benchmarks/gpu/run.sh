@@ -31,6 +31,21 @@
 #             auto-fresh: the table just measured; gpu-a-gemv-MODE.json); GEMV_PROFILE_MODES
 #             adds the batch-1 per-kernel profile per mode (profile-gemv-MODE.json);
 #             GEMV_PARITY=1 first runs the 8B bf16 parity test vs transformers, GEMV forced
+#   gemv2     batch-1 decode levers (~4 min, each sub-run under its own timeout): PDL / fused
+#             merge / one-row norm GEMV GPU tests; batch-1 attention micro-benchmark (splits,
+#             merge kernel vs fused, PDL; decode-attn.json); M = 1 tiles of qkv / o
+#             and down (GEMV2_CONFIGS: BLOCK_N 16..64), one-row norm GEMV (gemv2-sweep.json);
+#             the table's GEMVs
+#             with PDL on (gemv2-pdl.json); GPU-A with each lever on/off in one process
+#             (decode-levers.json; GEMV2_VARIANTS picks); GEMV2_PROFILE=1 adds the batch-1
+#             per-kernel profile of the CUDA graph with GEMV2_PROFILE_ENV's switches
+#             (profile-decode1-graph.json)
+#   gemv2-final  (<= 115 s) PDL with the late trigger: its GPU test, GPU-A base / PDL without and
+#             with the weight prefetch (decode-levers-late.json), qkv / o / down GEMVs at M = 1
+#             with PDL on and off (gemv2-pdl-on/off.json)
+#   gemv2-confirm  GPU-A by `kvflow bench latency` with every decode switch off, then with the
+#             defaults (gpu-a-gemv2-off/auto.json); GEMV2_PROFILE=1 adds the batch-1 profile
+#             (CUDA graph and eager) with the defaults (profile-decode1-gemv2.json)
 #   spec-verify  speculative verification cost at Llama-3.1-8B shape (dummy weights, <= 5 min):
 #             batch-1 plain decode, always-right drafts at k=1..8 and Medusa trees of 8/16/32/63
 #             nodes, the heads' forward, batch 64 with speculation switched off / forced on
@@ -98,6 +113,28 @@ for stage in "$@"; do
       for mode in ${GEMV_PROFILE_MODES:-}; do  # per-kernel breakdown of a batch-1 decode step
         KVFLOW_GEMV=$mode timeout 120 python benchmarks/gpu/profile_steps.py --cases decode1 --out "$OUT/profile-gemv-$mode.json" 2>&1 | grep -v "^INFO" | tail -18
       done;;
+    gemv2)
+      timeout ${GEMV2_TEST_TIMEOUT:-90} python -m pytest tests/kernels/test_pdl.py tests/kernels/test_paged_attention_kernel.py tests/kernels/test_gemv_kernel.py -q -x -k "pdl or fused or one_row or cuda_graph" 2>&1 | tail -4
+      timeout ${GEMV2_ATTN_TIMEOUT:-75} python benchmarks/gpu/bench_decode_attn.py --out "$OUT/decode-attn.json" --contexts ${GEMV2_CONTEXTS:-256,1024,4096} 2>&1 | grep -v "^INFO" | tail -32 || echo "decode-attn failed"
+      KVFLOW_GEMV_NORM_ROW=1 timeout ${GEMV2_SWEEP_TIMEOUT:-110} python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv2-sweep.json" --ms 1 --shapes qkv,o,down --sweep --sweep-kinds linear,norm_linear --configs ${GEMV2_CONFIGS:-64:256:1:4:4,32:256:1:4:4,32:256:1:4:3,32:128:1:4:6,16:256:1:4:4,16:256:1:4:6,16:512:1:4:3,16:256:1:2:4} 2>&1 | grep -v "^INFO" | tail -6 || echo "gemv2-sweep failed"
+      KVFLOW_PDL=on timeout ${GEMV2_PDL_TIMEOUT:-60} python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv2-pdl.json" --ms 1 2>&1 | grep -v "^INFO" | tail -10 || echo "gemv2-pdl failed"
+      timeout ${GEMV2_E2E_TIMEOUT:-180} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-levers.json" --table "$OUT/gemv2-sweep.json" --budget-s $(( ${GEMV2_E2E_TIMEOUT:-180} - 30 )) ${GEMV2_VARIANTS:+--variants "$GEMV2_VARIANTS"} 2>&1 | grep -v "^INFO" | tail -14 || echo "decode-levers failed"
+      if [ -n "${GEMV2_PROFILE:-}" ]; then
+        env ${GEMV2_PROFILE_ENV:-} timeout 100 python benchmarks/gpu/profile_steps.py --cases decode1-graph --out "$OUT/profile-decode1-graph.json" 2>&1 | grep -v "^INFO" | tail -18
+      fi;;
+    gemv2-final)  # <= 115 s: PDL with the late trigger (GPU test, GPU-A levers, GEMVs on/off)
+      timeout 30 python -m pytest tests/kernels/test_pdl.py -q -x 2>&1 | tail -3
+      timeout 55 python benchmarks/gpu/decode_levers.py --out "$OUT/decode-levers-late.json" --variants ${GEMV2_VARIANTS:-base,pdl0,pdl,pdl8} --budget-s 45 2>&1 | grep -v "^INFO" | tail -6 || echo "levers failed"
+      for p in on off; do
+        KVFLOW_PDL=$p timeout 15 python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv2-pdl-$p.json" --ms 1 --shapes qkv,o,down 2>&1 | grep -E "M=1|rror" | tail -5 || echo "gemv pdl $p failed"
+      done;;
+    gemv2-confirm)  # GPU-A by `kvflow bench latency`: every decode switch off, then the defaults
+      off="KVFLOW_PDL=off KVFLOW_ATTN_MERGE=kernel KVFLOW_ATTN_SPLIT_KEYS=0 KVFLOW_GEMV_NORM_ROW=0"
+      for mode in ${GEMV2_CONFIRM_MODES:-off auto}; do
+        env $([ $mode = off ] && echo $off) timeout ${GEMV2_E2E_TIMEOUT:-150} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --backend kvflow --max-num-seqs 8 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-gemv2-$mode.json" 2>&1 | grep -E "GEMV|tokens/s|rror|Traceback" | tail -6
+        echo "gpu-a-gemv2-$mode exit ${PIPESTATUS[0]}"
+      done
+      [ -n "${GEMV2_PROFILE:-}" ] && timeout 100 python benchmarks/gpu/profile_steps.py --cases decode1-graph,decode1 --out "$OUT/profile-decode1-gemv2.json" 2>&1 | grep -v "^INFO" | tail -36;;
     spec-verify)
       timeout ${SPEC_VERIFY_TIMEOUT:-270} $KV bench spec-verify --model llama-3.1-8b --load-format dummy --input-len 128 --output-len 128 --max-model-len 4096 --gpu-memory-utilization 0.45 --save-result "$OUT/spec-verify.json" 2>&1 | grep -v "^INFO" | tail -30
       [ -f "$OUT/spec-verify.json" ] && python scripts/predict_spec_speedup.py --gpu "$OUT/spec-verify.json" --out "$OUT/spec-predict.json" 2>&1 | tail -15;;

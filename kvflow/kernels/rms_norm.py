@@ -23,13 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kvflow.kernels.pdl import launch_kw, pdl_enabled, pdl_enter
+
 _TILE_ELEMS = 4096  # elements a program holds; 16 per thread at 8 warps
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inner, hidden,
                      stride_xa, stride_xb, eps,
-                     HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     row_ok = rows < n_rows
@@ -77,7 +81,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x3, residual if residual is not None else x3, weight, out,
         residual_out if residual_out is not None else out,
         n_rows, x3.shape[1], hidden, x3.stride(0), x3.stride(1), eps,
-        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_N=block_n, num_warps=num_warps)
+        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_N=block_n, num_warps=num_warps,
+        **({"PDL": True, **launch_kw(True)} if pdl_enabled(x.device) else {}))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

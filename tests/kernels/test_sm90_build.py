@@ -24,6 +24,8 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 @pytest.mark.parametrize("script,configs", [
     ("woq_sm90_build.py", 12),  # int8 / int4 weight-only GEMMs and GEMVs
     ("fp8_sm90_build.py", 4),  # FP8 W8A8 GEMM and the activation quantize
+    # batch-1 decode kernels with PDL: griddepcontrol present, L2 weight prefetches
+    ("decode_sm90_build.py", 15),
 ])
 def test_default_configs_build_for_sm90_without_spills(script, configs):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

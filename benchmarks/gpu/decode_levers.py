@@ -1,0 +1,211 @@
+"""GPU-A (Llama-3.1-8B shape, dummy bf16 weights, batch 1, 128 in / 256 out) with each
+batch-1 decode lever switched on and off, in one process: the engine loads once, and per
+variant the switches are set, the dense layers re-plan their GEMV configs, the decode
+CUDA graphs are captured again, and the GPU-A latency is measured as
+``kvflow bench latency`` measures it (median of ``--iters`` full runs minus a 1-token
+run, over the 255 decode steps). The first variant runs again at the end, so drift
+between variants shows.
+
+    python benchmarks/gpu/decode_levers.py --out $OUT/decode-levers.json \\
+        [--variants base,fused,pdl,...] [--table $OUT/gemv-bench.json]
+
+Variants (environment switches, kvflow/envs.py): ``base`` (every switch off), ``auto``
+(none set: this GPU's measured defaults, kvflow/kernels/decode_defaults.py),
+``fused`` (KVFLOW_ATTN_MERGE=fused), ``keysK`` (fused, KVFLOW_ATTN_SPLIT_KEYS=K), ``row`` (KVFLOW_GEMV_NORM_ROW=1), ``pdl``
+(KVFLOW_PDL=on), ``pdl0`` (PDL without the L2 weight prefetch), ``pdl8`` (8 tiles
+prefetched), ``down`` (down_proj at M = 1 on the GEMV instead of cuBLAS, so PDL chains
+through it), ``table`` (KVFLOW_GEMV_TABLE=--table), joined with ``+`` (``pdl+fused+row``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from kvflow.bench.machine import save_result  # noqa: E402
+from kvflow.engine.args import EngineArgs  # noqa: E402
+from kvflow.engine.llm_engine import LLMEngine  # noqa: E402
+from kvflow.sampling_params import SamplingParams  # noqa: E402
+
+# down_proj (K 14336 -> N 4096) at M = 1 on the GEMV: the table's M = 2..8 neighbour at
+# M = 1 measured within 2 % of cuBLAS (results/gemv-bench-m1-h200.json); under PDL a
+# cuBLAS launch breaks the chain of overlapping launches.
+DOWN_M1 = {"block_n": 64, "block_k": 256, "split_k": 2, "dot": True, "num_warps": 4,
+           "num_stages": 4}
+SWITCHES = ("KVFLOW_PDL", "KVFLOW_PDL_PREFETCH", "KVFLOW_ATTN_MERGE", "KVFLOW_ATTN_SPLIT_KEYS",
+            "KVFLOW_GEMV_NORM_ROW", "KVFLOW_GEMV_TABLE")
+
+
+# every switch off: main's behaviour before them, whatever the GPU's measured defaults
+OFF = {"KVFLOW_PDL": "off", "KVFLOW_ATTN_MERGE": "kernel", "KVFLOW_ATTN_SPLIT_KEYS": "0",
+       "KVFLOW_GEMV_NORM_ROW": "0"}
+
+
+def _env(variant: str, table: str | None, down_table: str) -> dict:
+    if variant == "auto":  # nothing set: the defaults (decode_defaults.MEASURED)
+        return {}
+    env: dict[str, str] = dict(OFF)
+    tables = []
+    for part in variant.split("+"):
+        if part == "base":
+            continue
+        elif part == "fused":
+            env["KVFLOW_ATTN_MERGE"] = "fused"
+        elif part.startswith("keys"):  # fused merge, on-device split count
+            env["KVFLOW_ATTN_MERGE"] = "fused"
+            env["KVFLOW_ATTN_SPLIT_KEYS"] = part[4:]
+        elif part == "row":
+            env["KVFLOW_GEMV_NORM_ROW"] = "1"
+        elif part.startswith("pdl"):
+            env["KVFLOW_PDL"] = "on"
+            if part[3:]:
+                env["KVFLOW_PDL_PREFETCH"] = part[3:]
+        elif part == "down":
+            tables.append(down_table)
+        elif part == "table":
+            if not table or not os.path.exists(table):
+                raise SystemExit(f"variant {variant}: no --table file")
+            tables.append(table)
+        else:
+            raise SystemExit(f"unknown lever {part!r}")
+    if tables:
+        env["KVFLOW_GEMV_TABLE"] = _merge_tables(tables)
+    return env
+
+
+def _merge_tables(paths: list[str]) -> str:
+    rows = []
+    for p in paths:  # only the measured wins: a null entry would send a layer to cuBLAS
+        with open(p) as f:
+            rows += [r for r in json.load(f)["table"] if r.get("config") is not None]
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="gemv-table-")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"table": rows}, f)
+    return path
+
+
+def _apply(engine, env: dict) -> None:
+    """Set the switches, drop every cached decision, re-plan the GEMVs, recapture."""
+    from kvflow.kernels import gemv_config, gemv_norm, paged_attention, pdl
+    from kvflow.kernels.gemv_dispatch import plan_gemv
+
+    for k in SWITCHES:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    for fn in (pdl._enabled, pdl.prefetch_tiles_default, paged_attention.merge_mode,
+               paged_attention.split_keys, gemv_norm.one_row, gemv_config._device_table):
+        fn.cache_clear()
+    runner = engine.core.executor.runner
+    for m in runner.model.modules():
+        if hasattr(m, "gemv") and hasattr(m, "quant_method") and hasattr(m, "weight"):
+            m.gemv = plan_gemv(m)
+    runner.graphs = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    runner.warmup()
+
+
+def _run(engine, prompt: list[int], out_len: int, tag: str) -> float:
+    params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0,
+                            detokenize=False)
+    engine.add_request(tag, {"prompt_token_ids": prompt}, params)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def measure(engine, prompt: list[int], out_len: int, iters: int, tag: str) -> dict:
+    _run(engine, prompt, 1, f"{tag}w1")
+    _run(engine, prompt, out_len, f"{tag}w")
+    prefill = [_run(engine, prompt, 1, f"{tag}p{i}") for i in range(2)]
+    full = [_run(engine, prompt, out_len, f"{tag}f{i}") for i in range(iters)]
+    lat = float(np.median(full))
+    ms = (lat - float(np.median(prefill))) / (out_len - 1) * 1000
+    return {"latency_s_median": lat, "latency_s_all": full,
+            "prefill_s_median": float(np.median(prefill)), "ms_per_output_token": ms,
+            "decode_tokens_per_s_per_seq": 1000 / ms}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", default="base,fused,row+table,pdl,pdl+fused,"
+                                          "pdl+fused+row+table,pdl+keys256+row+table,"
+                                          "pdl+fused+row+table+down,pdl0+fused+row+table,"
+                                          "pdl16+fused+row+table")
+    ap.add_argument("--table", default=None, help="bench_gemv.py result for 'table'")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--budget-s", type=float, default=150.0,
+                    help="stop starting variants after this many seconds")
+    ns = ap.parse_args()
+    start = time.time()
+    fd, down_table = tempfile.mkstemp(suffix=".json", prefix="gemv-down-")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"table": [{"kind": "linear", "n": 4096, "k": 14336, "m": 1,
+                              "config": DOWN_M1}]}, f)
+    variants, envs = [], {}
+    for v in ns.variants.split(","):  # bad names fail before the engine loads
+        try:
+            envs[v] = _env(v, ns.table, down_table)
+            variants.append(v)
+        except SystemExit as exc:
+            if "no --table" not in str(exc):
+                raise
+            print(f"{exc}: skipped", flush=True)
+    args = EngineArgs(model="llama-3.1-8b", load_format="dummy", max_model_len=4096,
+                      max_num_seqs=1, enable_prefix_caching=False)
+    engine = LLMEngine.from_engine_args(args)
+    prompt = [(7 * j) % 30000 + 100 for j in range(ns.input_len)]
+    results = []
+    order = variants + [variants[0]]  # the first again: drift
+    for i, v in enumerate(order):
+        if time.time() - start > ns.budget_s:
+            print(f"budget spent: {v} and later variants not run", flush=True)
+            break
+        t0 = time.time()
+        try:
+            _apply(engine, envs[v])
+            fig = measure(engine, prompt, ns.output_len, ns.iters, f"v{i}")
+        except Exception as exc:  # one failing lever must not hide the others
+            print(f"{v}: failed: {exc!r}"[:400], flush=True)
+            results.append({"variant": v, "env": envs[v], "error": repr(exc)[:400]})
+            continue
+        fig.update({"variant": v, "env": envs[v], "seconds": time.time() - t0})
+        results.append(fig)
+        print(f"{v:28s} {fig['decode_tokens_per_s_per_seq']:7.1f} tok/s "
+              f"({fig['ms_per_output_token']:.3f} ms/token)", flush=True)
+        _save(ns, results, variants[0], start)  # after every variant: a timeout keeps them
+    _save(ns, results, variants[0], start)
+    return 0
+
+
+def _save(ns, results: list[dict], first: str, start: float) -> None:
+    base = next((r for r in results if r.get("variant") == first and "error" not in r), None)
+    if base is not None:
+        for r in results:
+            if "error" not in r:
+                r["over_first"] = (r["decode_tokens_per_s_per_seq"]
+                                   / base["decode_tokens_per_s_per_seq"])
+    save_result(ns.out, {"command": "python " + " ".join(sys.argv),
+                         "workload": {"batch_size": 1, "input_len": ns.input_len,
+                                      "output_len": ns.output_len, "iters": ns.iters},
+                         "device": torch.cuda.get_device_name(), "variants": results,
+                         "seconds": time.time() - start, "loadavg": list(os.getloadavg())})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Build the batch-1 decode kernels with programmatic dependent launch (PDL) and the L2
+weight prefetch for sm_90 (H100/H200) without a GPU, and check the machine code: the
+``griddepcontrol`` instructions and the prefetches are there, no register spills, shared
+memory within a Hopper block's 227 KiB. A cheap check that a Triton version (the GPU
+image runs 3.6) compiles these constructs before GPU time is spent.
+
+    python benchmarks/kernels/decode_sm90_build.py          # JSON lines, one per kernel
+
+Run it without TRITON_INTERPRET (the interpreter replaces the compiler).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kvflow.kernels import gemv, gemv_norm, paged_attention, rms_norm, rotary_kv  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+SMEM_LIMIT = 227 * 1024
+ONLY = [""]  # --only=SUBSTRING: build the kernels whose name contains it
+
+
+def _build(name: str, kernel, sig: dict, consts: dict, warps: int, stages: int) -> dict:
+    if ONLY[0] and ONLY[0] not in name:
+        return {}
+    if "PDL" in consts and "--no-pdl" in sys.argv:
+        consts = {**consts, "PDL": False}
+    # every constexpr given explicitly: a direct compile applies no defaults
+    sig = {**sig, **{c: "constexpr" for c in consts}}
+    names = list(sig)
+    # What a real launch specializes: 16-aligned pointers, ints divisible by 16 (row
+    # counts, split counts, positions and scales left generic).
+    generic = {"M", "split_k", "num_splits", "req_offset", "split_keys", "n_rows", "n_slots", "eps",
+               "qk_scale", "out_scale", "k_inv_scale", "v_inv_scale", "num_kv_heads"}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if sig[n] != "constexpr" and not sig[n].startswith("fp") and n not in generic}
+    k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages,
+                                "launch_pdl": bool(consts.get("PDL"))})
+    ptx = k.asm["ptx"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    fields = dict(kv.split(":", 1) for kv in usage.split("Function", 1)[1].split()[1:]
+                  if ":" in kv)
+    return {"kernel": name, "triton": triton.__version__, "registers": int(fields["REG"]),
+            "spill_bytes": int(fields["STACK"]), "shared_bytes": k.metadata.shared,
+            "gdc_wait": "griddepcontrol.wait" in ptx,
+            "gdc_launch": "griddepcontrol.launch_dependents" in ptx,
+            "l2_prefetches": ptx.count("prefetch.global.L2"),
+            "launch_pdl": bool(getattr(k.metadata, "launch_pdl", False)),
+            "fits": int(fields["STACK"]) == 0 and k.metadata.shared <= SMEM_LIMIT}
+
+
+def _gemv_sig() -> dict:
+    return {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
+            "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+            "stride_xm": "i32", "stride_om": "i32", "split_k": "i32"}
+
+
+def main() -> int:
+    pdl = "--no-pdl" not in sys.argv
+    only = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")), "")
+    ONLY[0] = only
+    rows = []
+    common = dict(BLOCK_M=16, EVEN_K=True, DOT=True, UPCAST=False, PDL=pdl, PREFETCH=4)
+    rows.append(_build("gemv qkv", gemv._gemv_kernel, _gemv_sig(),
+                       dict(HAS_BIAS=False, BLOCK_N=64, BLOCK_K=256, SPLIT=False, **common),
+                       4, 4))
+    rows.append(_build("gemv down split2", gemv._gemv_kernel, _gemv_sig(),
+                       dict(HAS_BIAS=False, BLOCK_N=64, BLOCK_K=256, SPLIT=True, **common),
+                       4, 4))
+    sig = _gemv_sig()
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "wu_ptr": "*bf16", "out_ptr": "*bf16",
+           "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "D": "i32", "K": "i32",
+           "stride_xm": "i32", "stride_om": "i32", "split_k": "i32"}
+    rows.append(_build("gemv silu_mul", gemv._gemv_silu_mul_kernel, sig,
+                       dict(BLOCK_N=64, BLOCK_K=128, SPLIT=False, **common), 4, 3))
+    nsig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16",
+            "wu_ptr": "*bf16", "out_ptr": "*bf16", "r_out_ptr": "*bf16", "ws_ptr": "*fp32",
+            "ssq_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+            "stride_xm": "i32", "stride_rm": "i32", "stride_om": "i32", "split_k": "i32",
+            "eps": "fp32"}
+    ncommon = dict(HAS_RES=True, BLOCK_M=16, EVEN_K=True, SPLIT=False, UPCAST=False,
+                   PDL=True, PREFETCH=4)
+    for bn in (64, 32, 16):
+        rows.append(_build(f"gemv_norm qkv bn{bn}", gemv_norm._gemv_norm_kernel, nsig,
+                           dict(ACT=False, BLOCK_N=bn, BLOCK_K=256, X_ROWS=16, **ncommon),
+                           4, 4))
+    for bn in (64, 16):  # the M = 1 form (KVFLOW_GEMV_NORM_ROW): x side on one row
+        rows.append(_build(f"gemv_norm qkv bn{bn} one-row", gemv_norm._gemv_norm_kernel,
+                           nsig, dict(ACT=False, BLOCK_N=bn, BLOCK_K=256, X_ROWS=1,
+                                      **ncommon), 4, 4))
+    rows.append(_build("gemv_norm gate_up", gemv_norm._gemv_norm_kernel, nsig,
+                       dict(ACT=True, BLOCK_N=64, BLOCK_K=128, X_ROWS=16, **ncommon), 4, 3))
+    rows.append(_build("gemv_norm gate_up one-row", gemv_norm._gemv_norm_kernel, nsig,
+                       dict(ACT=True, BLOCK_N=64, BLOCK_K=128, X_ROWS=1, **ncommon), 4, 3))
+    asig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
+            "bt_ptr": "*i32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
+            "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "req_offset": "i32",
+            "num_splits": "i32", "qk_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32",
+            "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32", "stride_kb": "i32",
+            "stride_kt": "i32", "stride_kh": "i32", "ks_ptr": "*bf16", "vs_ptr": "*bf16",
+            "out_scale": "fp32", "stride_sb": "i32", "stride_st": "i32", "stride_sh": "i32",
+            "tree_bits_ptr": "*i32", "tree_start_ptr": "*i32", "lock_ptr": "*i32",
+            "split_keys": "i32"}
+    for fused in (False, True):
+        rows.append(_build(f"paged_attn decode fused_merge={fused}",
+                           paged_attention._paged_attn_kernel, asig,
+                           dict(GROUP=4, G_PAD=16, BLOCK_Q=1, BLOCK_N=64, BLOCK_SIZE=16,
+                                HEAD_DIM=128, D_PAD=128, SPLIT=True, DOT_PREC="tf32",
+                                UPCAST=False, QUANT=0, TREE=False, FUSED_MERGE=fused,
+                                PDL=True), 4, 3))
+    msig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
+            "qsl_ptr": "*i32", "num_splits": "i32", "stride_ot": "i32", "stride_oh": "i32"}
+    rows.append(_build("merge_splits", paged_attention._merge_splits_kernel, msig,
+                       dict(HEAD_DIM=128, D_PAD=128, S_PAD=16, PDL=True), 4, 1))
+    rsig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+            "res_out_ptr": "*bf16", "n_rows": "i32", "n_inner": "i32", "hidden": "i32",
+            "stride_xa": "i32", "stride_xb": "i32", "eps": "fp32"}
+    rows.append(_build("rms_norm", rms_norm._rms_norm_kernel, rsig,
+                       dict(HAS_RESIDUAL=True, ROWS=1, BLOCK_N=4096, PDL=True), 8, 1))
+    qsig = {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+            "cs_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "slot_ptr": "*i64",
+            "q_out_ptr": "*bf16", "k_out_ptr": "*bf16", "ks_ptr": "*bf16", "vs_ptr": "*bf16",
+            "k_inv_scale": "fp32", "v_inv_scale": "fp32", "n_slots": "i32",
+            "num_heads": "i32", "num_kv_heads": "i32", "half": "i32", "stride_qt": "i32",
+            "stride_qh": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32",
+            "stride_vh": "i32", "stride_cs": "i32", "stride_c_slot": "i32",
+            "stride_c_head": "i32", "stride_s_slot": "i32"}
+    rows.append(_build("rotary_cache", rotary_kv._rotary_cache_kernel, qsig,
+                       dict(H_PAD=32, KVH_PAD=8, HALF_PAD=64, QUANT=0, EMULATED=False,
+                            PDL=True), 4, 1))
+    rows = [r for r in rows if r]
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    bad = [r for r in rows if not (r["fits"] and (not pdl or r["gdc_wait"] and r["gdc_launch"]))]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Per-GPU defaults of the batch-1 decode switches, from measurements only.
+
+Each switch has an environment variable (``kvflow/envs.py``) that forces it; left unset
+(or ``auto``) it takes the value measured best on this GPU (``MEASURED``, keyed by a
+token of the device name), and on a GPU that is not listed, the behaviour before the
+switch existed. So an unmeasured GPU is never slower than before. The switches:
+
+- ``pdl``: programmatic dependent launch of the decode Triton kernels (``pdl.py``);
+- ``pdl_prefetch``: weight tiles a GEMV program prefetches into L2 before its PDL wait;
+- ``attn_merge``: ``kernel`` (a second launch merges split-KV partials) or ``fused``
+  (the last split of each KV head merges, ``paged_attention.py``);
+- ``attn_split_keys``: with the fused merge, the fewest keys per split (0: all splits);
+- ``gemv_norm_one_row``: the M = 1 norm-folded GEMV computes its x side on one row
+  (``gemv_norm.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# The behaviour before the switches; the prefetch (only read with PDL on) defaults to 0
+# tiles, the best PDL variant measured on the H200 (results/decode-levers-late-h200.json).
+OFF: dict = {"pdl": False, "pdl_prefetch": 0, "attn_merge": "kernel", "attn_split_keys": 0,
+             "gemv_norm_one_row": False}
+
+# device-name token -> the switches' measured best (each entry cites its result file).
+# H200: none is a win, so no entry: every lever measured slower or even in GPU-A
+# (results/decode-levers-run1-h200.json, decode-levers-late-h200.json; docs/decode-gemv.md).
+MEASURED: dict[str, dict] = {}
+
+
+@functools.lru_cache(maxsize=8)
+def _for_index(index: int) -> dict:
+    name = torch.cuda.get_device_name(index)
+    for token, values in MEASURED.items():
+        if token in name:
+            return {**OFF, **values}
+    return dict(OFF)
+
+
+def measured(device: torch.device | None = None) -> dict:
+    """The switches' defaults on ``device`` (the current CUDA device when None; the
+    pre-switch behaviour off CUDA)."""
+    if device is not None and device.type != "cuda":
+        return dict(OFF)
+    if not torch.cuda.is_available():
+        return dict(OFF)
+    index = device.index if device is not None and device.index is not None else (
+        torch.cuda.current_device())
+    return _for_index(index)
