@@ -105,6 +105,24 @@ def gemv_norm_one_row() -> bool | None:
     if raw is None or raw == "":
         return None
     return raw == "1"
+def woq_gemv_mode() -> str:
+    """KVFLOW_WOQ_GEMV: whether decode rows (M <= 8) of int4 / int8 weight-only and FP8
+    layers on CUDA take the low-bit tensor-core GEMVs (kvflow/kernels/gemv_w4.py,
+    gemv_w8.py): ``auto`` (default: the per-GPU table in woq_gemv_config.py, heuristic
+    tiles for shapes it lacks), ``off`` (the previous kernels: the register GEMV /
+    w8a16 tiles, and W8A8 ``_scaled_mm`` for FP8) or ``force`` (every M <= 8)."""
+    mode = os.environ.get("KVFLOW_WOQ_GEMV", "auto").lower()
+    if mode not in ("auto", "off", "force"):
+        from kvflow.errors import InvalidParameterError
+
+        raise InvalidParameterError(f"KVFLOW_WOQ_GEMV must be auto, off or force, not {mode!r}")
+    return mode
+
+
+def woq_gemv_table() -> str | None:
+    """KVFLOW_WOQ_GEMV_TABLE: a ``benchmarks/gpu/bench_woq_gemv.py`` result JSON whose
+    measured table replaces the built-in one for the shapes it lists."""
+    return os.environ.get("KVFLOW_WOQ_GEMV_TABLE") or None
 
 
 def no_progress_bar() -> bool:

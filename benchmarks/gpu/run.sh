@@ -46,6 +46,16 @@
 #   gemv2-confirm  GPU-A by `kvflow bench latency` with every decode switch off, then with the
 #             defaults (gpu-a-gemv2-off/auto.json); GEMV2_PROFILE=1 adds the batch-1 profile
 #             (CUDA graph and eager) with the defaults (profile-decode1-gemv2.json)
+#   woq-gemv  low-bit decode GEMVs (<= WOQ_GEMV_STAGE_S, default 240 s): their gpu tests (<= 60 s);
+#             micro-benchmark vs bf16 cuBLAS and each format's previous path at the 8B shapes
+#             (lm_head as int8, which int4/int8/fp8 models keep), M = 1,2,4,8, int4-g128 / fp8 /
+#             int8 (woq-gemv-bench.json; sweep budget WOQ_GEMV_BUDGET s, default 40, all on M = 1
+#             unless WOQ_GEMV_OTHER_M gives M > 1 a share, e.g. 0.17); GPU-A
+#             batch 1 (2 iters) per "quant:mode" in WOQ_GEMV_E2E (auto-fresh: KVFLOW_WOQ_GEMV=auto
+#             with the table just measured; gpu-a-woq-QUANT-MODE.json), a run skipped when under
+#             WOQ_GEMV_RUN_S (35) s of the stage are left; woq-gemv-summary.json (step GEMM ms, ratios);
+#             WOQ_GEMV_TESTS=0 skips the tests (WOQ_GEMV_TEST_K selects some), WOQ_GEMV_MS picks
+#             the bench's row counts
 #   spec-verify  speculative verification cost at Llama-3.1-8B shape (dummy weights, <= 5 min):
 #             batch-1 plain decode, always-right drafts at k=1..8 and Medusa trees of 8/16/32/63
 #             nodes, the heads' forward, batch 64 with speculation switched off / forced on
@@ -135,6 +145,20 @@ for stage in "$@"; do
         echo "gpu-a-gemv2-$mode exit ${PIPESTATUS[0]}"
       done
       [ -n "${GEMV2_PROFILE:-}" ] && timeout 100 python benchmarks/gpu/profile_steps.py --cases decode1-graph,decode1 --out "$OUT/profile-decode1-gemv2.json" 2>&1 | grep -v "^INFO" | tail -36;;
+    woq-gemv)
+      t0=$SECONDS; budget=${WOQ_GEMV_STAGE_S:-240}
+      [ "${WOQ_GEMV_TESTS:-1}" = 1 ] && timeout ${WOQ_GEMV_TEST_TIMEOUT:-60} python -m pytest tests/kernels/test_woq_gemv_kernel.py -q -x -m gpu ${WOQ_GEMV_TEST_K:+-k "$WOQ_GEMV_TEST_K"} 2>&1 | tail -4
+      timeout $(( ${WOQ_GEMV_BUDGET:-40} + 90 )) python benchmarks/gpu/bench_woq_gemv.py --out "$OUT/woq-gemv-bench.json" --budget-s ${WOQ_GEMV_BUDGET:-40} --other-m-share ${WOQ_GEMV_OTHER_M:-0} --ms ${WOQ_GEMV_MS:-1,2,4,8} 2>&1 | grep -v "^INFO" | tail -60 || echo "woq-gemv-bench failed"
+      for run in ${WOQ_GEMV_E2E:-int4:auto-fresh fp8:auto-fresh none:off int8:auto-fresh int4:off fp8:off int8:off}; do
+        q=${run%%:*}; mode=${run##*:}
+        left=$(( budget - (SECONDS - t0) ))
+        [ $left -lt ${WOQ_GEMV_RUN_S:-35} ] && { echo "gpu-a-woq-$q-$mode skipped (stage time)"; continue; }
+        group=$([ $q = int4 ] && echo "--quantization-group-size 128")
+        table=$([ $mode = auto-fresh ] && [ -f "$OUT/woq-gemv-bench.json" ] && echo "$OUT/woq-gemv-bench.json")
+        KVFLOW_WOQ_GEMV=${mode%-fresh} KVFLOW_WOQ_GEMV_TABLE=$table timeout $(( left < 70 ? left : 70 )) $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 2 --backend kvflow --quantization $q $group --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-woq-$q-$mode.json" 2>&1 | grep -E "weights:|tokens/s|rror|Traceback" | tail -4
+        echo "gpu-a-woq-$q-$mode exit ${PIPESTATUS[0]} at $(( SECONDS - t0 )) s"
+      done
+      python benchmarks/gpu/woq_gemv_summary.py "$OUT" 2>&1 | tail -24;;
     spec-verify)
       timeout ${SPEC_VERIFY_TIMEOUT:-270} $KV bench spec-verify --model llama-3.1-8b --load-format dummy --input-len 128 --output-len 128 --max-model-len 4096 --gpu-memory-utilization 0.45 --save-result "$OUT/spec-verify.json" 2>&1 | grep -v "^INFO" | tail -30
       [ -f "$OUT/spec-verify.json" ] && python scripts/predict_spec_speedup.py --gpu "$OUT/spec-verify.json" --out "$OUT/spec-predict.json" 2>&1 | tail -15;;

@@ -82,7 +82,11 @@ def save_result(path: str | None, result: dict) -> dict:
     result = {"command": "kvflow " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
               "commit": git_commit(), "machine": machine_info(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "loadavg": os.getloadavg(), **result}
+              "loadavg": os.getloadavg(),
+              # kvflow's switches (KVFLOW_GEMV, KVFLOW_WOQ_GEMV, ...): A/B runs differ here
+              "kvflow_env": {k: v for k, v in sorted(os.environ.items())
+                             if k.startswith("KVFLOW_") and k != "KVFLOW_GIT_COMMIT"},
+              **result}
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:

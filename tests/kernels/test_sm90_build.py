@@ -26,6 +26,7 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
     ("fp8_sm90_build.py", 4),  # FP8 W8A8 GEMM and the activation quantize
     # batch-1 decode kernels with PDL: griddepcontrol present, L2 weight prefetches
     ("decode_sm90_build.py", 15),
+    ("woq_gemv_sm90_build.py", 10),  # low-bit decode GEMVs (their inline PTX assembles)
 ])
 def test_default_configs_build_for_sm90_without_spills(script, configs):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -14,8 +14,12 @@ Two sources of weights, one layer format (``weight`` float8_e4m3fn [N, K] and
   (``activation_scheme: static``; compressed-tensors ``dynamic: false``, strategy
   tensor), with each layer's per-tensor ``input_scale`` (``quantize_fp8_static``).
 
-The product: ``y = (xq @ wq^T) * sx[:, None] * sw[None, :]``. On a GPU with FP8 (compute
-capability 8.9+) the activations are quantized in one Triton launch
+The product: ``y = (xq @ wq^T) * sx[:, None] * sw[None, :]``. Decode rows (M <= 8) on a
+GPU are weight-dequant instead: bf16 x times the FP8 weights made exact bf16 operands in
+registers (``kvflow/kernels/gemv_w8.py``, ``fp8_gemv_plan``; ``KVFLOW_WOQ_GEMV=off``
+keeps W8A8 there), since a decode step is a weight stream and the activation
+quantization launch buys nothing. On a GPU with FP8 (compute capability 8.9+) the
+other rows' activations are quantized in one Triton launch
 (``kvflow/kernels/fp8_quant.py``; the torch version was five kernels) and multiplied with
 ``torch._scaled_mm`` (row-wise scales) at every M: the Triton FP8 GEMM
 (``kernels/fp8_gemm.py``), which quantizes inside its own loop, was slower on the H200 at
@@ -109,10 +113,56 @@ def _check_device(layer: LinearBase, w: torch.Tensor) -> None:
             f"none (or int8 weight-only)")
 
 
+def fp8_gemv_plan(layer: LinearBase, silu: bool = False) -> dict:
+    """{M: config} of the decode rows that take the FP8 weight-dequant GEMV
+    (``kvflow/kernels/gemv_w8.py``; ``silu``: its gate/up form with SiLU-and-multiply in
+    the epilogue): planned once per layer at its first call (the weights are final by
+    then; ``woq_gemv_config.plan``)."""
+    plans = getattr(layer, "_fp8_gemv", None)
+    if plans is None:
+        plans = ({}, {})
+        w = layer.weight
+        if (use_fp8_kernels(w.device) and w.dim() == 2 and w.is_contiguous()
+                and layer.weight_scale.dim() == 1):
+            from kvflow.kernels.woq_gemv_config import plan as woq_plan
+            from kvflow.layers.quantization.gpu import gate_up_pairs
+
+            n, k = w.shape
+            plans = (woq_plan("fp8", n, k, w.device),
+                     woq_plan("fp8-silu", n // 2, k, w.device) if gate_up_pairs(layer, n)
+                     else {})
+        layer._fp8_gemv = plans
+    return plans[1] if silu else plans[0]
+
+
+def _apply_silu_and_mul(layer: LinearBase, x: torch.Tensor, act) -> torch.Tensor:
+    """Decode rows of an FP8 gate/up layer: the weight-dequant GEMV with SiLU in its
+    epilogue; everything else unfused (W8A8, then ``act``)."""
+    x2, lead = flatten_tokens(x)
+    cfg = (fp8_gemv_plan(layer, silu=True).get(x2.shape[0])
+           if x2.dtype == torch.bfloat16 else None)
+    if cfg is None:
+        return act(layer(x))
+    from kvflow.kernels.gemv_w8 import gemv_w8
+
+    y = gemv_w8(x2 if x2.stride(-1) == 1 else x2.contiguous(), layer.weight,
+                layer.weight_scale, cfg, silu_and_mul=True)
+    return y.view(*lead, -1)
+
+
 def _apply(layer: LinearBase, x: torch.Tensor,
            input_scale: torch.Tensor | None = None) -> torch.Tensor:
     x2, lead = flatten_tokens(x)  # [M, K]
-    if input_scale is not None:  # the checkpoint's static per-tensor activation scale
+    cfg = fp8_gemv_plan(layer).get(x2.shape[0]) if x2.dtype == torch.bfloat16 else None
+    if cfg is not None:
+        # Decode rows (M <= 8): weight-dequant GEMV, x stays bf16 (no activation
+        # quantization launch; the step is a weight stream).
+        from kvflow.kernels.gemv_w8 import gemv_w8
+
+        # (A static checkpoint input_scale is not needed: x is not quantized here.)
+        y = gemv_w8(x2 if x2.stride(-1) == 1 else x2.contiguous(), layer.weight,
+                    layer.weight_scale, cfg)
+    elif input_scale is not None:  # the checkpoint's static per-tensor activation scale
         xq, sx = quantize_fp8_static(x2, input_scale)
         y = fp8_mm(xq, sx, layer.weight, layer.weight_scale, x.dtype)
     elif use_fp8_kernels(x2.device):
@@ -146,6 +196,9 @@ class Fp8LinearMethod(_QuantizeAfterLoad):
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return _apply(layer, x)
+
+    def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor, act) -> torch.Tensor:
+        return _apply_silu_and_mul(layer, x, act)
 
 
 def shard_rows(layer: LinearBase, shard) -> tuple[int, int]:
@@ -231,3 +284,6 @@ class Fp8CheckpointLinearMethod(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return _apply(layer, x, layer.input_scale if self.static else None)
+
+    def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor, act) -> torch.Tensor:
+        return _apply_silu_and_mul(layer, x, act)

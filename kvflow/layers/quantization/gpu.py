@@ -20,7 +20,7 @@ operands); the output returns in the model dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +50,12 @@ class TritonWeight:
     """Inputs per scale; None: int8 per output channel."""
     dtype: torch.dtype
     """Compute dtype of the kernel (activations are cast to it)."""
+    gemv: dict = field(default_factory=dict)
+    """{M: WoqGemvConfig} for the decode row counts that take the tensor-core low-bit
+    GEMV (``kvflow/kernels/gemv_w4.py`` / ``gemv_w8.py``; ``woq_gemv_config.plan``)."""
+    silu: dict = field(default_factory=dict)
+    """The same for the gate/up form with SiLU-and-multiply in the epilogue (merged
+    [gate; up] layers without bias)."""
 
 
 def _set(layer: torch.nn.Module, name: str, t: torch.Tensor | None) -> None:
@@ -112,7 +118,8 @@ def repack_groups(layer: torch.nn.Module, g: Int4Groups, dtype: torch.dtype,
     _set(layer, "qweight", q)
     _set(layer, "scales", scale.to(cdt))
     _set(layer, "offsets", offset.to(cdt) if keep_offset else None)
-    return TritonWeight(bits, group, cdt)
+    return TritonWeight(bits, group, cdt, *_plans(layer, bits, group, q.shape[0],
+                                                  g.in_features, device))
 
 
 def repack_int8_channel(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor,
@@ -121,7 +128,34 @@ def repack_int8_channel(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Te
     _set(layer, "qweight", q)
     _set(layer, "scales", scale.float())
     _set(layer, "offsets", None)
-    return TritonWeight(8, None, compute_dtype(dtype))
+    return TritonWeight(8, None, compute_dtype(dtype), *_plans(layer, 8, None, q.shape[0],
+                                                               q.shape[1], q.device))
+
+
+def gate_up_pairs(layer: torch.nn.Module, n: int) -> bool:
+    """Whether ``layer`` is a merged [gate; up] projection of two equal halves without a
+    bias (the SiLU-and-multiply epilogue's form)."""
+    sizes = getattr(layer, "output_sizes", [])
+    return (len(sizes) == 2 and sizes[0] == sizes[1] and n == 2 * sizes[0]
+            and getattr(layer, "bias", None) is None)
+
+
+def _plans(layer: torch.nn.Module, bits: int, group: int | None, n: int, k: int,
+           device: torch.device) -> tuple[dict, dict]:
+    """Decode rows that take the tensor-core GEMV (plain, and with the SiLU epilogue):
+    int4 with power-of-two groups of at least 32 inputs, int8 per channel (group-wise
+    int8 keeps the w8a16 kernel)."""
+    from kvflow.kernels.woq_gemv_config import plan
+
+    if bits == 4 and group is not None and group >= 32 and group & (group - 1) == 0:
+        fmt = f"w4g{group}"
+    elif bits == 8 and group is None:
+        fmt = "int8"
+    else:
+        return {}, {}
+    dev = torch.device(device)
+    silu = plan(fmt + "-silu", n // 2, k, dev) if gate_up_pairs(layer, n) else {}
+    return plan(fmt, n, k, dev), silu
 
 
 def _matmul(layer: torch.nn.Module, tw: TritonWeight, x: torch.Tensor) -> torch.Tensor:
@@ -131,7 +165,39 @@ def _matmul(layer: torch.nn.Module, tw: TritonWeight, x: torch.Tensor) -> torch.
     args = (x, layer.qweight, layer.scales, layer.offsets, tw.group)
     if envs.disable_triton():  # the pure-torch references (debugging, A/B checks)
         return w4.w4a16_ref(*args) if tw.bits == 4 else w8.w8a16_ref(*args)
+    cfg = tw.gemv.get(x.shape[0])  # decode rows: a Python-int lookup, graph-safe
+    if cfg is not None:
+        if tw.bits == 4:
+            from kvflow.kernels.gemv_w4 import gemv_w4
+
+            return gemv_w4(*args, cfg)
+        from kvflow.kernels.gemv_w8 import gemv_w8
+
+        return gemv_w8(x, layer.qweight, layer.scales, cfg)
     return w4.w4a16_gemm(*args) if tw.bits == 4 else w8.w8a16_gemm(*args)
+
+
+def triton_silu_and_mul(layer: torch.nn.Module, tw: TritonWeight,
+                        x: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of a merged [gate; up] layer in one low-bit GEMV launch for decode
+    rows that the plan covers; None otherwise (the caller takes the unfused path)."""
+    x2, lead = flatten_tokens(x)
+    cfg = tw.silu.get(x2.shape[0]) if tw.silu and not envs.disable_triton() else None
+    if cfg is None:
+        return None
+    xc = x2.to(tw.dtype)
+    if xc.stride(-1) != 1:
+        xc = xc.contiguous()
+    if tw.bits == 4:
+        from kvflow.kernels.gemv_w4 import gemv_w4
+
+        y = gemv_w4(xc, layer.qweight, layer.scales, layer.offsets, tw.group, cfg,
+                    silu_and_mul=True)
+    else:
+        from kvflow.kernels.gemv_w8 import gemv_w8
+
+        y = gemv_w8(xc, layer.qweight, layer.scales, cfg, silu_and_mul=True)
+    return y.to(x.dtype).view(*lead, -1)
 
 
 def triton_apply(layer: torch.nn.Module, tw: TritonWeight, x: torch.Tensor,

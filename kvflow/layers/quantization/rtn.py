@@ -37,6 +37,15 @@ class _QuantizeAfterLoad(UnquantizedLinearMethod):
         delattr(layer, "weight")  # the tied embedding keeps its parameter
         return w
 
+    def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor, act) -> torch.Tensor:
+        """Decode rows of a GPU weight-only gate/up layer: the low-bit GEMV with SiLU in
+        its epilogue (``gpu.triton_silu_and_mul``); everything else unfused."""
+        if self.triton is not None:
+            y = gpu.triton_silu_and_mul(layer, self.triton, x)
+            if y is not None:
+                return y
+        return act(layer(x))
+
 
 class Int8LinearMethod(_QuantizeAfterLoad):
     """Symmetric int8 per output channel; ``aten._weight_int8pack_mm`` on CPU."""

@@ -1,0 +1,290 @@
+"""Launch configurations of the low-bit decode GEMVs (``gemv_w4.py``: int4 groups,
+``gemv_w8.py``: int8 / FP8 per channel) and which row counts take them.
+
+The CUDA quantized-linear paths (``layers/quantization/gpu.py`` for int4 / int8
+weight-only, ``fp8.py`` for FP8) ask ``plan`` once per layer after the weights are
+repacked; they get {M: config} for M = 1..8 and keep their previous path (the register
+GEMV or tiled ``w4a16``/``w8a16`` kernels; ``torch._scaled_mm`` for FP8) for every
+other M. ``KVFLOW_WOQ_GEMV`` (``kvflow.envs.woq_gemv_mode``) picks: ``off`` (the previous
+paths everywhere), ``auto`` (default: the measured table's entries for this GPU, and
+``default_config`` for shapes the table lacks, except int8, which keeps ``w8a16_gemm``
+there, and the fused-SiLU forms, which stay unfused there; a bucket measured slower than the previous path, stored as None, keeps that path) or ``force`` (the new kernels at every
+M <= 8: table config where there is one, else the heuristic).
+
+``KVFLOW_WOQ_GEMV_TABLE`` names a ``benchmarks/gpu/bench_woq_gemv.py`` result whose
+``table`` replaces the built-in entries it has (a fresh measurement on this machine).
+
+Table keys: (format, N, K) with format ``w4g<G>`` (int4, G inputs per group), ``int8``
+or ``fp8``, and ``<format>-silu`` for a merged [gate; up] layer with SiLU-and-multiply in
+the epilogue (N = d, the output width); values {M bucket (1, 2, 4, 8): config or None}.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+DISPATCH_MAX_M = 8
+M_BUCKETS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class WoqGemvConfig:
+    """Tile sizes of one low-bit GEMV launch."""
+
+    block_n: int
+    """Weight rows (outputs) per program (the MMA's M side: 64 per warpgroup)."""
+    block_k: int = 256
+    """Inputs per K step (8-bit: bytes per row per step; int4 always steps by 256)."""
+    split_k: int = 1
+    """Programs sharing one output tile's K range (> 1: in-launch float32 reduction)."""
+    num_warps: int = 4
+    num_stages: int = 3
+    deq: bool = False
+    """int4: dequantize each plane to bf16 (one rounding per weight) before the dot
+    instead of scaling the group's float32 partial sums."""
+    xa: bool = False
+    """8-bit: x as the MMA's first operand (16 rows: mma.sync from registers) and the
+    converted weight as the second, instead of the weight first (wgmma at BN >= 64)."""
+
+    def __post_init__(self) -> None:
+        for v in (self.block_n, self.block_k):
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GEMV tile sizes must be powers of two >= 16: {self}")
+        if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {self}")
+
+    @property
+    def block_m(self) -> int:
+        """x rows of the MMA tile (``split_buffers`` counts output tiles with it)."""
+        return 16
+
+    @property
+    def dot(self) -> bool:
+        return True
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small shapes, exercise split-K a little
+    from kvflow.kernels.woq_config import num_sms
+
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def default_config(fmt: str, m: int, n: int, k: int, device: torch.device,
+                   sms: int | None = None) -> WoqGemvConfig:
+    """``fmt`` ending in ``-silu``: the gate/up form, ``n`` = the output width d."""
+    if fmt.endswith("-silu"):
+        cfg = default_config(fmt.removesuffix("-silu"), m, n, k, device, sms)
+        if not fmt.startswith("w4"):  # two 8-bit tiles of 256 spill on sm_90: 128
+            cfg = WoqGemvConfig(cfg.block_n, min(cfg.block_k, 128), cfg.split_k,
+                                cfg.num_warps, cfg.num_stages, cfg.deq, cfg.xa)
+        return cfg
+    return _default(fmt, m, n, k, device, sms)
+
+
+def _default(fmt: str, m: int, n: int, k: int, device: torch.device,
+             sms: int | None) -> WoqGemvConfig:
+    """The heuristic: 64-row tiles (one warpgroup), 256 inputs per step (int4: 128 B per
+    row; 8-bit: 256 B), split-K until about two programs per SM so each SM has loads of
+    a second program in flight while one converts (the weight is read once: nothing
+    else keeps HBM busy). Picked from sm_90 builds (no spills; 3.2-3.8 SASS instructions
+    per int4 weight and thread in the main loop against 7.3 for the register GEMV);
+    ``bench_woq_gemv.py`` measures the rest."""
+    sms = sms or _sms(device)
+    bn, bk = 64, 256 if k >= 512 else max(16, triton.next_power_of_2(k) // 2)
+    if fmt.startswith("w4"):
+        bk = 256
+    tiles = triton.cdiv(n, bn)
+    k_tiles = triton.cdiv(k, bk)
+    split = 1
+    if tiles < 2 * sms:
+        split = max(1, min(triton.cdiv(2 * sms, tiles), k_tiles // 2, 16))
+        split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no split left empty
+    # groups under 128 inputs: the scale-after form's per-group epilogue ([BN, 16] FMAs
+    # per plane at G = 32) costs more than dequantizing each weight
+    deq = fmt.startswith("w4g") and int(fmt[3:]) < 128
+    return WoqGemvConfig(bn, bk, split, 4, 3 if fmt.startswith("w4") else 4, deq)
+
+
+def _c(bn: int, bk: int, split: int, warps: int, stages: int, deq: bool = False,
+       xa: bool = False) -> WoqGemvConfig:
+    return WoqGemvConfig(bn, bk, split, warps, stages, deq, xa)
+
+
+# Measured tables: device-name token -> {(format, N, K): {M bucket: config or None}}; each
+# entry the best config of a benchmarks/gpu/bench_woq_gemv.py sweep where it beat the
+# format's previous path by >= 2 % (comment: its speed-up over that path), None where the
+# previous path stays.
+#
+# H200: the woq-gemv stage at b861354 (results/woq-gemv-bench-h200.json; 40 s of sweep on
+# M = 1, 8-18 configs per shape there; M = 2/4/8 mostly the heuristic). int4: 1.05-1.23x
+# the register GEMV at M = 1 and 1.3-6.7x at M = 2-8 (which no longer collapses with M);
+# FP8: 1.2-2.2x the quantize + _scaled_mm path at every M; int8: w8a16_gemm (mma.sync
+# with x as the first operand) stays faster than the weight-first wgmma form everywhere.
+MEASURED: dict[str, dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]]] = {
+    "H200": {
+        # qkv w4g128
+        ('w4g128', 6144, 4096): {
+            1: _c(64, 256, 4, 4, 3, False),  # x1.15
+            2: _c(64, 256, 3, 4, 3, False),  # x1.29
+            4: _c(64, 256, 3, 4, 3, False),  # x2.21
+            8: _c(64, 256, 3, 4, 3, False),  # x4.69
+        },
+        # qkv fp8
+        ('fp8', 6144, 4096): {
+            1: _c(64, 256, 1, 4, 4, False),  # x1.59
+            2: _c(64, 256, 1, 4, 4, False),  # x1.54
+            4: _c(64, 256, 1, 4, 3, False),  # x1.52
+            8: _c(64, 256, 3, 4, 4, False),  # x1.09
+        },
+        # qkv int8
+        ('int8', 6144, 4096): {
+            1: None,  # x0.82 the previous path
+            2: None,  # x0.59 the previous path
+            4: None,  # x0.76 the previous path
+            8: None,  # x0.59 the previous path
+        },
+        # o w4g128
+        ('w4g128', 4096, 4096): {
+            1: _c(64, 256, 4, 4, 3, False),  # x1.05
+            2: _c(64, 256, 4, 4, 3, False),  # x1.39
+            4: _c(64, 256, 4, 4, 3, False),  # x2.39
+            8: _c(64, 256, 4, 4, 3, False),  # x5.10
+        },
+        # o fp8
+        ('fp8', 4096, 4096): {
+            1: _c(64, 256, 2, 4, 4, False),  # x1.64
+            2: _c(64, 256, 2, 4, 3, False),  # x1.62
+            4: _c(64, 256, 2, 4, 4, False),  # x1.61
+            8: _c(64, 256, 4, 4, 4, False),  # x1.49
+        },
+        # o int8
+        ('int8', 4096, 4096): {
+            1: None,  # x0.88 the previous path
+            2: None,  # x0.84 the previous path
+            4: None,  # x0.84 the previous path
+            8: None,  # x0.83 the previous path
+        },
+        # gate_up w4g128
+        ('w4g128', 28672, 4096): {
+            1: _c(64, 256, 2, 4, 3, True),  # x1.20
+            2: _c(64, 256, 1, 4, 3, False),  # x2.10
+            4: _c(64, 256, 1, 4, 3, False),  # x3.27
+            8: _c(64, 256, 1, 4, 3, False),  # x6.56
+        },
+        # gate_up fp8
+        ('fp8', 28672, 4096): {
+            1: _c(64, 128, 1, 4, 3, False),  # x1.17
+            2: _c(64, 128, 1, 4, 4, False),  # x1.13
+            4: _c(64, 256, 1, 4, 4, False),  # x1.04
+            8: _c(64, 256, 1, 4, 4, False),  # x1.05
+        },
+        # gate_up int8
+        ('int8', 28672, 4096): {
+            1: None,  # x0.80 the previous path
+            2: None,  # x0.78 the previous path
+            4: None,  # x0.69 the previous path
+            8: None,  # x0.70 the previous path
+        },
+        # down w4g128
+        ('w4g128', 4096, 14336): {
+            1: _c(64, 256, 8, 4, 2, True),  # x1.23
+            2: _c(64, 256, 8, 4, 3, False),  # x1.69
+            4: _c(64, 256, 5, 4, 3, False),  # x3.11
+            8: _c(64, 256, 5, 4, 3, False),  # x6.73
+        },
+        # down fp8
+        ('fp8', 4096, 14336): {
+            1: _c(64, 256, 2, 4, 4, False),  # x2.23
+            2: _c(64, 256, 2, 4, 4, False),  # x2.22
+            4: _c(64, 256, 5, 4, 4, False),  # x1.76
+            8: _c(64, 256, 5, 4, 4, False),  # x1.57
+        },
+        # down int8
+        ('int8', 4096, 14336): {
+            1: None,  # x0.84 the previous path
+            2: None,  # x0.77 the previous path
+            4: None,  # x0.61 the previous path
+            8: None,  # x0.62 the previous path
+        },
+        # lm_head int8
+        ('int8', 128256, 4096): {
+            1: None,  # x0.85 the previous path
+            2: None,  # x0.66 the previous path
+            4: None,  # x0.77 the previous path
+            8: None,  # x0.77 the previous path
+        },
+    },
+}
+
+
+def _bucket(m: int) -> int:
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    raise ValueError(f"no GEMV bucket for {m} rows")
+
+
+def table_from_bench(path: str) -> dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]]:
+    """The ``table`` of a ``bench_woq_gemv.py`` result file, in ``MEASURED``'s form."""
+    import json
+
+    with open(path) as f:
+        rows = json.load(f)["table"]
+    out: dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]] = {}
+    for r in rows:
+        cfg = r["config"]
+        out.setdefault((r["format"], r["n"], r["k"]), {})[r["m"]] = (
+            None if cfg is None else WoqGemvConfig(**cfg))
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _device_table(name: str, path: str | None) -> dict:
+    table: dict = {}
+    for token, measured in MEASURED.items():
+        if token in name:
+            table = dict(measured)
+            break
+    if path:
+        for key, buckets in table_from_bench(path).items():
+            table[key] = {**table.get(key, {}), **buckets}
+    return table
+
+
+def plan(fmt: str, n: int, k: int, device: torch.device) -> dict[int, WoqGemvConfig]:
+    """{M: config} for the row counts 1..DISPATCH_MAX_M that take the low-bit GEMV for a
+    layer of format ``fmt`` (see the module docstring) and shape [N, K] on ``device``;
+    empty off CUDA, with KVFLOW_WOQ_GEMV=off or KVFLOW_DISABLE_TRITON=1."""
+    from kvflow import envs
+
+    mode = envs.woq_gemv_mode()
+    if mode == "off" or device.type != "cuda" or envs.disable_triton():
+        return {}
+    table = _device_table(torch.cuda.get_device_name(device), envs.woq_gemv_table())
+    buckets = table.get((fmt, n, k))
+    if buckets is None and mode == "auto" and (fmt.startswith("int8") or fmt.endswith("-silu")):
+        # int8 per channel: w8a16_gemm beat this kernel at every 8B shape on the H200, so
+        # an unmeasured shape keeps it; the fused SiLU form measured level with GEMM +
+        # silu_and_mul there (and its end-to-end run was not faster), so it too runs only
+        # where a table measured a win (force still takes both)
+        return {}
+    out = {}
+    for m in range(1, DISPATCH_MAX_M + 1):
+        if buckets is not None and _bucket(m) in buckets:
+            cfg = buckets[_bucket(m)]
+            if cfg is None and mode == "force":
+                cfg = default_config(fmt, m, n, k, device)
+        else:
+            cfg = default_config(fmt, m, n, k, device)
+        if cfg is not None:
+            out[m] = cfg
+    return out

@@ -1,0 +1,163 @@
+"""Dispatch of the low-bit decode GEMVs from the CUDA quantized-linear paths, without a
+GPU: ``woq_gemv_config.plan`` forced to answer as it does on CUDA, the kernels in the
+interpreter, the layer's output against the method's own reference; KVFLOW_WOQ_GEMV."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.errors import InvalidParameterError
+from kvflow.kernels import woq_gemv_config
+from kvflow.layers.linear import ReplicatedLinear
+from kvflow.layers.quantization import QuantizationConfig, fp8, gpu
+from kvflow.layers.quantization.packed import quantize_int4
+
+CFG = woq_gemv_config.WoqGemvConfig(32, 128, 2, num_stages=2)
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """Every decode row count takes the new kernels (as ``plan`` answers on CUDA), and the
+    weight-only layers take the GPU path on the CPU tensors (the interpreter)."""
+    calls = []
+
+    def plan(fmt, n, k, device):
+        calls.append((fmt, n, k))
+        return dict.fromkeys(range(1, 9), CFG)
+    monkeypatch.setattr(woq_gemv_config, "plan", plan)
+    monkeypatch.setattr(gpu, "use_triton", lambda device: True)
+    return calls
+
+
+def _layer(config: QuantizationConfig, w: torch.Tensor):
+    layer = ReplicatedLinear(w.shape[1], w.shape[0], False, torch.bfloat16,
+                             quant_config=config, prefix="model.layers.0.mlp.down_proj")
+    layer.weight.data.copy_(w)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+def _close(y, ref):
+    tol = 2e-2 * float(ref.abs().max()) + 1e-3
+    torch.testing.assert_close(y.float(), ref.float(), atol=tol, rtol=2e-2)
+
+
+def test_int4_and_int8_layers_take_the_gemv_for_decode_rows(planned, monkeypatch):
+    from kvflow.kernels import gemv_w4, gemv_w8
+
+    used = []
+    for mod, name in ((gemv_w4, "gemv_w4"), (gemv_w8, "gemv_w8")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=fn, _n=name, **k: used.append(_n)
+                            or _f(*a, **k))
+    torch.manual_seed(0)
+    w = (torch.randn(64, 512) * 0.05).bfloat16().float()
+    layer = _layer(QuantizationConfig("int4", group_size=128), w)
+    assert planned[-1] == ("w4g128", 64, 512) and set(layer.quant_method.triton.gemv) == set(
+        range(1, 9))
+    x = torch.randn(3, 512, dtype=torch.bfloat16)
+    _close(layer(x), x.float() @ quantize_int4(w, 128, False).dequantize().t())
+    layer8 = _layer(QuantizationConfig("int8"), w)
+    assert planned[-1] == ("int8", 64, 512)
+    _close(layer8(x), x.float() @ (layer8.qweight.float() * layer8.scales[:, None]).t())
+    assert used == ["gemv_w4", "gemv_w8"]
+    # 9 rows and more keep the previous kernels
+    used.clear()
+    x9 = torch.randn(9, 512, dtype=torch.bfloat16)
+    _close(layer(x9), x9.float() @ quantize_int4(w, 128, False).dequantize().t())
+    assert used == []
+
+
+def _gate_up(config: QuantizationConfig, w: torch.Tensor):
+    from kvflow.layers.linear import MergedLinear
+
+    d = w.shape[0] // 2
+    layer = MergedLinear(w.shape[1], [d, d], False, torch.bfloat16, quant_config=config,
+                         prefix="model.layers.0.mlp.gate_up_proj")
+    layer.weight.data.copy_(w)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("method", ["int4", "int8", "fp8"])
+def test_gate_up_layers_fuse_silu_for_decode_rows(planned, monkeypatch, method):
+    from kvflow.layers.activation import SiluAndMul
+
+    monkeypatch.setattr(fp8, "fp8_gemv_plan",
+                        lambda layer, silu=False: dict.fromkeys(range(1, 9), CFG))
+    torch.manual_seed(2)
+    w = (torch.randn(128, 256) * 0.05).bfloat16().float()
+    qc = QuantizationConfig(method, group_size=128) if method == "int4" else (
+        QuantizationConfig(method))
+    layer = _gate_up(qc, w)
+    if method != "fp8":
+        assert set(layer.quant_method.triton.silu) == set(range(1, 9))
+    act = SiluAndMul()
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    fused = layer.forward_silu_and_mul(x, act)
+    assert fused.shape == (2, 64)
+    unfused = act(layer(x))  # the plain GEMV, then the activation
+    torch.testing.assert_close(fused.float(), unfused.float(),
+                               atol=2e-2 * float(unfused.abs().max()), rtol=2e-2)
+    x9 = torch.randn(9, 256, dtype=torch.bfloat16)  # not a decode batch: unfused
+    assert layer.forward_silu_and_mul(x9, act).shape == (9, 64)
+
+
+def test_fp8_decode_rows_are_weight_dequant(monkeypatch):
+    """At M <= 8 the FP8 layer multiplies bf16 x by the dequantized FP8 weight (no
+    activation quantization); its result is the W8A8 product's up to x's quantization."""
+    monkeypatch.setattr(fp8, "fp8_gemv_plan", lambda layer: dict.fromkeys(range(1, 9), CFG))
+    torch.manual_seed(1)
+    w = (torch.randn(64, 256) * 0.05).bfloat16().float()
+    layer = _layer(QuantizationConfig("fp8"), w)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    wd = layer.weight.float() * layer.weight_scale[:, None]
+    y = layer(x)
+    _close(y, x.float() @ wd.t())
+    # bf16 x, fp8 weights: closer to the weight-dequant product than W8A8 can be
+    exact = x.float() @ wd.t()
+    assert float((y.float() - exact).abs().max()) <= 2e-2 * float(exact.abs().max())
+
+
+def test_plan_is_empty_off_cuda_and_when_switched_off(monkeypatch):
+    monkeypatch.setenv("KVFLOW_WOQ_GEMV", "force")
+    assert woq_gemv_config.plan("fp8", 64, 64, torch.device("cpu")) == {}
+    monkeypatch.setenv("KVFLOW_WOQ_GEMV", "bogus")
+    with pytest.raises(InvalidParameterError, match="KVFLOW_WOQ_GEMV"):
+        woq_gemv_config.plan("fp8", 64, 64, torch.device("cpu"))
+
+
+def test_auto_plan_follows_the_h200_table(monkeypatch):
+    """On an H200: measured wins take the GEMV, buckets measured slower keep the previous
+    path, unmeasured int4 shapes take the heuristic and unmeasured int8 ones w8a16."""
+    monkeypatch.setenv("KVFLOW_WOQ_GEMV", "auto")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(woq_gemv_config, "_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    woq_gemv_config._device_table.cache_clear()
+    try:
+        qkv = woq_gemv_config.plan("w4g128", 6144, 4096, cuda)
+        assert qkv[1] == woq_gemv_config.MEASURED["H200"][("w4g128", 6144, 4096)][1]
+        assert set(qkv) == set(range(1, 9))
+        assert woq_gemv_config.plan("int8", 6144, 4096, cuda) == {}  # measured slower
+        assert woq_gemv_config.plan("int8", 512, 512, cuda) == {}  # unmeasured int8
+        assert woq_gemv_config.plan("w4g128-silu", 14336, 4096, cuda) == {}  # unmeasured
+        other = woq_gemv_config.plan("w4g128", 2048, 2048, cuda)  # unmeasured: heuristic
+        assert other[1] == woq_gemv_config.default_config("w4g128", 1, 2048, 2048, cuda)
+        monkeypatch.setenv("KVFLOW_WOQ_GEMV", "force")
+        assert set(woq_gemv_config.plan("int8", 6144, 4096, cuda)) == set(range(1, 9))
+    finally:
+        woq_gemv_config._device_table.cache_clear()
+
+
+def test_table_from_bench_round_trip(tmp_path):
+    import json
+
+    cfg = woq_gemv_config.WoqGemvConfig(128, 256, 3, 4, 4, True)
+    rows = [{"format": "w4g128", "n": 4096, "k": 4096, "m": 1, "config": cfg.as_dict()},
+            {"format": "w4g128", "n": 4096, "k": 4096, "m": 2, "config": None}]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"table": rows}))
+    table = woq_gemv_config.table_from_bench(str(path))
+    assert table[("w4g128", 4096, 4096)] == {1: cfg, 2: None}
