@@ -144,13 +144,17 @@ class RejectionSampler(torch.nn.Module):
                 num_draft: list[int], meta: SamplingMetadata,
                 draft_probs: torch.Tensor | None = None,
                 generators: dict[int, torch.Generator] | None = None,
-                min_tokens_left: list[int] | None = None) -> RejectionOutput:
+                min_tokens_left: list[int] | None = None,
+                accept_all: bool = False) -> RejectionOutput:
         """Verify the drafts of B requests.
 
         target_logits [T, V] float32 (T = sum(d_i + 1), request-major), draft_token_ids
         [D] int64 (D = sum(d_i)), num_draft [B] (host list), meta: per-request metadata
         (B rows), draft_probs [D, V] or None for proposers without probabilities,
         generators: request index -> its generator (default: meta.generators).
+        ``accept_all``: BENCH ONLY (``kvflow bench spec-verify``'s cost measurement):
+        keep every draft whatever the target says, so a step of d drafts emits d + 1
+        tokens. The whole verification still runs; only its verdict is overridden.
         """
         dev = target_logits.device
         b = len(num_draft)
@@ -198,6 +202,8 @@ class RejectionSampler(torch.nn.Module):
             is_random = rmeta.temperature > 0  # [T]
             row_tok = torch.where(is_random, random_tok, greedy_tok)
             accept = torch.where(is_random[draft_row], random_accept, accept)
+        if accept_all:
+            accept = torch.ones_like(accept)
 
         # Leading run of accepted drafts per request.
         acc = torch.zeros(b, max_d + 1, dtype=torch.bool, device=dev)  # [B, max_d + 1]

@@ -69,6 +69,9 @@ class TreeVerifier:
         self.threshold = posterior_threshold
         self.alpha = posterior_alpha
         self._plans: dict[tuple[tuple[int, ...], str], _Plan] = {}
+        # BENCH ONLY (kvflow bench spec-verify): every node counts as right, so the
+        # deepest (likeliest) path is kept each step; a cost measurement, not decoding.
+        self.accept_all = False
 
     def _plan(self, num_draft: list[int], device: torch.device) -> _Plan:
         key = (tuple(num_draft), str(device))
@@ -152,6 +155,8 @@ class TreeVerifier:
                     noise[start: start + m + 1].exponential_(generator=g)
                 start += m + 1
             row_tok = torch.where(is_random, p.div(noise).argmax(dim=-1), greedy)
+        if self.accept_all:
+            right = torch.ones_like(right)
         # Accepted: right with every ancestor right (one pass per tree level).
         ok = torch.ones(n_rows, dtype=torch.bool, device=dev)
         cum = torch.zeros(n_rows, device=dev)

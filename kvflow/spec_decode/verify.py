@@ -35,6 +35,9 @@ class SpecDecoder:
         # Keep each step's sample-row hidden states for the proposer (Medusa heads).
         self.wants_hidden = self.proposer.wants_hidden
         self.rejection_sampler = RejectionSampler()
+        # BENCH ONLY (kvflow/bench/spec_oracle.py): keep every draft whatever the target
+        # says, to measure what all-accepted verification steps cost. Nothing else sets it.
+        self.accept_all = False
         # A candidate tree (Medusa): drafts are its nodes, verified with tree attention.
         self.tree = None
         self.tree_verifier = None
@@ -48,6 +51,8 @@ class SpecDecoder:
         self.tree = tree
         self.tree_verifier = None if tree is None else TreeVerifier(
             tree, self.config.posterior_threshold, self.config.posterior_alpha)
+        if self.tree_verifier is not None:
+            self.tree_verifier.accept_all = self.accept_all
 
     def init_cache(self, num_blocks: int) -> None:
         self.proposer.init_cache(num_blocks)
@@ -98,7 +103,8 @@ class SpecDecoder:
         draft_probs = None if req_ids is None else self._draft_probs(
             req_ids, num_draft, draft_token_ids, drafts, logits.shape[-1])
         out = self.rejection_sampler(logits, drafts, num_draft, meta, draft_probs=draft_probs,
-                                     min_tokens_left=min_tokens_left)
+                                     min_tokens_left=min_tokens_left,
+                                     accept_all=self.accept_all)
         logprobs = None
         if meta.max_num_logprobs is not None:
             # Logprobs of each emitted token at its own row (raw logits, as Sampler does).
