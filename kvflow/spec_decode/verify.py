@@ -18,6 +18,7 @@ from kvflow.core.sched_output import SchedulerOutput
 from kvflow.layers.rejection_sampler import RejectionSampler
 from kvflow.layers.sampler import SamplingMetadata, gather_logprobs
 from kvflow.spec_decode.proposer import make_proposer
+from kvflow.worker.step_inputs import PLACEHOLDER
 from kvflow.worker.transfer import to_device
 
 
@@ -170,8 +171,12 @@ class SpecDecoder:
         out: list[list[int]] = [[] for _ in req_ids]
         if limit is not None and batch.num_reqs > limit:
             return out
-        todo = [(i, batch.index[rid]) for i, rid in enumerate(req_ids)
-                if sampled[i] and rid in batch.index]
+        # A request whose last token is still in flight (the next step was launched
+        # before this one was collected: overlapped steps) cannot be drafted for: its
+        # drafts would sit at the wrong positions, and that step verifies none.
+        todo = [(i, row) for i, rid in enumerate(req_ids)
+                if sampled[i] and (row := batch.index.get(rid)) is not None
+                and batch.token_ids[row, int(batch.num_tokens[row]) - 1] != PLACEHOLDER]
         if not todo:
             return out
         seqs = [batch.token_ids[row, : int(batch.num_tokens[row])] for _, row in todo]
