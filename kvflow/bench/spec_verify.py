@@ -36,6 +36,12 @@ def add_spec_verify_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overhead-batch-size", type=int, default=64,
                    help="batch for the large-batch overhead runs (0: skip)")
     p.add_argument("--overhead-k", type=int, default=3)
+    p.add_argument("--eager-ks", default="",
+                   help="chain draft counts to cost again with the verification CUDA graphs "
+                        "set aside (eager steps, same engine); empty: none")
+    p.add_argument("--profile", action="store_true",
+                   help="torch-profile a few steps of chain k=4 (graphs and eager) and of the "
+                        "smallest tree: host time per op, in the result JSON")
 
 
 def _sync(device: str) -> None:
@@ -113,6 +119,65 @@ def _heads_ms(llm, num_heads: int, device: str, iters: int = 20) -> float:
     return (time.perf_counter() - t0) / iters * 1000
 
 
+def _set_limit(llm, runner_spec, config) -> None:
+    """Install ``config`` (a SpeculativeConfig) in the running engine: the worker's
+    proposals and the engine's choice of overlapped steps both follow its
+    disable_by_batch_size."""
+    runner_spec.config = config
+    gate = llm.engine.core._spec_overlap
+    if gate is not None:
+        gate.limit = config.disable_by_batch_size
+
+
+def _profile(llm, refs, prompts, graphs, depth: int, device: str) -> dict:
+    """Host time per op over 16 tokens of all-accepted chain k=4 steps (verification
+    graphs on, then off) and of 4-node tree steps: where an eager step's host time
+    goes (``self_cpu_ms`` summed over the steps, top ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvflow import SamplingParams
+    from kvflow.bench.spec_oracle import install_oracle
+    from kvflow.spec_decode.tree import DraftTree, rank_accuracy_profile
+
+    params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
+    out = {}
+    sizes = getattr(graphs, "verify_sizes", [])
+    tree = DraftTree.best(4, rank_accuracy_profile(None, depth))
+    for name, k, t, graphs_on in (("chain4_graphs", 4, None, True),
+                                  ("chain4_eager", 4, None, False),
+                                  ("tree4_eager", tree.max_depth, tree, False)):
+        install_oracle(llm, refs, k, t, accept_all=True)
+        if graphs is not None and not graphs_on:
+            graphs.verify_sizes = []
+        try:
+            llm.generate(prompts, params, use_tqdm=False)  # warm
+            _sync(device)
+            t0 = time.perf_counter()
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                             if device.startswith("cuda") else [])
+            with profile(activities=acts) as prof:
+                llm.generate(prompts, params, use_tqdm=False)
+                _sync(device)
+            wall = time.perf_counter() - t0
+        finally:
+            if graphs is not None:
+                graphs.verify_sizes = sizes
+        rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:30]
+        out[name] = {
+            "wall_s_profiled": round(wall, 4),
+            "top_self_cpu": [{"op": e.key, "calls": e.count,
+                              "self_cpu_ms": round(e.self_cpu_time_total / 1000, 3),
+                              "cpu_total_ms": round(e.cpu_time_total / 1000, 3),
+                              "device_ms": round(getattr(e, "self_device_time_total",
+                                                         getattr(e, "self_cuda_time_total", 0))
+                                                 / 1000, 3)}
+                             for e in rows]}
+        print(f"profile {name}: {wall * 1000:.1f} ms for 16 tokens")
+        for e in out[name]["top_self_cpu"][:12]:
+            print(f"  {e['op'][:60]:60s} {e['calls']:6d} {e['self_cpu_ms']:9.2f} ms")
+    return out
+
+
 def run_spec_verify(ns: argparse.Namespace) -> int:
     import torch
 
@@ -175,7 +240,7 @@ def run_spec_verify(ns: argparse.Namespace) -> int:
     llm = make(spec_args)
     runner_spec = llm.engine.core.executor.runner.spec
     always = dataclasses.replace(runner_spec.config, disable_by_batch_size=None)
-    runner_spec.config = always
+    _set_limit(llm, runner_spec, always)
     install_oracle(llm, refs, 0)
     off = _run(llm, prompts[:1], ns.output_len, device)
     base = plain1["decode_tokens_per_s"]
@@ -197,6 +262,28 @@ def run_spec_verify(ns: argparse.Namespace) -> int:
               f"{r['tokens_per_step']} tok/step, {r['ms_per_verify_step']} ms/verify step, "
               f"always right: {r['always_right_speedup']}x")
     result["oracle_chain_bs1"] = chain
+    graphs = llm.engine.core.executor.runner.graphs
+    eager_ks = [int(k) for k in ns.eager_ks.split(",") if k]
+    if eager_ks and getattr(graphs, "verify_sizes", None):
+        eager = {}
+        sizes = graphs.verify_sizes
+        graphs.verify_sizes = []  # no verification graph fits: steps run eagerly
+        try:
+            for k in eager_ks:
+                install_oracle(llm, refs, k, accept_all=True)
+                r = _run(llm, prompts[:1], ns.output_len, device)
+                r.pop("outputs")
+                r["speedup_vs_plain"] = round(r["decode_tokens_per_s"] / base, 3)
+                eager[str(k)] = r
+                print(f"chain k={k}, eager: {r['ms_per_verify_step']} ms/verify step "
+                      f"({r['speedup_vs_plain']}x plain)")
+        finally:
+            graphs.verify_sizes = sizes
+        result["oracle_chain_eager_bs1"] = eager
+    save_result(ns.save_result, {**result, "partial": True})  # in case a later part fails
+    if ns.profile:
+        result["profile"] = _profile(llm, refs, prompts[:1], graphs, ns.tree_depth,
+                                     device)
     trees = {}
     profile = rank_accuracy_profile(None, ns.tree_depth)
     for size in sizes:
@@ -215,17 +302,18 @@ def run_spec_verify(ns: argparse.Namespace) -> int:
               f"({r['speedup_vs_plain']}x), {r['ms_per_verify_step']} ms/verify step, "
               f"always right: {r['always_right_speedup']}x")
     result["oracle_tree_bs1"] = trees
+    save_result(ns.save_result, {**result, "partial": True})
 
     # 3. Large batch: speculation switched off by batch size, and forced on.
     if big:
         pb = result[f"plain_bs{big}"]["decode_tokens_per_s"]
-        runner_spec.config = dataclasses.replace(always, disable_by_batch_size=8)
+        _set_limit(llm, runner_spec, dataclasses.replace(always, disable_by_batch_size=8))
         install_oracle(llm, refs, ns.overhead_k, accept_all=True)
         r = _run(llm, prompts, ns.output_len, device)
         r.pop("outputs")
         r["ratio_vs_plain"] = round(r["decode_tokens_per_s"] / pb, 3)
         result[f"spec_off_by_batch_bs{big}"] = r
-        runner_spec.config = always
+        _set_limit(llm, runner_spec, always)
         r = _run(llm, prompts, ns.output_len, device)
         r.pop("outputs")
         r["ratio_vs_plain"] = round(r["decode_tokens_per_s"] / pb, 3)
