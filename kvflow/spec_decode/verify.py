@@ -148,16 +148,15 @@ class SpecDecoder:
                      drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """[D, V] distributions the drafts were drawn from (one-hot rows for requests whose
         drafts are deterministic), or None when no request's drafts were sampled."""
-        parts, any_sampled, start = [], False, 0
+        qs, start = [], 0
         for rid, d in zip(req_ids, num_draft):
-            q = self.proposer.draft_probs(rid, draft_ids[start: start + d]) if d else None
-            if q is None:
-                q = torch.nn.functional.one_hot(drafts[start: start + d], vocab).float()
-            else:
-                any_sampled = True
-            parts.append(q)
+            qs.append((start, d, self.proposer.draft_probs(rid, draft_ids[start: start + d])
+                       if d else None))
             start += d
-        return torch.cat(parts) if any_sampled else None
+        if all(q is None for _, _, q in qs):
+            return None  # deterministic drafts only: the one-hot rule needs no q
+        return torch.cat([torch.nn.functional.one_hot(drafts[s: s + d], vocab).float()
+                          if q is None else q for s, d, q in qs])
 
     # --- after the step -------------------------------------------------------------
     def propose(self, batch, req_ids: list[str], sampled: list[list[int]],
