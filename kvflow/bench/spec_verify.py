@@ -39,6 +39,8 @@ def add_spec_verify_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager-ks", default="",
                    help="chain draft counts to cost again with the verification CUDA graphs "
                         "set aside (eager steps, same engine); empty: none")
+    p.add_argument("--eager-tree-sizes", default="",
+                   help="tree sizes to cost again eagerly (verification graphs set aside)")
     p.add_argument("--profile", action="store_true",
                    help="torch-profile a few steps of chain k=4 (graphs and eager) and of the "
                         "smallest tree: host time per op, in the result JSON")
@@ -130,9 +132,9 @@ def _set_limit(llm, runner_spec, config) -> None:
 
 
 def _profile(llm, refs, prompts, graphs, depth: int, device: str) -> dict:
-    """Host time per op over 16 tokens of all-accepted chain k=4 steps (verification
-    graphs on, then off) and of 4-node tree steps: where an eager step's host time
-    goes (``self_cpu_ms`` summed over the steps, top ops)."""
+    """Host time per op over 16 tokens of all-accepted chain k=4 steps and of 4-node
+    tree steps, verification graphs on, then off: where a step's host time goes
+    (``self_cpu_ms`` summed over the steps, top ops)."""
     from torch.profiler import ProfilerActivity, profile
 
     from kvflow import SamplingParams
@@ -143,8 +145,11 @@ def _profile(llm, refs, prompts, graphs, depth: int, device: str) -> dict:
     out = {}
     sizes = getattr(graphs, "verify_sizes", [])
     tree = DraftTree.best(4, rank_accuracy_profile(None, depth))
+    if hasattr(graphs, "capture_trees"):
+        graphs.capture_trees(tree.num_nodes)
     for name, k, t, graphs_on in (("chain4_graphs", 4, None, True),
                                   ("chain4_eager", 4, None, False),
+                                  ("tree4_graphs", tree.max_depth, tree, True),
                                   ("tree4_eager", tree.max_depth, tree, False)):
         install_oracle(llm, refs, k, t, accept_all=True)
         if graphs is not None and not graphs_on:
@@ -200,6 +205,7 @@ def run_spec_verify(ns: argparse.Namespace) -> int:
     prompts = [r.prompt_token_ids for r in reqs]
     ks = [int(k) for k in ns.ks.split(",") if k]
     sizes = [int(s) for s in ns.tree_sizes.split(",") if s]
+    eager_trees = {int(s) for s in ns.eager_tree_sizes.split(",") if s}
     result: dict = {"acceptance": "accept_all: every draft kept by a bench-only override "
                                   "(cost of all-accepted verification; output is not the "
                                   "target's)",
@@ -266,7 +272,7 @@ def run_spec_verify(ns: argparse.Namespace) -> int:
     eager_ks = [int(k) for k in ns.eager_ks.split(",") if k]
     if eager_ks and getattr(graphs, "verify_sizes", None):
         eager = {}
-        sizes = graphs.verify_sizes
+        graph_sizes = graphs.verify_sizes
         graphs.verify_sizes = []  # no verification graph fits: steps run eagerly
         try:
             for k in eager_ks:
@@ -278,7 +284,7 @@ def run_spec_verify(ns: argparse.Namespace) -> int:
                 print(f"chain k={k}, eager: {r['ms_per_verify_step']} ms/verify step "
                       f"({r['speedup_vs_plain']}x plain)")
         finally:
-            graphs.verify_sizes = sizes
+            graphs.verify_sizes = graph_sizes
         result["oracle_chain_eager_bs1"] = eager
     save_result(ns.save_result, {**result, "partial": True})  # in case a later part fails
     if ns.profile:
@@ -289,6 +295,8 @@ def run_spec_verify(ns: argparse.Namespace) -> int:
     for size in sizes:
         tree = DraftTree.best(size, profile)
         install_oracle(llm, refs, tree.max_depth, tree, accept_all=True)
+        if hasattr(graphs, "capture_trees"):
+            graphs.capture_trees(tree.num_nodes)  # the runner does this at startup for Medusa
         r = _run(llm, prompts[:1], ns.output_len, device)
         r.pop("outputs")
         r["depth"] = tree.max_depth
@@ -301,6 +309,16 @@ def run_spec_verify(ns: argparse.Namespace) -> int:
         print(f"tree {size} nodes (depth {tree.max_depth}): {r['decode_tokens_per_s']} tok/s "
               f"({r['speedup_vs_plain']}x), {r['ms_per_verify_step']} ms/verify step, "
               f"always right: {r['always_right_speedup']}x")
+        if size in eager_trees and getattr(graphs, "verify_sizes", None):
+            saved, graphs.verify_sizes = graphs.verify_sizes, []  # eager steps
+            try:
+                e = _run(llm, prompts[:1], ns.output_len, device)
+            finally:
+                graphs.verify_sizes = saved
+            e.pop("outputs")
+            e["speedup_vs_plain"] = round(e["decode_tokens_per_s"] / base, 3)
+            result.setdefault("oracle_tree_eager_bs1", {})[str(size)] = e
+            print(f"tree {size} nodes, eager: {e['ms_per_verify_step']} ms/verify step")
     result["oracle_tree_bs1"] = trees
     save_result(ns.save_result, {**result, "partial": True})
 

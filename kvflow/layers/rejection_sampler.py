@@ -227,9 +227,14 @@ class RejectionSampler(torch.nn.Module):
         tok = torch.where(cols < num_accepted[:, None], tok, INVALID_TOKEN)
         tok = tok.scatter(1, num_accepted[:, None], last[:, None])
         # Emitted token per target row, for logprobs.
-        row_emitted = torch.full((num_rows,), INVALID_TOKEN, dtype=torch.int64, device=dev)
+        # Scattered through a spare last row instead of boolean-mask indexing, whose
+        # nonzero() would stop the host until the GPU has caught up.
+        row_emitted = torch.full((num_rows + 1,), INVALID_TOKEN, dtype=torch.int64,
+                                 device=dev)
         rows_of = _on(row_start, dev)[:, None] + cols
         valid = cols <= num_accepted[:, None]
-        row_emitted[rows_of[valid]] = tok[valid]
+        row_emitted[torch.where(valid, rows_of, num_rows).reshape(-1)] = \
+            torch.where(valid, tok, INVALID_TOKEN).reshape(-1)
+        row_emitted = row_emitted[:num_rows]
         return RejectionOutput(token_ids=tok, num_accepted=num_accepted,
                                row_token_ids=row_emitted)

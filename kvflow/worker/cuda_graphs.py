@@ -21,7 +21,9 @@ request), and the graph's remaining rows bs * q - T form one padding request aft
 real ones (no cache writes, slot -1; it attends to one key of block 0; rows the grid
 does not reach stay unwritten), then empty requests up to bs. Every layer works row by
 row, so whatever the padding rows hold never reaches a real row, and they are dropped.
-Candidate trees (Medusa) stay eager: their masks live in per-step tensors.
+Candidate trees (Medusa) get graphs of their own (``capture_trees``, query lengths up to
+1 + the tree's nodes): the kernel's tree launch reads each token's 64-bit mask and each
+request's tree root from two more static buffers (the padding request: no tree).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 
 from kvflow.config import GiB
 from kvflow.layers.attention import AttentionMetadata, AttentionMetadataBuilder
+from kvflow.layers.attention.metadata import TreeAttention
 from kvflow.logger import init_logger
 from kvflow.worker.step_inputs import StepInputs
 
@@ -52,7 +55,7 @@ def verify_query_lens(num_speculative_tokens: int) -> list[int]:
     """Query lengths (1 + drafts) that get verification graphs: every one up to 9, then
     a few rungs, then k + 1 (a step is padded up to the next captured length)."""
     top = num_speculative_tokens + 1
-    lens = set(range(2, min(top, 9) + 1)) | {q for q in (13, 17) if q < top} | {top}
+    lens = set(range(2, min(top, 9) + 1)) | {q for q in (13, 17, 33) if q < top} | {top}
     return sorted(q for q in lens if q >= 2)
 
 
@@ -94,10 +97,12 @@ class CudaGraphRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.sizes = graph_batch_sizes(max_num_seqs)
-        self.verify_sizes = list(verify_sizes) if verify_lens else []
+        self.verify_sizes = list(verify_sizes)
         self.verify_lens = list(verify_lens) if self.verify_sizes else []
+        self.tree_lens: list[int] = []  # query lengths of the tree graphs (capture_trees)
         max_bs = max(self.sizes[-1], self.verify_sizes[-1] if self.verify_sizes else 0)
-        max_tokens = max(max_bs, self.verify_sizes[-1] * self.verify_lens[-1]
+        # Room for chains of verify_lens and trees of up to 63 nodes (64 tokens).
+        max_tokens = max(max_bs, self.verify_sizes[-1] * max(self.verify_lens + [64])
                          if self.verify_sizes else 0)
         dev = device
         self.max_blocks = max_blocks
@@ -110,10 +115,14 @@ class CudaGraphRunner:
                                         device=dev)
         # Verification graphs' query_start_loc: the step's own, then the padding request.
         self.verify_qsl = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
+        # Tree graphs: each token's mask bits (-1: not in a tree) and each tree's root.
+        self.tree_bits = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev)
+        self.tree_start = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
-        self.verify_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.verify_hidden: dict[tuple[int, int], torch.Tensor] = {}
+        # (batch size, query length, tree) -> graph, hidden states
+        self.verify_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.verify_hidden: dict[tuple[int, int, bool], torch.Tensor] = {}
         self.pool = None
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -129,18 +138,49 @@ class CudaGraphRunner:
     def _forward(self, bs: int) -> torch.Tensor:
         return self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
 
-    def _verify_meta(self, bs: int, q: int) -> AttentionMetadata:
+    def _verify_meta(self, bs: int, q: int, tree: bool = False) -> AttentionMetadata:
         t = bs * q
         meta = AttentionMetadata(
             num_actual_tokens=t, num_reqs=bs, num_decodes=0, max_query_len=q,
             max_seq_len=self.max_model_len, slot_mapping=self.slot_mapping[:t],
             query_start_loc=self.verify_qsl[: bs + 1], seq_lens=self.seq_lens[:bs],
-            block_tables=self.block_tables[:bs], query_start_loc_cpu=[], seq_lens_cpu=[])
+            block_tables=self.block_tables[:bs], query_start_loc_cpu=[], seq_lens_cpu=[],
+            tree=TreeAttention(sizes_cpu=[], visible_cpu=[], bits=self.tree_bits[:t],
+                               start=self.tree_start[:bs]) if tree else None)
         return self.attn_builder.build(meta, self.positions[:t])
 
-    def _verify_forward(self, bs: int, q: int) -> torch.Tensor:
+    def _verify_forward(self, bs: int, q: int, tree: bool = False) -> torch.Tensor:
         t = bs * q
-        return self.model(self.input_ids[:t], self.positions[:t], self._verify_meta(bs, q))
+        return self.model(self.input_ids[:t], self.positions[:t],
+                          self._verify_meta(bs, q, tree))
+
+    def _capture_verify(self, lens: list[int], tree: bool) -> None:
+        """Graphs for (each verify size, each of ``lens``), captured on q tokens per
+        request (any layout of at most bs * q tokens replays)."""
+        self.seq_lens.fill_(max(lens, default=1))
+        self.tree_start.fill_(max(lens, default=1))  # no tree while capturing
+        for q in reversed(lens):
+            for bs in reversed(self.verify_sizes):
+                if (bs, q, tree) in self.verify_graphs:
+                    continue
+                torch.arange(0, (bs + 1) * q, q, out=self.verify_qsl[: bs + 1])
+                self.verify_graphs[bs, q, tree], self.verify_hidden[bs, q, tree] = \
+                    self._capture(lambda: self._verify_forward(bs, q, tree))
+        self.seq_lens.fill_(1)
+
+    @torch.inference_mode()
+    def capture_trees(self, num_nodes: int) -> None:
+        """Graphs for candidate-tree verification steps of up to ``num_nodes`` nodes (the
+        runner calls it when the proposer verifies a tree; benchmarks when they set one)."""
+        if not self.verify_sizes:
+            return
+        lens = verify_query_lens(num_nodes)
+        start = time.perf_counter()
+        self._capture_verify(lens, True)
+        self.tree_lens = sorted(set(self.tree_lens) | set(lens))
+        torch.cuda.synchronize(self.device)
+        logger.info("captured tree verification graphs (batch sizes %s, query lengths %s) "
+                    "in %.1f s", self.verify_sizes, lens, time.perf_counter() - start)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -151,14 +191,7 @@ class CudaGraphRunner:
         start = time.perf_counter()
         for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool
             self.graphs[bs], self.hidden[bs] = self._capture(lambda: self._forward(bs))
-        # Captured on q tokens per request (any layout of at most bs * q tokens replays).
-        self.seq_lens.fill_(max(self.verify_lens, default=1))
-        for q in reversed(self.verify_lens):
-            for bs in reversed(self.verify_sizes):
-                torch.arange(0, (bs + 1) * q, q, out=self.verify_qsl[: bs + 1])
-                self.verify_graphs[bs, q], self.verify_hidden[bs, q] = self._capture(
-                    lambda: self._verify_forward(bs, q))
-        self.seq_lens.fill_(1)
+        self._capture_verify(self.verify_lens, False)
         torch.cuda.synchronize(dev)
         used = torch.cuda.memory_reserved(dev) - reserved_before
         logger.info("captured %d CUDA graphs (decode batch sizes %d..%d%s) in %.1f s using "
@@ -184,8 +217,9 @@ class CudaGraphRunner:
             return False
         if meta.num_decodes == meta.num_reqs:
             return meta.num_reqs <= self.sizes[-1]
-        return meta.tree is None and pick_verify_graph(
-            meta.num_reqs, meta.max_query_len, self.verify_sizes, self.verify_lens) is not None
+        return pick_verify_graph(
+            meta.num_reqs, meta.max_query_len, self.verify_sizes,
+            self.verify_lens if meta.tree is None else self.tree_lens) is not None
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Replay the smallest graph that fits; returns hidden states [T, hidden]."""
@@ -212,7 +246,9 @@ class CudaGraphRunner:
         graph: its tokens first, the rest of the graph's rows a padding request."""
         meta = inputs.meta
         r, n = meta.num_reqs, meta.num_actual_tokens
-        bs, q = pick_verify_graph(r, meta.max_query_len, self.verify_sizes, self.verify_lens)
+        tree = meta.tree is not None
+        bs, q = pick_verify_graph(r, meta.max_query_len, self.verify_sizes,
+                                  self.tree_lens if tree else self.verify_lens)
         t = bs * q
         self.input_ids[:n].copy_(inputs.input_ids)
         self.positions[:n].copy_(inputs.positions)
@@ -227,8 +263,13 @@ class CudaGraphRunner:
         width = meta.block_tables.shape[1]
         self.block_tables[:r, :width].copy_(meta.block_tables)
         self.block_tables[r:bs, 0].fill_(0)
-        self.verify_graphs[bs, q].replay()
-        return self.verify_hidden[bs, q][:n]
+        if tree:  # the step's masks and roots; the padding request has no tree
+            self.tree_bits[:n].copy_(meta.tree.bits)
+            self.tree_bits[n:t].fill_(-1)
+            self.tree_start[:r].copy_(meta.tree.start)
+            self.tree_start[r:bs].fill_(1)
+        self.verify_graphs[bs, q, tree].replay()
+        return self.verify_hidden[bs, q, tree][:n]
 
     def run_eager(self, inputs: StepInputs) -> torch.Tensor:
         """A step no graph covers (prefill chunks, prompt logprobs)."""

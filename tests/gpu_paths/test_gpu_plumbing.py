@@ -34,23 +34,24 @@ class EagerGraph:
 
 
 class EagerVerifyGraph:
-    """Stands in for a captured verification graph (batch size bs, q tokens a request)."""
+    """Stands in for a captured verification graph (batch size bs, q tokens a request,
+    candidate trees or chains)."""
 
     replays = 0
 
-    def __init__(self, runner: cuda_graphs.CudaGraphRunner, bs: int, q: int) -> None:
-        self.runner, self.bs, self.q = runner, bs, q
+    def __init__(self, runner: cuda_graphs.CudaGraphRunner, key: tuple) -> None:
+        self.runner, self.key = runner, key
 
     def replay(self) -> None:
         EagerVerifyGraph.replays += 1
-        self.runner.verify_hidden[self.bs, self.q].copy_(
-            self.runner._verify_forward(self.bs, self.q))
+        self.runner.verify_hidden[self.key].copy_(self.runner._verify_forward(*self.key))
 
 
-def gpu_like(llm: LLM, graphs: bool, verify_sizes=(), verify_lens=()) -> None:
+def gpu_like(llm: LLM, graphs: bool, verify_sizes=(), verify_lens=(),
+             tree_nodes: int = 0) -> None:
     """Switch a CPU engine to the GPU path: Triton kernels and their metadata builder,
     device block table, graphs (verification graphs of ``verify_sizes`` x
-    ``verify_lens`` too)."""
+    ``verify_lens`` too, and for trees of up to ``tree_nodes`` nodes)."""
     r = llm.engine.core.executor.runner
     backend = get_attention_backend("triton")
     for m in r.model.modules():
@@ -74,13 +75,12 @@ def gpu_like(llm: LLM, graphs: bool, verify_sizes=(), verify_lens=()) -> None:
         for bs in g.sizes:
             g.hidden[bs] = g._forward(bs)
             g.graphs[bs] = EagerGraph(g, bs)
-        g.seq_lens.fill_(max(verify_lens, default=1))
-        for q in g.verify_lens:
-            for bs in g.verify_sizes:
-                torch.arange(0, (bs + 1) * q, q, out=g.verify_qsl[: bs + 1])
-                g.verify_hidden[bs, q] = g._verify_forward(bs, q)
-                g.verify_graphs[bs, q] = EagerVerifyGraph(g, bs, q)
-        g.seq_lens.fill_(1)
+        g._capture = lambda forward: (None, forward())  # graphs come next
+        g._capture_verify(g.verify_lens, False)
+        if tree_nodes:
+            g.tree_lens = cuda_graphs.verify_query_lens(tree_nodes)
+            g._capture_verify(g.tree_lens, True)
+        g.verify_graphs = {key: EagerVerifyGraph(g, key) for key in g.verify_hidden}
         r.graphs = g
 
 
@@ -138,13 +138,16 @@ def test_gpu_path_verifies_medusa_trees_like_torch_path(tmp_path):
     llm = LLM("tiny-llama", speculative_config={
         "method": "medusa", "model": str(tmp_path), "num_speculative_tokens": 3,
         "disable_by_batch_size": None}, **kw)
-    gpu_like(llm, graphs=True)
-    refs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in ref]
     tree = DraftTree.from_choices([[0], [1], [0, 0], [1, 0], [1, 1], [0, 0, 0], [1, 1, 0]])
+    # Tree verification graphs (2 requests replay in the 2-request graphs of 8 tokens).
+    gpu_like(llm, graphs=True, verify_sizes=[1, 2], tree_nodes=tree.num_nodes)
+    refs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in ref]
     install_oracle(llm, refs, 3, tree, place="random")
+    EagerVerifyGraph.replays = 0
     out = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert llm.engine.core.scheduler.spec_stats.mean_accepted_length > 2.0
+    assert EagerVerifyGraph.replays > 3
 
 
 def test_gpu_path_verification_graphs_match_torch_path():
