@@ -46,3 +46,31 @@ def test_spec_graphs_equal_plain_greedy(k):
         # the last float32 bits: allow a rare near-tie to reject a draft)
         assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
         assert (graphs > 0) == (not eager)
+
+
+def test_tree_graphs_equal_plain_greedy():
+    """Candidate trees through the tree verification graphs: the bench-only oracle puts
+    the plain run's continuation on a random branch of the tree each step, wrong tokens
+    elsewhere, so the kept path's K/V moves from any branch."""
+    from kvflow.bench.spec_oracle import install_oracle
+    from kvflow.spec_decode.tree import DraftTree
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (7, 21)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = LLM("tiny-llama", **KW)
+    ref = plain.generate(prompts, params, use_tqdm=False)
+    want = [o.outputs[0].token_ids for o in ref]
+    plain.shutdown()
+    llm = LLM("tiny-llama", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}, **KW)
+    tree = DraftTree.from_choices([[0], [1], [0, 0], [1, 0], [1, 1], [0, 0, 0], [1, 1, 0]])
+    refs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in ref]
+    install_oracle(llm, refs, 3, tree, place="random")
+    graphs = llm.engine.core.executor.runner.graphs
+    graphs.capture_trees(tree.num_nodes)
+    assert any(key[2] for key in graphs.verify_graphs)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert out == want
+    assert llm.engine.core.scheduler.spec_stats.num_drafts > 0
+    llm.shutdown()
