@@ -599,10 +599,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.parallel.check_model(self.model.arch)
-        # The worker appends a verification step's tokens when the step is collected, so
-        # no step may be built while one is in flight.
-        require(self.speculative is None or not self.scheduler.async_scheduling,
-                "async_scheduling", "cannot be combined with speculative decoding")
+        # Speculation with async_scheduling: the engine collects every verification step
+        # before it builds the next one (kvflow/engine/spec_overlap.py).
         # Overlapped steps feed a request's in-flight token into its next step; batches
         # in flight keep each request in one batch at a time instead.
         require(self.parallel.batches_in_flight == 1 or not self.scheduler.async_scheduling,

@@ -59,15 +59,17 @@ def test_bad_speculative_config(value, match):
     assert e.value.param.startswith("speculative_config")
 
 
-def test_engine_args_turn_async_scheduling_off():
+def test_engine_args_keep_async_scheduling():
+    # Speculation no longer turns overlapped steps off (engine/spec_overlap.py decides
+    # per step); on CPU the default stays off, and asking for it is allowed.
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     cfg = EngineArgs(load_format="dummy", device="cpu", speculative_config=spec,
                      max_model_len=256).create_engine_config()
     assert cfg.speculative == SpeculativeConfig("ngram", 3)
     assert not cfg.scheduler.async_scheduling
-    with pytest.raises(InvalidParameterError, match="async_scheduling cannot"):
-        EngineArgs(load_format="dummy", device="cpu", speculative_config=spec,
-                   async_scheduling=True).create_engine_config()
+    cfg = EngineArgs(load_format="dummy", device="cpu", speculative_config=spec,
+                     max_model_len=256, async_scheduling=True).create_engine_config()
+    assert cfg.scheduler.async_scheduling
 
 
 def test_cli_generate_with_ngram_and_bad_config():

@@ -56,11 +56,15 @@
 #             WOQ_GEMV_RUN_S (35) s of the stage are left; woq-gemv-summary.json (step GEMM ms, ratios);
 #             WOQ_GEMV_TESTS=0 skips the tests (WOQ_GEMV_TEST_K selects some), WOQ_GEMV_MS picks
 #             the bench's row counts
-#   spec-verify  speculative verification cost at Llama-3.1-8B shape (dummy weights, <= 5 min):
-#             batch-1 plain decode, always-right drafts at k=1..8 and Medusa trees of 8/16/32/63
-#             nodes, the heads' forward, batch 64 with speculation switched off / forced on
+#   spec-verify  speculative verification cost at Llama-3.1-8B shape (dummy weights, <= 4 min):
+#             batch-1 plain decode, all-accepted chains (bench-only accept-all override)
+#             at k=1,2,3,4,6,8 through the verification CUDA graphs and k=1,4,8 eager,
+#             Medusa trees of 8/16/32 nodes (graphs; 16 eager too), the heads' forward, a host-time profile
+#             of chain/tree steps, batch 64 with speculation switched off / forced on
 #             (spec-verify.json); then the batch-1 speedup predicted from the CPU acceptance
 #             figures (spec-predict.json)
+#   spec-graphs  GPU tests: greedy speculative output equals plain with verification graphs
+#             on and off (tests/test_spec_graphs_gpu.py, <= 2.5 min)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/env.sh  # OUT, PYTHONPATH, KVFLOW_GIT_COMMIT, KV
@@ -160,8 +164,9 @@ for stage in "$@"; do
       done
       python benchmarks/gpu/woq_gemv_summary.py "$OUT" 2>&1 | tail -24;;
     spec-verify)
-      timeout ${SPEC_VERIFY_TIMEOUT:-270} $KV bench spec-verify --model llama-3.1-8b --load-format dummy --input-len 128 --output-len 128 --max-model-len 4096 --gpu-memory-utilization 0.45 --save-result "$OUT/spec-verify.json" 2>&1 | grep -v "^INFO" | tail -30
+      timeout ${SPEC_VERIFY_TIMEOUT:-225} $KV bench spec-verify --model llama-3.1-8b --load-format dummy --input-len 128 --output-len 128 --max-model-len 4096 --gpu-memory-utilization 0.45 --ks=${SPEC_KS-1,2,3,4,6,8} --eager-ks=${SPEC_EAGER_KS-1,4,8} --tree-sizes=${SPEC_TREES-8,16,32} --eager-tree-sizes=${SPEC_EAGER_TREES-16} ${SPEC_ARGS---profile} --save-result "$OUT/spec-verify.json" 2>&1 | grep -v "^INFO\|^USDT\|^STAGE" | tail -60
       [ -f "$OUT/spec-verify.json" ] && python scripts/predict_spec_speedup.py --gpu "$OUT/spec-verify.json" --out "$OUT/spec-predict.json" 2>&1 | tail -15;;
+    spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     *) echo "unknown stage $stage"; exit 2;;
   esac
 done

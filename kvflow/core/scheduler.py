@@ -602,3 +602,7 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    def has_drafts(self) -> bool:
+        """Whether a running request has proposed drafts waiting to be verified."""
+        return any(req.spec_token_ids for req in self.running)

@@ -211,14 +211,9 @@ class EngineArgs:
             batched = max(batched, max_len)
         speculative = parse_speculative_config(self.speculative_config)
         async_scheduling = on_gpu if self.async_scheduling is None else self.async_scheduling
-        if speculative is not None and async_scheduling:
-            # A verification step's token count is known only when it ends, so the next
-            # step cannot be prepared during it: overlapping would only skip drafts.
-            if self.async_scheduling:
-                raise InvalidParameterError(
-                    "async_scheduling cannot be combined with speculative decoding; drop "
-                    "--async-scheduling or --speculative-config", param="async_scheduling")
-            async_scheduling = False
+        # Speculation keeps overlapped steps: a step that verifies drafts, or whose drafts
+        # the next step verifies, is collected before the next is scheduled; the others
+        # overlap as in plain decoding (kvflow/engine/spec_overlap.py).
         if self.pipeline_parallel_size > 1 and self.pipeline_in_flight != 1 \
                 and async_scheduling:
             # Batches in flight overlap the stages; a request is in one batch at a time,

@@ -116,6 +116,12 @@ class EngineCore:
         self._pipeline: collections.deque[tuple[SchedulerOutput, object]] = \
             collections.deque()
         self._depth = config.parallel.batches_in_flight
+        # Speculation with overlapped steps: which steps wait for the one in flight.
+        self._spec_overlap = None
+        if config.speculative is not None and config.scheduler.async_scheduling:
+            from kvflow.engine.spec_overlap import SpecOverlap
+
+            self._spec_overlap = SpecOverlap(config.speculative.disable_by_batch_size)
         # Fault isolation (see step()): requests of a failed step wait here to be run
         # alone, one at a time; the one being run alone is the probe.
         self._suspects: collections.deque[Request] = collections.deque()
@@ -205,8 +211,16 @@ class EngineCore:
     def _normal_step(self, launched: list[SchedulerOutput]) -> list[EngineCoreOutput]:
         if self._depth > 1:
             return self._pipelined_step(launched)
+        outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None:
             launched.append(self._in_flight[0])
+            gate = self._spec_overlap
+            if gate is not None and gate.collect_first(
+                    bool(self._in_flight[0].scheduled_spec_decode_tokens),
+                    self.scheduler.num_running):
+                # Speculation: the next step verifies the drafts this one proposes.
+                outputs = self._collect_in_flight(launched)
+                gate.observe(self.scheduler.has_drafts())
         sched_out = self.scheduler.schedule()
         launched.append(sched_out)
         handle = None
@@ -218,13 +232,16 @@ class EngineCore:
             if handle is None:
                 return []
             return self.scheduler.update_from_output(sched_out, handle.result())
-        outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None:
-            prev_out, prev_handle = self._in_flight
-            self._in_flight = None
-            outputs = self.scheduler.update_from_output(prev_out, prev_handle.result())
-            launched.remove(prev_out)
+            outputs = self._collect_in_flight(launched)
         self._in_flight = (sched_out, handle) if handle is not None else None
+        return outputs
+
+    def _collect_in_flight(self, launched: list[SchedulerOutput]) -> list[EngineCoreOutput]:
+        prev_out, prev_handle = self._in_flight
+        self._in_flight = None
+        outputs = self.scheduler.update_from_output(prev_out, prev_handle.result())
+        launched.remove(prev_out)
         return outputs
 
     def _pipelined_step(self, launched: list[SchedulerOutput]) -> list[EngineCoreOutput]:

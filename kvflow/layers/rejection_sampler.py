@@ -45,6 +45,16 @@ class RejectionOutput:
     row_token_ids: torch.Tensor
 
 
+def _on(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 list on ``device`` without blocking the host: a plain torch.tensor(...,
+    device="cuda") copies from pageable memory and waits for all queued GPU work (the
+    verification forward), then again for each small kernel before the next such copy."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _offsets(num_draft: list[int]) -> tuple[list[int], list[int]]:
     """Start of each request's target rows and of its draft tokens."""
     row_start, draft_start, r, d = [], [], 0, 0
@@ -71,10 +81,11 @@ def expand_metadata(meta: SamplingMetadata, num_draft: list[int],
     for penalties, and their number is how many tokens precede the row for min_tokens.
     """
     dev = meta.temperature.device
-    reps = torch.tensor([n + 1 for n in num_draft], device=dev)
+    reps = _on([n + 1 for n in num_draft], dev)
+    total = sum(num_draft) + len(num_draft)  # given, so repeat_interleave needs no sync
 
     def rep(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.repeat_interleave(reps, dim=0)
+        return None if t is None else t.repeat_interleave(reps, dim=0, output_size=total)
 
     out = SamplingMetadata(
         temperature=rep(meta.temperature), all_greedy=meta.all_greedy,
@@ -88,7 +99,7 @@ def expand_metadata(meta: SamplingMetadata, num_draft: list[int],
     row_start, draft_start = _offsets(num_draft)
     if meta.logit_bias is not None:  # every target row of a request gets its bias
         rows, ids, values = meta.logit_bias
-        first = torch.tensor(row_start, device=dev)[rows]  # [E]
+        first = _on(row_start, dev)[rows]  # [E]
         span = reps[rows]  # [E] rows per request
         base = torch.repeat_interleave(first, span)  # [sum(span)] the entry's first row
         starts = torch.repeat_interleave(torch.cumsum(span, 0) - span, span)
@@ -103,8 +114,8 @@ def expand_metadata(meta: SamplingMetadata, num_draft: list[int],
                     rows.append(row_start[i] + j)
                     toks.append(draft_start[i] + k)
         if rows:
-            r = torch.tensor(rows, device=dev)
-            t = draft_token_ids[torch.tensor(toks, device=dev)]
+            r = _on(rows, dev)
+            t = draft_token_ids[_on(toks, dev)]
             out.output_counts = out.output_counts.clone()
             out.output_counts.index_put_((r, t), torch.ones_like(r, dtype=out.output_counts.dtype),
                                          accumulate=True)
@@ -119,7 +130,7 @@ def expand_metadata(meta: SamplingMetadata, num_draft: list[int],
                     rows.append(row_start[req] + j)
                     ids.append(tok)
         if rows:
-            out.banned = (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev))
+            out.banned = (_on(rows, dev), _on(ids, dev))
     return out
 
 
@@ -144,13 +155,17 @@ class RejectionSampler(torch.nn.Module):
                 num_draft: list[int], meta: SamplingMetadata,
                 draft_probs: torch.Tensor | None = None,
                 generators: dict[int, torch.Generator] | None = None,
-                min_tokens_left: list[int] | None = None) -> RejectionOutput:
+                min_tokens_left: list[int] | None = None,
+                accept_all: bool = False) -> RejectionOutput:
         """Verify the drafts of B requests.
 
         target_logits [T, V] float32 (T = sum(d_i + 1), request-major), draft_token_ids
         [D] int64 (D = sum(d_i)), num_draft [B] (host list), meta: per-request metadata
         (B rows), draft_probs [D, V] or None for proposers without probabilities,
         generators: request index -> its generator (default: meta.generators).
+        ``accept_all``: BENCH ONLY (``kvflow bench spec-verify``'s cost measurement):
+        keep every draft whatever the target says, so a step of d drafts emits d + 1
+        tokens. The whole verification still runs; only its verdict is overridden.
         """
         dev = target_logits.device
         b = len(num_draft)
@@ -160,12 +175,10 @@ class RejectionSampler(torch.nn.Module):
         rmeta = expand_metadata(meta, num_draft, draft_token_ids, min_tokens_left)
         num_rows = target_logits.shape[0]
         # Index maps: draft k -> its target row; request i -> its bonus row.
-        draft_row = torch.tensor([row_start[i] + j for i, n in enumerate(num_draft)
-                                  for j in range(n)], dtype=torch.int64, device=dev)  # [D]
-        bonus_row = torch.tensor([row_start[i] + n for i, n in enumerate(num_draft)],
-                                 dtype=torch.int64, device=dev)  # [B]
-        draft_req = torch.tensor([i for i, n in enumerate(num_draft) for _ in range(n)],
-                                 dtype=torch.int64, device=dev)  # [D]
+        draft_row = _on([row_start[i] + j for i, n in enumerate(num_draft)
+                         for j in range(n)], dev)  # [D]
+        bonus_row = _on([row_start[i] + n for i, n in enumerate(num_draft)], dev)  # [B]
+        draft_req = _on([i for i, n in enumerate(num_draft) for _ in range(n)], dev)  # [D]
 
         greedy_tok = processed_argmax(target_logits, rmeta)  # [T]
         accept = greedy_tok[draft_row] == draft_token_ids  # [D]
@@ -198,24 +211,30 @@ class RejectionSampler(torch.nn.Module):
             is_random = rmeta.temperature > 0  # [T]
             row_tok = torch.where(is_random, random_tok, greedy_tok)
             accept = torch.where(is_random[draft_row], random_accept, accept)
+        if accept_all:
+            accept = torch.ones_like(accept)
 
         # Leading run of accepted drafts per request.
         acc = torch.zeros(b, max_d + 1, dtype=torch.bool, device=dev)  # [B, max_d + 1]
         tok = torch.full((b, max_d + 1), INVALID_TOKEN, dtype=torch.int64, device=dev)
-        col = torch.tensor([j for n in num_draft for j in range(n)], dtype=torch.int64,
-                           device=dev)  # [D]
+        col = _on([j for n in num_draft for j in range(n)], dev)  # [D]
         acc[draft_req, col] = accept
         tok[draft_req, col] = draft_token_ids
         num_accepted = acc.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
         cols = torch.arange(max_d + 1, device=dev)[None, :]
-        stop_row = torch.tensor(row_start, dtype=torch.int64, device=dev) + num_accepted
+        stop_row = _on(row_start, dev) + num_accepted
         last = row_tok[stop_row]  # [B]: recovered at the first rejection, else the bonus
         tok = torch.where(cols < num_accepted[:, None], tok, INVALID_TOKEN)
         tok = tok.scatter(1, num_accepted[:, None], last[:, None])
         # Emitted token per target row, for logprobs.
-        row_emitted = torch.full((num_rows,), INVALID_TOKEN, dtype=torch.int64, device=dev)
-        rows_of = torch.tensor(row_start, dtype=torch.int64, device=dev)[:, None] + cols
+        # Scattered through a spare last row instead of boolean-mask indexing, whose
+        # nonzero() would stop the host until the GPU has caught up.
+        row_emitted = torch.full((num_rows + 1,), INVALID_TOKEN, dtype=torch.int64,
+                                 device=dev)
+        rows_of = _on(row_start, dev)[:, None] + cols
         valid = cols <= num_accepted[:, None]
-        row_emitted[rows_of[valid]] = tok[valid]
+        row_emitted[torch.where(valid, rows_of, num_rows).reshape(-1)] = \
+            torch.where(valid, tok, INVALID_TOKEN).reshape(-1)
+        row_emitted = row_emitted[:num_rows]
         return RejectionOutput(token_ids=tok, num_accepted=num_accepted,
                                row_token_ids=row_emitted)

@@ -69,6 +69,9 @@ class TreeVerifier:
         self.threshold = posterior_threshold
         self.alpha = posterior_alpha
         self._plans: dict[tuple[tuple[int, ...], str], _Plan] = {}
+        # BENCH ONLY (kvflow bench spec-verify): every node counts as right, so the
+        # deepest (likeliest) path is kept each step; a cost measurement, not decoding.
+        self.accept_all = False
 
     def _plan(self, num_draft: list[int], device: torch.device) -> _Plan:
         key = (tuple(num_draft), str(device))
@@ -152,6 +155,8 @@ class TreeVerifier:
                     noise[start: start + m + 1].exponential_(generator=g)
                 start += m + 1
             row_tok = torch.where(is_random, p.div(noise).argmax(dim=-1), greedy)
+        if self.accept_all:
+            right = torch.ones_like(right)
         # Accepted: right with every ancestor right (one pass per tree level).
         ok = torch.ones(n_rows, dtype=torch.bool, device=dev)
         cum = torch.zeros(n_rows, device=dev)
@@ -174,12 +179,15 @@ class TreeVerifier:
         tokens = tokens.scatter(1, num_accepted[:, None], row_tok[best_row][:, None])
         tokens = torch.where(kept, tokens, INVALID_TOKEN)  # [B, Dmax + 1]
         first = plan.first_rows  # [B, Dmax + 1]
-        row_tokens = torch.full((n_rows,), INVALID_TOKEN, dtype=torch.int64, device=dev)
-        perm = torch.arange(n_rows, device=dev)
         # Rows a request does not have (fewer nodes than Dmax) repeat its last row; they
-        # are never kept (the path is no deeper than its nodes).
-        row_tokens[first[kept]] = tokens[kept]
-        perm[first[kept]] = path[kept]
+        # are never kept (the path is no deeper than its nodes). Entries not kept go to a
+        # spare last row (boolean-mask indexing would sync the host with the GPU).
+        row_tokens = torch.full((n_rows + 1,), INVALID_TOKEN, dtype=torch.int64, device=dev)
+        perm = torch.arange(n_rows + 1, device=dev)
+        dst = torch.where(kept, first, n_rows).reshape(-1)
+        row_tokens[dst] = tokens.reshape(-1)
+        perm[dst] = path.reshape(-1)
+        row_tokens, perm = row_tokens[:n_rows], perm[:n_rows]
         # K/V of the kept nodes move from their tree slots to the slots right after the
         # root (depth d -> the request's row d); everything else stays (src = dst).
         src = torch.where(kept, path, first)

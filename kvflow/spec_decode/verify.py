@@ -18,6 +18,7 @@ from kvflow.core.sched_output import SchedulerOutput
 from kvflow.layers.rejection_sampler import RejectionSampler
 from kvflow.layers.sampler import SamplingMetadata, gather_logprobs
 from kvflow.spec_decode.proposer import make_proposer
+from kvflow.worker.step_inputs import PLACEHOLDER
 from kvflow.worker.transfer import to_device
 
 
@@ -35,6 +36,9 @@ class SpecDecoder:
         # Keep each step's sample-row hidden states for the proposer (Medusa heads).
         self.wants_hidden = self.proposer.wants_hidden
         self.rejection_sampler = RejectionSampler()
+        # BENCH ONLY (kvflow/bench/spec_oracle.py): keep every draft whatever the target
+        # says, to measure what all-accepted verification steps cost. Nothing else sets it.
+        self.accept_all = False
         # A candidate tree (Medusa): drafts are its nodes, verified with tree attention.
         self.tree = None
         self.tree_verifier = None
@@ -48,6 +52,8 @@ class SpecDecoder:
         self.tree = tree
         self.tree_verifier = None if tree is None else TreeVerifier(
             tree, self.config.posterior_threshold, self.config.posterior_alpha)
+        if self.tree_verifier is not None:
+            self.tree_verifier.accept_all = self.accept_all
 
     def init_cache(self, num_blocks: int) -> None:
         self.proposer.init_cache(num_blocks)
@@ -98,7 +104,8 @@ class SpecDecoder:
         draft_probs = None if req_ids is None else self._draft_probs(
             req_ids, num_draft, draft_token_ids, drafts, logits.shape[-1])
         out = self.rejection_sampler(logits, drafts, num_draft, meta, draft_probs=draft_probs,
-                                     min_tokens_left=min_tokens_left)
+                                     min_tokens_left=min_tokens_left,
+                                     accept_all=self.accept_all)
         logprobs = None
         if meta.max_num_logprobs is not None:
             # Logprobs of each emitted token at its own row (raw logits, as Sampler does).
@@ -141,16 +148,15 @@ class SpecDecoder:
                      drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """[D, V] distributions the drafts were drawn from (one-hot rows for requests whose
         drafts are deterministic), or None when no request's drafts were sampled."""
-        parts, any_sampled, start = [], False, 0
+        qs, start = [], 0
         for rid, d in zip(req_ids, num_draft):
-            q = self.proposer.draft_probs(rid, draft_ids[start: start + d]) if d else None
-            if q is None:
-                q = torch.nn.functional.one_hot(drafts[start: start + d], vocab).float()
-            else:
-                any_sampled = True
-            parts.append(q)
+            qs.append((start, d, self.proposer.draft_probs(rid, draft_ids[start: start + d])
+                       if d else None))
             start += d
-        return torch.cat(parts) if any_sampled else None
+        if all(q is None for _, _, q in qs):
+            return None  # deterministic drafts only: the one-hot rule needs no q
+        return torch.cat([torch.nn.functional.one_hot(drafts[s: s + d], vocab).float()
+                          if q is None else q for s, d, q in qs])
 
     # --- after the step -------------------------------------------------------------
     def propose(self, batch, req_ids: list[str], sampled: list[list[int]],
@@ -164,8 +170,12 @@ class SpecDecoder:
         out: list[list[int]] = [[] for _ in req_ids]
         if limit is not None and batch.num_reqs > limit:
             return out
-        todo = [(i, batch.index[rid]) for i, rid in enumerate(req_ids)
-                if sampled[i] and rid in batch.index]
+        # A request whose last token is still in flight (the next step was launched
+        # before this one was collected: overlapped steps) cannot be drafted for: its
+        # drafts would sit at the wrong positions, and that step verifies none.
+        todo = [(i, row) for i, rid in enumerate(req_ids)
+                if sampled[i] and (row := batch.index.get(rid)) is not None
+                and batch.token_ids[row, int(batch.num_tokens[row]) - 1] != PLACEHOLDER]
         if not todo:
             return out
         seqs = [batch.token_ids[row, : int(batch.num_tokens[row])] for _, row in todo]

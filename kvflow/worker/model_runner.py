@@ -177,13 +177,22 @@ class ModelRunner:
             logger.info("CUDA graphs off (%s)", "--enforce-eager" if cfg.device.enforce_eager
                         else "no Triton kernels")
             return
-        from kvflow.worker.cuda_graphs import CudaGraphRunner
+        from kvflow.worker.cuda_graphs import (CudaGraphRunner, verify_batch_sizes,
+                                               verify_query_lens)
 
+        verify_sizes, verify_lens = [], []
+        if self.spec is not None:  # verification graphs: chains now, trees below
+            verify_sizes = verify_batch_sizes(cfg.scheduler.max_num_seqs,
+                                              cfg.speculative.disable_by_batch_size)
+            if self.spec.tree is None:
+                verify_lens = verify_query_lens(cfg.speculative.num_speculative_tokens)
         graphs = CudaGraphRunner(self.model, self.step_builder.attn_builder,
                                  cfg.scheduler.max_num_seqs, cfg.model.max_model_len,
                                  self.step_builder.device_block_table.table.shape[1],
-                                 self.device)
+                                 self.device, verify_sizes, verify_lens)
         graphs.capture()
+        if self.spec is not None and self.spec.tree is not None:
+            graphs.capture_trees(self.spec.tree.num_nodes)
         self.graphs = graphs
 
     # --- one step ---------------------------------------------------------------

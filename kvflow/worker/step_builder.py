@@ -239,8 +239,9 @@ class StepBuilder:
 
     def record_verified(self, inputs: StepInputs) -> list[SampleSlot]:
         """A verification step was launched: its tokens join their sequences when the
-        host has them (how many a request keeps is only known then). Speculative
-        decoding runs without overlapped steps, so nothing is left in flight."""
+        host has them (how many a request keeps is only known then). The engine collects
+        a verification step before it schedules the next one (engine/spec_overlap.py), so
+        nothing is left in flight."""
         b, sample = self.batch, inputs.sample
         self.pending = PendingTokens()
         slots = []

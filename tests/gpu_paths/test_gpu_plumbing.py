@@ -33,9 +33,25 @@ class EagerGraph:
         self.runner.hidden[self.bs].copy_(self.runner._forward(self.bs))
 
 
-def gpu_like(llm: LLM, graphs: bool) -> None:
+class EagerVerifyGraph:
+    """Stands in for a captured verification graph (batch size bs, q tokens a request,
+    candidate trees or chains)."""
+
+    replays = 0
+
+    def __init__(self, runner: cuda_graphs.CudaGraphRunner, key: tuple) -> None:
+        self.runner, self.key = runner, key
+
+    def replay(self) -> None:
+        EagerVerifyGraph.replays += 1
+        self.runner.verify_hidden[self.key].copy_(self.runner._verify_forward(*self.key))
+
+
+def gpu_like(llm: LLM, graphs: bool, verify_sizes=(), verify_lens=(),
+             tree_nodes: int = 0) -> None:
     """Switch a CPU engine to the GPU path: Triton kernels and their metadata builder,
-    device block table, graphs."""
+    device block table, graphs (verification graphs of ``verify_sizes`` x
+    ``verify_lens`` too, and for trees of up to ``tree_nodes`` nodes)."""
     r = llm.engine.core.executor.runner
     backend = get_attention_backend("triton")
     for m in r.model.modules():
@@ -53,11 +69,18 @@ def gpu_like(llm: LLM, graphs: bool) -> None:
         g = cuda_graphs.CudaGraphRunner(r.model, sb.attn_builder,
                                         r.config.scheduler.max_num_seqs,
                                         r.config.model.max_model_len,
-                                        sb.device_block_table.table.shape[1], r.device)
+                                        sb.device_block_table.table.shape[1], r.device,
+                                        list(verify_sizes), list(verify_lens))
         g.sizes = g.sizes[:5]  # 1, 2, 4, 8, 16
         for bs in g.sizes:
             g.hidden[bs] = g._forward(bs)
             g.graphs[bs] = EagerGraph(g, bs)
+        g._capture = lambda forward: (None, forward())  # graphs come next
+        g._capture_verify(g.verify_lens, False)
+        if tree_nodes:
+            g.tree_lens = cuda_graphs.verify_query_lens(tree_nodes)
+            g._capture_verify(g.tree_lens, True)
+        g.verify_graphs = {key: EagerVerifyGraph(g, key) for key in g.verify_hidden}
         r.graphs = g
 
 
@@ -115,10 +138,39 @@ def test_gpu_path_verifies_medusa_trees_like_torch_path(tmp_path):
     llm = LLM("tiny-llama", speculative_config={
         "method": "medusa", "model": str(tmp_path), "num_speculative_tokens": 3,
         "disable_by_batch_size": None}, **kw)
-    gpu_like(llm, graphs=True)
-    refs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in ref]
     tree = DraftTree.from_choices([[0], [1], [0, 0], [1, 0], [1, 1], [0, 0, 0], [1, 1, 0]])
+    # Tree verification graphs (2 requests replay in the 2-request graphs of 8 tokens).
+    gpu_like(llm, graphs=True, verify_sizes=[1, 2], tree_nodes=tree.num_nodes)
+    refs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in ref]
     install_oracle(llm, refs, 3, tree, place="random")
+    EagerVerifyGraph.replays = 0
     out = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert llm.engine.core.scheduler.spec_stats.mean_accepted_length > 2.0
+    assert EagerVerifyGraph.replays > 3
+
+
+def test_gpu_path_verification_graphs_match_torch_path():
+    """Verification steps replayed through the (batch size, query length) graphs: the
+    step's tokens first, a padding request after them (fewer requests or drafts than the
+    graph's), overlapped steps on. Greedy tokens must equal the pure-torch plain decode's,
+    and verification steps must have gone through the graphs."""
+    kw = dict(load_format="dummy", max_model_len=96, num_gpu_blocks_override=40,
+              block_size=8, max_num_batched_tokens=24, max_num_seqs=16, device="cpu")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() * 3 for n in (4, 7, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=16 + 3 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    ref = LLM("tiny-llama", **kw).generate(prompts, params, use_tqdm=False)
+    # The target as its own draft: every draft kept; 3 requests replay in the 4-request
+    # graphs (a padding request after them), max_tokens cuts the last steps' drafts.
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 2,
+            "disable_by_batch_size": None}
+    llm = LLM("tiny-llama", speculative_config=spec, async_scheduling=True, **kw)
+    gpu_like(llm, graphs=True, verify_sizes=[1, 2, 4],
+             verify_lens=cuda_graphs.verify_query_lens(3))
+    EagerVerifyGraph.replays = 0
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+    assert EagerVerifyGraph.replays > 3
