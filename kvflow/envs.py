@@ -174,6 +174,13 @@ def cpu_int4_gemv() -> bool:
     return os.environ.get("KVFLOW_CPU_INT4_GEMV", "1") != "0"
 
 
+def cpu_int8_act() -> bool:
+    """KVFLOW_CPU_INT8_ACT=0: the C++ CPU decode step's GGUF GEMV keeps float32
+    activations instead of rounding them to int8 per block of 32 for VNNI dot products
+    (worker/cpu_int4.cpp ``q8_gemv``; used only where the build has AVX512-VNNI)."""
+    return os.environ.get("KVFLOW_CPU_INT8_ACT", "1") != "0"
+
+
 def api_key() -> str | None:
     """KVFLOW_API_KEY: the server's API key when --api-key is not given."""
     return os.environ.get("KVFLOW_API_KEY") or None

@@ -24,8 +24,12 @@ from kvflow.layers.linear import LinearBase, LinearMethod
 from kvflow.layers.quantization import ggml_blocks as gb
 from kvflow.layers.quantization import gpu
 from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, flatten_tokens,
-                                               gemv_layout, int4_mm, refine_top_logits)
+                                               gemv_layout, int4_mm, q8_dequantize, q8_layout,
+                                               refine_top_logits)
 from kvflow.layers.quantization.rtn import set_param
+
+
+GEMV_ROWS = 16  # rows the C++ step's GEMV takes (kMaxGemvRows in cpu_step.cpp)
 
 
 def _placeholders(layer: nn.Module, loader) -> None:
@@ -113,10 +117,24 @@ class GGUFLinearMethod(LinearMethod):
     triton: gpu.TritonWeight | None = None
     """Set after loading when the blocks went to the GPU kernels."""
     gemv: tuple[torch.Tensor, torch.Tensor] | None = None
-    """(values, scale_bias) for the C++ step's GEMV (packed.gemv_layout), or None."""
+    """(values, scale_bias) for the C++ step's GEMV (packed.gemv_layout, or q8_layout once
+    ``to_int8_activations`` ran), or None."""
+    gemv_kind = 0
+    """0: ``gemv`` is for float32 activations; 4 or 8: for int8 ones (weights of 4 or 8
+    bits, ``q8_gemv``), the ``kind`` of the C++ ``quant_gemv``."""
+    head = False
+    """Set with ``run_gemv`` on an lm_head (whose top logits are then refined)."""
     run_gemv = None
-    """The C++ step's ``int4_gemv`` (x, values, scale_bias, group, doubled) -> y, set on a
-    tied head by the step after its self-check; None: the packed aten op."""
+    """The C++ step's ``quant_gemv`` (x, values, scale_bias, group, doubled, kind) -> y,
+    set on a tied head by the step after its self-check; None: the packed aten op."""
+
+    def to_int8_activations(self) -> bool:
+        """Switch ``gemv`` to the int8-activation layout (once; whether it now has it)."""
+        if self.gemv is not None and self.gemv_kind == 0:
+            q8 = q8_layout(*self.gemv, self.group, self.doubled)
+            if q8 is not None:  # (blocks, unused): quant_gemv takes two tensors
+                self.gemv, self.gemv_kind = (q8[0], torch.empty(0)), q8[1]
+        return self.gemv_kind != 0
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -157,12 +175,17 @@ class GGUFLinearMethod(LinearMethod):
         if self.triton is not None:  # float32 sums: the logits need no refinement
             return gpu.triton_apply(layer, self.triton, x)
         x2, lead = flatten_tokens(x)
-        if self.run_gemv is not None and x2.shape[0] <= 4:
+        if self.run_gemv is not None and x2.shape[0] <= GEMV_ROWS:
             # float32 sums over the exact weights: no bf16 logits to refine.
             y = self.run_gemv(x2.float().contiguous(), *self.gemv, self.group,
-                              self.doubled).to(x.dtype)
+                              self.doubled, self.gemv_kind).to(x.dtype)
             if layer.bias is not None:
                 y = y + layer.bias
+            if self.head and self.gemv_kind:
+                # int8 activations: the logits sampling can pick recomputed from float32
+                # inputs (greedy then agrees with the float32 GEMV).
+                y = refine_top_logits(x2, y, lambda ids: q8_dequantize(self.gemv[0][ids],
+                                                                       self.gemv_kind))
             return y.view(*lead, -1)
         y = int4_mm(x2, layer.qweight, layer.scales_and_zeros, self.group, self.doubled)
         if layer.bias is not None:
