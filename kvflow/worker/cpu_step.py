@@ -200,6 +200,32 @@ def int8_activations(model: nn.Module, module) -> int:
     return len(methods)
 
 
+def use_step_gemv(model: nn.Module, int8: bool) -> int:
+    """Run every GGUF linear of ``model`` (lm_head included) through the C++ step's GEMV
+    for any number of rows (16 at a time), on int8 activations or float32 ones: the
+    step's linear numerics on any forward, e.g. ``kvflow bench quality``'s prefill
+    windows (the rounding is per row, so chunks change nothing). The layers switched."""
+    module, _ = load_extension()
+    if int8:
+        if not module.q8_gemv_simd():
+            logger.warning("this build has no AVX512-VNNI kernel: int8 activations run "
+                           "the plain loops (slow)")
+        int8_activations(model, module)
+    count = 0
+
+    def chunked(x, *args):
+        return torch.cat([module.quant_gemv(x[i:i + 16].contiguous(), *args)
+                          for i in range(0, x.shape[0], 16)])
+    for name, m in model.named_modules():
+        method = getattr(m, "quant_method", None)
+        if getattr(method, "gemv", None) is None:
+            continue
+        method.run_gemv, method.run_gemv_any_rows = chunked, True
+        method.head = name.endswith("lm_head")
+        count += 1
+    return count
+
+
 class CppMetadataBuilder:
     """The torch backend's builder, except that the steps the C++ step takes get no
     Python plan at all (``CPP_PLAN``)."""

@@ -122,6 +122,8 @@ class GGUFLinearMethod(LinearMethod):
     gemv_kind = 0
     """0: ``gemv`` is for float32 activations; 4 or 8: for int8 ones (weights of 4 or 8
     bits, ``q8_gemv``), the ``kind`` of the C++ ``quant_gemv``."""
+    run_gemv_any_rows = False
+    """``run_gemv`` takes any number of rows (cpu_step.use_step_gemv), not only 16."""
     head = False
     """Set with ``run_gemv`` on an lm_head (whose top logits are then refined)."""
     run_gemv = None
@@ -175,7 +177,7 @@ class GGUFLinearMethod(LinearMethod):
         if self.triton is not None:  # float32 sums: the logits need no refinement
             return gpu.triton_apply(layer, self.triton, x)
         x2, lead = flatten_tokens(x)
-        if self.run_gemv is not None and x2.shape[0] <= GEMV_ROWS:
+        if self.run_gemv is not None and (x2.shape[0] <= GEMV_ROWS or self.run_gemv_any_rows):
             # float32 sums over the exact weights: no bf16 logits to refine.
             y = self.run_gemv(x2.float().contiguous(), *self.gemv, self.group,
                               self.doubled, self.gemv_kind).to(x.dtype)
