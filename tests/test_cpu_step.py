@@ -6,6 +6,7 @@ the log."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -338,3 +339,40 @@ def test_gguf_linears_take_the_int4_gemv(tiny_gguf, monkeypatch):
     monkeypatch.setenv("KVFLOW_CPU_INT4_GEMV", "0")
     off = _runner(LLM(tiny_gguf, **kw)).graphs
     assert off.num_int4 == 0 and off.num_callbacks == 8
+
+
+def test_use_step_gemv_on_any_forward(tiny_gguf):
+    """cpu_step.use_step_gemv (bench quality's gguf-f32act / gguf-int8act): every GGUF
+    linear and the lm_head on the step's GEMV for any number of rows; float32
+    activations give the float32 model's logits but for the one F32 tensor, which GGUF
+    loading requantizes to 8 bits."""
+    from kvflow.bench.quality import _Scorer
+    from kvflow.engine.args import EngineArgs
+
+    args = EngineArgs(model=tiny_gguf, load_format="gguf", device="cpu", max_model_len=128,
+                      skip_tokenizer_init=True)
+    ids = list(range(3, 40))  # 37 rows: three chunks of 16
+    dense = _Scorer(dataclasses.replace(args, quantization="none"), 40).logprobs(ids)
+    f32 = _Scorer(args, 40)
+    assert cpu_step.use_step_gemv(f32.model, int8=False) == 9  # 8 linears + lm_head
+    torch.testing.assert_close(f32.logprobs(ids), dense, rtol=0, atol=3e-2)
+    q8 = _Scorer(args, 40)
+    cpu_step.use_step_gemv(q8.model, int8=True)
+    lp = q8.logprobs(ids)
+    kl = (dense.exp() * (dense - lp)).sum(-1)  # KL(dense || int8)
+    assert float(kl.mean()) < 1e-2 and (lp.argmax(-1) == dense.argmax(-1)).float().mean() > 0.8
+
+
+def test_bench_compares_float32_and_int8_activations():
+    from argparse import Namespace
+
+    from kvflow import envs
+    from kvflow.bench.offline import _backends
+
+    assert _backends(Namespace(backend="f32act-vs-int8act")) == ["kvflow-f32act", "kvflow"]
+    assert _backends(Namespace(backend="kvflow,llamacpp,kvflow-f32act")) == [
+        "llamacpp", "kvflow-f32act", "kvflow"]
+    assert envs.cpu_int8_act()
+    with envs.float32_activations():
+        assert not envs.cpu_int8_act()
+    assert envs.cpu_int8_act()
