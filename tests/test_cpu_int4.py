@@ -189,3 +189,30 @@ def test_q8_arena(ext):
     assert a.dtype == torch.uint8 and a.numel() == 1000 and a.data_ptr() % (2 << 20) == 0
     a.fill_(7)
     assert int(a.sum()) == 7000
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_q8_refine_top(ext, bits):
+    """The lm_head's refinement: the k largest logits of each row recomputed in float32
+    from the layout's rows, the others left as they were."""
+    from kvflow.layers.quantization.packed import q8_dequantize
+
+    g = torch.Generator().manual_seed(bits)
+    if bits == 4:
+        w = _fp16_groups(300, 128, seed=3)
+    else:
+        q = torch.randint(-127, 128, (300, 128), dtype=torch.int8, generator=g)
+        w = Int4Groups.from_int8_blocks(q, (torch.rand(300, 4, generator=g) * 0.01).half().float())
+    blocks, b = _q8(w)
+    assert b == bits
+    x = torch.randn(3, 128, generator=g)
+    y = ext.q8_gemv(x, blocks, bits, False)
+    before = y.clone()
+    ext.q8_refine_top(x, blocks, bits, y, 8)
+    exact = (x.double() @ q8_dequantize(blocks, bits).double().t()).float()
+    for r in range(3):
+        top = before[r].topk(8).indices
+        torch.testing.assert_close(y[r, top], exact[r, top], rtol=1e-5, atol=1e-5)
+        rest = torch.ones(300, dtype=torch.bool)
+        rest[top] = False
+        assert torch.equal(y[r, rest], before[r, rest])

@@ -56,6 +56,8 @@ void quant_gemv(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, i
                 bool doubled, int64_t kind, at::Tensor& y);
 bool q8_gemv_simd();
 at::Tensor q8_arena(int64_t bytes);
+void q8_refine_top(const at::Tensor& x, const at::Tensor& w, int64_t bits, at::Tensor& y,
+                   int64_t top);
 void q8_gemv(const at::Tensor& x, const at::Tensor& w, int64_t bits, bool simd, at::Tensor& y);
 constexpr int64_t kMaxGemvRows = 16;
 }  // namespace kvflow
@@ -681,4 +683,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "cpu_int4.cpp's int8-activation GEMV; simd False: the plain loops (for tests)");
   m.def("q8_gemv_simd", &kvflow::q8_gemv_simd);
   m.def("q8_arena", &kvflow::q8_arena, "uint8 [bytes] in 2 MiB pages (madvise)");
+  m.def("q8_refine_top", [](const at::Tensor& x, const at::Tensor& w, int64_t bits,
+                            at::Tensor y, int64_t top) { kvflow::q8_refine_top(x, w, bits, y, top); },
+        "recompute the `top` largest logits per row of y in float32, in place");
 }

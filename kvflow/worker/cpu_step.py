@@ -222,6 +222,7 @@ def use_step_gemv(model: nn.Module, int8: bool) -> int:
             continue
         method.run_gemv, method.run_gemv_any_rows = chunked, True
         method.head = name.endswith("lm_head")
+        method.refine_gemv = module.q8_refine_top
         count += 1
     return count
 
@@ -320,6 +321,7 @@ class CppDecodeStep:
             return False
         method.run_gemv = fn
         method.head = fn is not None
+        method.refine_gemv = self.module.q8_refine_top if fn is not None else None
         return True
 
     def can_run(self, inputs: StepInputs) -> bool:

@@ -24,12 +24,13 @@ from kvflow.layers.linear import LinearBase, LinearMethod
 from kvflow.layers.quantization import ggml_blocks as gb
 from kvflow.layers.quantization import gpu
 from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, flatten_tokens,
-                                               gemv_layout, int4_mm, q8_dequantize, q8_layout,
+                                               gemv_layout, int4_mm, q8_layout,
                                                refine_top_logits)
 from kvflow.layers.quantization.rtn import set_param
 
 
 GEMV_ROWS = 16  # rows the C++ step's GEMV takes (kMaxGemvRows in cpu_step.cpp)
+REFINE_TOP = 32  # logits per row an int8-activation lm_head recomputes in float32
 
 
 def _placeholders(layer: nn.Module, loader) -> None:
@@ -126,6 +127,8 @@ class GGUFLinearMethod(LinearMethod):
     """``run_gemv`` takes any number of rows (cpu_step.use_step_gemv), not only 16."""
     head = False
     """Set with ``run_gemv`` on an lm_head (whose top logits are then refined)."""
+    refine_gemv = None
+    """The C++ ``q8_refine_top`` (x, blocks, bits, y, k), set with ``run_gemv``."""
     run_gemv = None
     """The C++ step's ``quant_gemv`` (x, values, scale_bias, group, doubled, kind) -> y,
     set on a tied head by the step after its self-check; None: the packed aten op."""
@@ -179,15 +182,15 @@ class GGUFLinearMethod(LinearMethod):
         x2, lead = flatten_tokens(x)
         if self.run_gemv is not None and (x2.shape[0] <= GEMV_ROWS or self.run_gemv_any_rows):
             # float32 sums over the exact weights: no bf16 logits to refine.
-            y = self.run_gemv(x2.float().contiguous(), *self.gemv, self.group,
-                              self.doubled, self.gemv_kind).to(x.dtype)
-            if layer.bias is not None:
-                y = y + layer.bias
-            if self.head and self.gemv_kind:
+            xf = x2.float().contiguous()
+            y = self.run_gemv(xf, *self.gemv, self.group, self.doubled, self.gemv_kind)
+            if self.head and self.gemv_kind and self.refine_gemv is not None:
                 # int8 activations: the logits sampling can pick recomputed from float32
                 # inputs (greedy then agrees with the float32 GEMV).
-                y = refine_top_logits(x2, y, lambda ids: q8_dequantize(self.gemv[0][ids],
-                                                                       self.gemv_kind))
+                self.refine_gemv(xf, self.gemv[0], self.gemv_kind, y, REFINE_TOP)
+            y = y.to(x.dtype)
+            if layer.bias is not None:
+                y = y + layer.bias
             return y.view(*lead, -1)
         y = int4_mm(x2, layer.qweight, layer.scales_and_zeros, self.group, self.doubled)
         if layer.bias is not None:
