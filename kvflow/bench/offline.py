@@ -230,6 +230,9 @@ def _ratios(results: dict, key: str) -> None:
                 out[f"{k}/{other}"] = v[key] / runs[other][key]
     if "kvflow" in runs and "kvflow-allthreads" in runs:
         out["kvflow/kvflow-allthreads"] = runs["kvflow"][key] / runs["kvflow-allthreads"][key]
+    for peer in _PEERS:  # the plain kvflow run over each peer in the same invocation
+        if "kvflow" in runs and peer in runs:
+            out[f"kvflow/{peer}"] = runs["kvflow"][key] / runs[peer][key]
     if "kvflow" in runs and "kvflow-f32act" in runs:
         out["kvflow/kvflow-f32act"] = runs["kvflow"][key] / runs["kvflow-f32act"][key]
     if out:
