@@ -252,9 +252,14 @@ class CppDecodeStep:
         model = runner.model
         inner = model.model
         cfg = model.config
-        # int8 activations (VNNI) before the layers hand their GEMV copies over.
+        # int8 activations (VNNI) before the layers hand their GEMV copies over. Not with
+        # a quantized KV cache: there the int8 rounding and the cache's compound through
+        # the self-check's 30 random layers to ~0.5 (an order-one error is what the
+        # check must catch), so those engines keep float32 activations.
+        kv = runner.kv_caches.dtype
         self.num_int8_act = int8_activations(model, module) if (
-            module.q8_gemv_simd() and envs.cpu_int8_act()) else 0
+            module.q8_gemv_simd() and envs.cpu_int8_act() and kv.is_floating_point
+            and kv.itemsize > 1) else 0
         norms, dense, fns, int4, int4_meta, caches = [], [], [], [], [], []
         self._int4_linears: list[nn.Module] = []
         for layer in inner.layers:
