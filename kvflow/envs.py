@@ -3,6 +3,7 @@ docs/architecture.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 
@@ -172,6 +173,28 @@ def cpu_int4_gemv() -> bool:
     Python (the packed aten op on bfloat16) instead of its own float32 GEMV
     (worker/cpu_int4.cpp), and GGUF layers keep no copy of their weights for it."""
     return os.environ.get("KVFLOW_CPU_INT4_GEMV", "1") != "0"
+
+
+def cpu_int8_act() -> bool:
+    """KVFLOW_CPU_INT8_ACT=0: the C++ CPU decode step's GGUF GEMV keeps float32
+    activations instead of rounding them to int8 per block of 32 for VNNI dot products
+    (worker/cpu_int4.cpp ``q8_gemv``; used only where the build has AVX512-VNNI)."""
+    return os.environ.get("KVFLOW_CPU_INT8_ACT", "1") != "0"
+
+
+@contextlib.contextmanager
+def float32_activations():
+    """KVFLOW_CPU_INT8_ACT=0 while an engine is built inside (``kvflow bench
+    --backend f32act-vs-int8act`` compares both GEMVs in one invocation)."""
+    old = os.environ.get("KVFLOW_CPU_INT8_ACT")
+    os.environ["KVFLOW_CPU_INT8_ACT"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("KVFLOW_CPU_INT8_ACT", None)
+        else:
+            os.environ["KVFLOW_CPU_INT8_ACT"] = old
 
 
 def api_key() -> str | None:

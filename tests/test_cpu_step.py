@@ -6,6 +6,7 @@ the log."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -308,9 +309,10 @@ def tiny_gguf(tmp_path_factory):
 
 
 def test_gguf_linears_take_the_int4_gemv(tiny_gguf, monkeypatch):
-    """GGUF 4-bit (and doubled 8-bit) linears run cpu_int4.cpp's float32 GEMV inside the
-    step: the same greedy tokens as the float32 model on the dequantized weights (the
-    bfloat16 callback path may differ from both), and the switch turns it off."""
+    """GGUF 4-bit (and doubled 8-bit) linears run cpu_int4.cpp's GEMV inside the step:
+    on int8 activations (VNNI builds) close to, with KVFLOW_CPU_INT8_ACT=0 (float32
+    activations) the same greedy tokens as the float32 model on the dequantized weights
+    (the bfloat16 callback path may differ from both); the switches turn them off."""
     prompts = _prompts((5, 9, 3))
     kw = dict(load_format="gguf", max_model_len=128, num_gpu_blocks_override=64,
               block_size=4, device="cpu", skip_tokenizer_init=True)
@@ -319,8 +321,58 @@ def test_gguf_linears_take_the_int4_gemv(tiny_gguf, monkeypatch):
     step = _runner(llm).graphs
     assert isinstance(step, cpu_step.CppDecodeStep) and step.num_int4 == 8  # 2 layers x 4
     calls = _count(step)
-    assert _greedy(llm, prompts) == dense
+    got = _greedy(llm, prompts)
     assert calls["cpp"] > 0
+    if step.module.q8_gemv_simd():
+        # int8 activations (the 8 linears and the untied Q4_0 lm_head): rounded inputs,
+        # so greedy may leave the float32 model's path at a near tie of this random
+        # model, but not at once (a wrong kernel would), and mostly not at all.
+        assert step.num_int8_act == 9
+        same = [sum(a == b for a, b in zip(g, d)) / len(d) for g, d in zip(got, dense)]
+        assert all(g[:4] == d[:4] for g, d in zip(got, dense)), (got, dense)
+        assert sum(same) / len(same) >= 0.6, same
+        monkeypatch.setenv("KVFLOW_CPU_INT8_ACT", "0")
+        llm = LLM(tiny_gguf, **kw)
+        assert _runner(llm).graphs.num_int8_act == 0
+        got = _greedy(llm, prompts)
+    assert got == dense  # float32 activations: the float32 model's tokens
     monkeypatch.setenv("KVFLOW_CPU_INT4_GEMV", "0")
     off = _runner(LLM(tiny_gguf, **kw)).graphs
     assert off.num_int4 == 0 and off.num_callbacks == 8
+
+
+def test_use_step_gemv_on_any_forward(tiny_gguf):
+    """cpu_step.use_step_gemv (bench quality's gguf-f32act / gguf-int8act): every GGUF
+    linear and the lm_head on the step's GEMV for any number of rows; float32
+    activations give the float32 model's logits but for the one F32 tensor, which GGUF
+    loading requantizes to 8 bits."""
+    from kvflow.bench.quality import _Scorer
+    from kvflow.engine.args import EngineArgs
+
+    args = EngineArgs(model=tiny_gguf, load_format="gguf", device="cpu", max_model_len=128,
+                      skip_tokenizer_init=True)
+    ids = list(range(3, 40))  # 37 rows: three chunks of 16
+    dense = _Scorer(dataclasses.replace(args, quantization="none"), 40).logprobs(ids)
+    f32 = _Scorer(args, 40)
+    assert cpu_step.use_step_gemv(f32.model, int8=False) == 9  # 8 linears + lm_head
+    torch.testing.assert_close(f32.logprobs(ids), dense, rtol=0, atol=3e-2)
+    q8 = _Scorer(args, 40)
+    cpu_step.use_step_gemv(q8.model, int8=True)
+    lp = q8.logprobs(ids)
+    kl = (dense.exp() * (dense - lp)).sum(-1)  # KL(dense || int8)
+    assert float(kl.mean()) < 1e-2 and (lp.argmax(-1) == dense.argmax(-1)).float().mean() > 0.8
+
+
+def test_bench_compares_float32_and_int8_activations():
+    from argparse import Namespace
+
+    from kvflow import envs
+    from kvflow.bench.offline import _backends
+
+    assert _backends(Namespace(backend="f32act-vs-int8act")) == ["kvflow-f32act", "kvflow"]
+    assert _backends(Namespace(backend="kvflow,llamacpp,kvflow-f32act")) == [
+        "llamacpp", "kvflow-f32act", "kvflow"]
+    assert envs.cpu_int8_act()
+    with envs.float32_activations():
+        assert not envs.cpu_int8_act()
+    assert envs.cpu_int8_act()

@@ -203,8 +203,12 @@ def test_embedded_model_runs_quantized_by_default():
     for q in ("auto", "int8"):
         same = [sum(a == b for a, b in zip(x, y)) / len(y)
                 for x, y in zip(outs[q], outs["none"])]
-        # Greedy decoding keeps following the dense model's tokens at least for a while.
-        assert min(same) > 0.25 and outs[q][0][:4] == outs["none"][0][:4], (q, same)
+        # Greedy decoding keeps following the dense model's tokens at least for a while:
+        # 4 tokens of each prompt, and a quarter of all. (The C++ step's int8
+        # activations leave "Name three colours." at its 5th token, where the dense
+        # model's top two are 0.10 apart in log-probability.)
+        assert all(x[:4] == y[:4] for x, y in zip(outs[q], outs["none"])), (q, same)
+        assert sum(same) / len(same) > 0.25, (q, same)
 
 
 # --- pre-quantized checkpoints, packed here from known integers ---------------------------

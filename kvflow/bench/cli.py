@@ -15,7 +15,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "or a comma-separated list, all in the same run; eager-vs-compiled: "
                    "kvflow with --enforce-eager, then kvflow with CUDA graphs / the "
                    "compiled CPU step, in the same run; threads-all-vs-adaptive: kvflow "
-                   "with --cpu-step-threads all, then kvflow (CPU thread policy)")
+                   "with --cpu-step-threads all, then kvflow (CPU thread policy); "
+                   "f32act-vs-int8act: kvflow with KVFLOW_CPU_INT8_ACT=0, then kvflow "
+                   "(the C++ step's GGUF GEMV on float32 vs int8 activations)")
     p.add_argument("--quantizations", default=None,
                    help="run kvflow once per listed --quantization value in the same run, "
                    "e.g. none,gguf,int8,int4 (int4 options as in bench quality: int4-g64); "

@@ -66,14 +66,18 @@ def _backends(ns) -> list[str]:
         return ["kvflow-eager", "kvflow"]
     if ns.backend == "threads-all-vs-adaptive":
         return ["kvflow-allthreads", "kvflow"]
+    if ns.backend == "f32act-vs-int8act":
+        return ["kvflow-f32act", "kvflow"]
     names = ["hf", "kvflow"] if ns.backend == "both" else [
         b.strip() for b in ns.backend.split(",") if b.strip()]
-    bad = [b for b in names if b not in ("kvflow", *_PEERS)]
+    bad = [b for b in names if b not in ("kvflow", "kvflow-f32act", *_PEERS)]
     if bad or not names:
         raise InvalidParameterError(f"--backend: unknown backend {bad or ns.backend!r} "
                                     "(kvflow, hf, llamacpp, both, eager-vs-compiled, "
-                                    "threads-all-vs-adaptive, or a comma list)", param="backend")
-    out = [b for b in _PEERS if b in names]
+                                    "threads-all-vs-adaptive, f32act-vs-int8act, or a comma "
+                                    "list of kvflow, kvflow-f32act, hf, llamacpp)",
+                                    param="backend")
+    out = [b for b in (*_PEERS, "kvflow-f32act") if b in names]
     if "kvflow" in names:
         quants = getattr(ns, "quantizations", None)
         kv_dtypes = getattr(ns, "kv_cache_dtypes", None)
@@ -103,6 +107,8 @@ def _kvflow_config(args: EngineArgs, label: str, config=None):
     if label.startswith("kvflow-kv-"):  # --kv-cache-dtypes: the same engine, another cache
         return dataclasses.replace(args, kv_cache_dtype=label.removeprefix(
             "kvflow-kv-")).create_engine_config()
+    if label == "kvflow-f32act":  # the same engine; _new_engine sets the GEMV
+        return config if config is not None else args.create_engine_config()
     if label == "kvflow-allthreads":
         base = config if config is not None else args.create_engine_config()
         return dataclasses.replace(base, device=dataclasses.replace(
@@ -161,7 +167,7 @@ def run_throughput(ns: argparse.Namespace) -> int:
                 ns)
         elif backend.startswith("kvflow"):
             elapsed, extra = _kvflow_throughput(args, _kvflow_config(args, backend, config),
-                                                requests, ns)
+                                                requests, ns, backend)
         elif backend == "llamacpp":
             from kvflow.bench.llamacpp_backend import LlamaCppUnavailable, llamacpp_throughput
 
@@ -224,6 +230,11 @@ def _ratios(results: dict, key: str) -> None:
                 out[f"{k}/{other}"] = v[key] / runs[other][key]
     if "kvflow" in runs and "kvflow-allthreads" in runs:
         out["kvflow/kvflow-allthreads"] = runs["kvflow"][key] / runs["kvflow-allthreads"][key]
+    for peer in _PEERS:  # the plain kvflow run over each peer in the same invocation
+        if "kvflow" in runs and peer in runs:
+            out[f"kvflow/{peer}"] = runs["kvflow"][key] / runs[peer][key]
+    if "kvflow" in runs and "kvflow-f32act" in runs:
+        out["kvflow/kvflow-f32act"] = runs["kvflow"][key] / runs["kvflow-f32act"][key]
     if out:
         results["ratios"] = out
         for k, r in out.items():
@@ -243,10 +254,21 @@ def _config_summary(config) -> dict:
             if config.speculative is not None else None}
 
 
-def _kvflow_throughput(args, config, requests, ns) -> tuple[float, dict]:
+def _new_engine(config, label: str):
+    """The engine of a kvflow label; ``kvflow-f32act``: the C++ step's GGUF GEMV on
+    float32 activations (KVFLOW_CPU_INT8_ACT=0) instead of int8 ones."""
+    import contextlib
+
+    from kvflow import envs
     from kvflow.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(config)
+    with envs.float32_activations() if label == "kvflow-f32act" else contextlib.nullcontext():
+        return LLMEngine(config)
+
+
+def _kvflow_throughput(args, config, requests, ns, label: str = "kvflow"
+                       ) -> tuple[float, dict]:
+    engine = _new_engine(config, label)
     # Warm-up prompts of their own: reusing benchmark prompts would warm the prefix cache.
     warmup = random_requests(min(4, len(requests)), (16, 64), (4, 4),
                              config.model.arch.vocab_size, ns.seed + 12345,
@@ -455,9 +477,7 @@ def _latency_runner(backend: str, args: EngineArgs, config, ns):
 
         return llamacpp_latency_runner(config, ns)
     if backend.startswith("kvflow"):
-        from kvflow.engine.llm_engine import LLMEngine
-
-        engine = LLMEngine(_kvflow_config(args, backend, config))
+        engine = _new_engine(_kvflow_config(args, backend, config), backend)
         counter = iter(range(1 << 30))
 
         def run(prompts, out_len):

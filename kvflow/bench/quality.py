@@ -35,7 +35,9 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="gguf,int8,int4",
                    help="comma-separated --quantization values to compare with the dense "
                    "model (none); int4 takes --quantization-group-size/-symmetric, or "
-                   "int4-g64, int4-g128-sym; kv-int8 and kv-fp8: dense weights with a "
+                   "int4-g64, int4-g128-sym; gguf-int8act / gguf-f32act: GGUF on the C++ "
+                   "CPU step's GEMV with int8 / float32 activations; kv-int8 and kv-fp8: "
+                   "dense weights with a "
                    "quantized KV cache; a directory: a pre-quantized checkpoint of the same "
                    "model (e.g. written by kvflow quantize), scored against the dense "
                    "--model")
@@ -168,7 +170,15 @@ def run_quality(ns: argparse.Namespace) -> int:
     table = {"none": _figures(torch.cat(ref_lp), None, targets, ref)}
     del ref
     for m in methods:
-        scorer = _Scorer(method_args(base, m), ns.context)
+        # gguf-int8act / gguf-f32act: GGUF with every linear on the C++ step's GEMV
+        # (int8 or float32 activations), the numerics of a CPU decode step.
+        gemv = next((g for g in ("int8act", "f32act") if m.endswith("-" + g)), None)
+        scorer = _Scorer(method_args(base, m.removesuffix(f"-{gemv}") if gemv else m),
+                         ns.context)
+        if gemv:
+            from kvflow.worker.cpu_step import use_step_gemv
+
+            use_step_gemv(scorer.model, int8=gemv == "int8act")
         lp = torch.cat([scorer.logprobs(w)[half:-1] for w in wins])
         table[m] = _figures(lp, torch.cat(ref_lp), targets, scorer)
         if scorer.config.model.quantization == "llm-int8":

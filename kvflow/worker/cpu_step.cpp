@@ -52,20 +52,29 @@ namespace kvflow {  // cpu_int4.cpp
 void int4_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sb, int64_t group,
                bool doubled, at::Tensor& y);
 bool int4_gemv_simd();
+void quant_gemv(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, int64_t group,
+                bool doubled, int64_t kind, at::Tensor& y);
+bool q8_gemv_simd();
+at::Tensor q8_arena(int64_t bytes);
+void q8_refine_top(const at::Tensor& x, const at::Tensor& w, int64_t bits, at::Tensor& y,
+                   int64_t top);
+void q8_gemv(const at::Tensor& x, const at::Tensor& w, int64_t bits, bool simd, at::Tensor& y);
+constexpr int64_t kMaxGemvRows = 16;
 }  // namespace kvflow
 
 namespace {
 
 // A linear layer: a dense weight [N, K] (+ bias [N]) or a Python callable x -> y; a
-// 4-bit layer may also hand its weights over for cpu_int4.cpp's GEMV (up to 4 rows).
+// 4-bit layer may also hand its weights over for cpu_int4.cpp's GEMV (up to 16 rows).
 struct Linear {
   at::Tensor weight;
   at::Tensor wt;  // a small float32 weight transposed [K, N], else undefined
   c10::optional<at::Tensor> bias;
   py::object fn;  // None when dense
-  at::Tensor q4, sb4;  // int4_gemv's values [N, K2 / 2] and (scale, bias) [N, G, 2]
+  at::Tensor q4, sb4;  // quant_gemv's values and (scale, bias) per group
   int64_t group4 = 0;
   bool doubled4 = false;
+  int64_t kind4 = 0;  // 0: float32 activations (int4_gemv); 4, 8: int8 ones (q8_gemv)
   bool dense() const { return fn.is_none(); }
   bool int4() const { return q4.defined() && q4.numel() > 0; }
   int64_t out_features() const {
@@ -205,12 +214,12 @@ void small_linear_f32(const at::Tensor& x, const Linear& l, at::Tensor& y) {
 // x [T, K] -> [T, N]: into `buf` (a [T, N] workspace) on the small float32 path, else a
 // new tensor from ATen (at::linear, as F.linear) or the layer's Python method.
 at::Tensor linear(const at::Tensor& x, const Linear& l, at::Tensor& buf) {
-  if (l.int4() && x.size(0) <= 4) {
+  if (l.int4() && x.size(0) <= kvflow::kMaxGemvRows) {
     const bool f32 = x.scalar_type() == at::kFloat;
     at::Tensor xf = f32 ? x : x.to(at::kFloat);
     at::Tensor y = f32 && buf.size(1) == l.q4.size(0) ? buf
                        : at::empty({x.size(0), l.q4.size(0)}, xf.options());
-    kvflow::int4_gemv(xf, l.q4, l.sb4, l.group4, l.doubled4, y);
+    kvflow::quant_gemv(xf, l.q4, l.sb4, l.group4, l.doubled4, l.kind4, y);
     if (l.bias.has_value()) y.add_(*l.bias);
     return f32 ? y : y.to(x.scalar_type());
   }
@@ -264,10 +273,10 @@ class DecodeStep {
         kvh_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale) {
     // Per layer: norms [in, post]; dense [weight, bias or empty] x 4 linears (qkv, o,
     // gate_up, down); fns: the callable or None per linear; int4: [values, scales] per
-    // linear (empty: none) and int4_meta [group, doubled] per linear.
+    // linear (empty: none) and int4_meta [group, doubled, kind] per linear.
     const size_t nl = caches.size();
     TORCH_CHECK(norms.size() == 2 * nl && dense.size() == 8 * nl && fns.size() == 4 * nl &&
-                    int4.size() == 8 * nl && int4_meta.size() == 8 * nl,
+                    int4.size() == 8 * nl && int4_meta.size() == 12 * nl,
                 "DecodeStep: weights and caches disagree on the number of layers");
     TORCH_CHECK(d_ % 2 == 0 && h_ % kvh_ == 0, "DecodeStep: bad head layout");
     for (size_t i = 0; i < nl; ++i) {
@@ -279,8 +288,9 @@ class DecodeStep {
         lins[j]->fn = fns[4 * i + j];
         lins[j]->q4 = int4[8 * i + 2 * j];
         lins[j]->sb4 = int4[8 * i + 2 * j + 1];
-        lins[j]->group4 = int4_meta[8 * i + 2 * j];
-        lins[j]->doubled4 = int4_meta[8 * i + 2 * j + 1] != 0;
+        lins[j]->group4 = int4_meta[12 * i + 3 * j];
+        lins[j]->doubled4 = int4_meta[12 * i + 3 * j + 1] != 0;
+        lins[j]->kind4 = int4_meta[12 * i + 3 * j + 2];
         if (lins[j]->int4()) {
           const at::Tensor& b = dense[8 * i + 2 * j + 1];
           if (b.defined() && b.numel() > 0) lins[j]->bias = b.to(at::kFloat).contiguous();
@@ -659,4 +669,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return y;
   }, "cpu_int4.cpp's GEMV: x [M <= 4, K] float32 -> [M, N] float32 (for tests)");
   m.def("int4_gemv_simd", &kvflow::int4_gemv_simd);
+  m.def("quant_gemv", [](const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                         int64_t group, bool doubled, int64_t kind) {
+    at::Tensor y = at::empty({x.size(0), a.size(0)}, x.options());
+    kvflow::quant_gemv(x, a, b, group, doubled, kind, y);
+    return y;
+  }, "a handed-over layer's GEMV: x [M <= 16, K] float32 -> [M, N] float32; kind 0: "
+     "int4_gemv's layout, 4 / 8: q8_gemv's (int8 activations)");
+  m.def("q8_gemv", [](const at::Tensor& x, const at::Tensor& w, int64_t bits, bool simd) {
+    at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+    kvflow::q8_gemv(x, w, bits, simd, y);
+    return y;
+  }, "cpu_int4.cpp's int8-activation GEMV; simd False: the plain loops (for tests)");
+  m.def("q8_gemv_simd", &kvflow::q8_gemv_simd);
+  m.def("q8_arena", &kvflow::q8_arena, "uint8 [bytes] in 2 MiB pages (madvise)");
+  m.def("q8_refine_top", [](const at::Tensor& x, const at::Tensor& w, int64_t bits,
+                            at::Tensor y, int64_t top) { kvflow::q8_refine_top(x, w, bits, y, top); },
+        "recompute the `top` largest logits per row of y in float32, in place");
 }

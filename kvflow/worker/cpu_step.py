@@ -51,6 +51,10 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 MAX_TOKENS = 256  # scheduled tokens per step
 MAX_QUERY = 64  # new tokens of one request in a step
+# The int8-activation GEMV against float64 (gemv_error): rounding the activations to
+# int8 per block of 32 costs ~0.5% of the output's scale on random rows; a wrong layout
+# or kernel is off by order one.
+GEMV_TOLERANCE = 5e-2
 
 _module = None  # the loaded extension, once per process
 
@@ -160,18 +164,67 @@ def _linear_args(lin: nn.Module) -> tuple[list[torch.Tensor], object, list[torch
                                            list[int]]:
     """([weight, bias], None, ...) of a dense layer; ([empty, bias], callable, ...) of one
     whose quantization method computes it (called back from C++ with the activations);
-    the last two: the 4-bit GEMV's [values, scale_bias] and [group, doubled] when the
-    method keeps that layout (``gemv``, GGUF), which C++ then uses for up to 4 rows."""
+    the last two: the GEMV's [values, scale_bias] and [group, doubled, kind] when the
+    method keeps that layout (``gemv``, GGUF), which C++ then uses for up to 16 rows."""
     empty = torch.empty(0)
     bias = lin.bias.detach() if lin.bias is not None else empty
     if type(lin.quant_method) is UnquantizedLinearMethod:
-        return [lin.weight.detach(), bias], None, [empty, empty], [0, 0]
+        return [lin.weight.detach(), bias], None, [empty, empty], [0, 0, 0]
     fn = functools.partial(lin.quant_method.apply, lin)
     gemv = getattr(lin.quant_method, "gemv", None)
     if gemv is None:
-        return [empty, empty], fn, [empty, empty], [0, 0]
+        return [empty, empty], fn, [empty, empty], [0, 0, 0]
     m = lin.quant_method
-    return [empty, bias], fn, list(gemv), [m.group, int(m.doubled)]
+    return [empty, bias], fn, list(gemv), [m.group, int(m.doubled), m.gemv_kind]
+
+
+def int8_activations(model: nn.Module, module) -> int:
+    """Switch every GGUF layer's GEMV copy (the tied lm_head's too) to int8 activations
+    (the caller checks that the build has the VNNI kernel and KVFLOW_CPU_INT8_ACT allows
+    it) and move those copies into one arena of 2 MiB pages in the order a step reads
+    them (``q8_arena``: the weights stream like one tensor); the number switched."""
+    methods = [m.quant_method for m in model.modules()
+               if hasattr(getattr(m, "quant_method", None), "to_int8_activations")]
+    methods = [q for q in methods if q.to_int8_activations()]
+    if not methods:
+        return 0
+    sizes = [-(-q.gemv[0].numel() // 64) * 64 for q in methods]  # 64-byte aligned pieces
+    arena = module.q8_arena(sum(sizes))
+    offset = 0
+    for q, size in zip(methods, sizes):
+        w = q.gemv[0]
+        view = arena[offset:offset + w.numel()].view(w.shape)
+        view.copy_(w)
+        q.gemv = (view, q.gemv[1])
+        offset += size
+    return len(methods)
+
+
+def use_step_gemv(model: nn.Module, int8: bool) -> int:
+    """Run every GGUF linear of ``model`` (lm_head included) through the C++ step's GEMV
+    for any number of rows (16 at a time), on int8 activations or float32 ones: the
+    step's linear numerics on any forward, e.g. ``kvflow bench quality``'s prefill
+    windows (the rounding is per row, so chunks change nothing). The layers switched."""
+    module, _ = load_extension()
+    if int8:
+        if not module.q8_gemv_simd():
+            logger.warning("this build has no AVX512-VNNI kernel: int8 activations run "
+                           "the plain loops (slow)")
+        int8_activations(model, module)
+    count = 0
+
+    def chunked(x, *args):
+        return torch.cat([module.quant_gemv(x[i:i + 16].contiguous(), *args)
+                          for i in range(0, x.shape[0], 16)])
+    for name, m in model.named_modules():
+        method = getattr(m, "quant_method", None)
+        if getattr(method, "gemv", None) is None:
+            continue
+        method.run_gemv, method.run_gemv_any_rows = chunked, True
+        method.head = name.endswith("lm_head")
+        method.refine_gemv = module.q8_refine_top
+        count += 1
+    return count
 
 
 class CppMetadataBuilder:
@@ -199,6 +252,14 @@ class CppDecodeStep:
         model = runner.model
         inner = model.model
         cfg = model.config
+        # int8 activations (VNNI) before the layers hand their GEMV copies over. Not with
+        # a quantized KV cache: there the int8 rounding and the cache's compound through
+        # the self-check's 30 random layers to ~0.5 (an order-one error is what the
+        # check must catch), so those engines keep float32 activations.
+        kv = runner.kv_caches.dtype
+        self.num_int8_act = int8_activations(model, module) if (
+            module.q8_gemv_simd() and envs.cpu_int8_act() and kv.is_floating_point
+            and kv.itemsize > 1) else 0
         norms, dense, fns, int4, int4_meta, caches = [], [], [], [], [], []
         self._int4_linears: list[nn.Module] = []
         for layer in inner.layers:
@@ -211,7 +272,7 @@ class CppDecodeStep:
                 dense += wb
                 fns.append(fn)
                 int4 += q
-                if q[0].numel():  # C++ runs this one's 4-bit GEMV for up to 4 rows
+                if q[0].numel():  # C++ runs this one's 4-bit GEMV for up to 16 rows
                     self._int4_linears.append(lin)
                 int4_meta += meta
             caches.append(attn.attn.kv_cache)
@@ -221,6 +282,8 @@ class CppDecodeStep:
         self.model = model
         self.num_layers = len(caches)
         self.num_callbacks = sum(fn is not None for fn in fns)  # incl. the int4 GEMV's
+        # The decoder layers' methods whose GEMV runs inside the step (GGUF, with a copy).
+        self.gemv_methods = [lin.quant_method for lin in self._int4_linears]
         self.step = module.DecodeStep(
             norms, dense, fns, int4, int4_meta, caches, inner.norm.weight.detach(),
             runner.attn_spec.rotary.cos_sin_cache, first.num_heads, first.num_kv_heads,
@@ -255,13 +318,15 @@ class CppDecodeStep:
         self.head_gemv(None)
 
     def head_gemv(self, fn) -> bool:
-        """Hand the 4-bit GEMV (``fn``; None takes it back) to a tied GGUF lm_head that
-        keeps its layout, for logits of up to 4 rows; whether there was one. Set after
+        """Hand the GEMV (``fn``; None takes it back) to a tied GGUF lm_head that keeps
+        its layout, for logits of up to 16 rows; whether there was one. Set after
         the self-check, whose eager reference must not use it."""
         method = getattr(getattr(self.model, "lm_head", None), "quant_method", None)
         if getattr(method, "gemv", None) is None:
             return False
         method.run_gemv = fn
+        method.head = fn is not None
+        method.refine_gemv = self.module.q8_refine_top if fn is not None else None
         return True
 
     def can_run(self, inputs: StepInputs) -> bool:
@@ -280,7 +345,7 @@ class CppDecodeStep:
     @torch.inference_mode()
     def self_check(self, kv_caches: torch.Tensor, block_size: int) -> float:
         """Run throw-away steps both ways (two decodes and a 3-token chunk, then the two
-        decodes alone: up to 4 rows take the 4-bit GEMV, more the callbacks) and return
+        decodes alone: both take the GEMV of quantized layers, up to 16 rows) and return
         the largest difference relative to the eager output's scale; the blocks they
         write (0 to 3) are restored. A cache of fewer blocks skips it (0.0)."""
         if kv_caches.shape[2] < 4:
@@ -288,6 +353,13 @@ class CppDecodeStep:
         blocks = self._check_blocks(kv_caches)
         saved = [b.clone() for b in blocks]
         gen = torch.Generator().manual_seed(0)
+        # The eager reference runs the layers' GEMV too (their numerics are checked on
+        # their own, gemv_error): what is left to differ is the rest of the step. (The
+        # GEMV's float32 or int8 inputs and the eager int4 GEMM's bf16 ones part by
+        # 0.11 through a float cache and 0.26-0.39 through a quantized one on SmolLM2: a
+        # K/V value one rounding step apart is one quantization step apart.)
+        for m in self.gemv_methods:
+            m.run_gemv = self.module.quant_gemv
         try:
             # Fill the context both ways read with something that is not zero.
             for b in blocks:
@@ -301,41 +373,14 @@ class CppDecodeStep:
                     b.copy_(torch.randn(b.shape, generator=gen))
             mixed = self._check_one(kv_caches, block_size, [block_size + 3, 5, 7], [1, 1, 3],
                                     [[0, 1], [2, 0], [3, 0]], gen)
-            # Through a quantized cache the 4-bit GEMV's float32 sums and the eager int4
-            # GEMM's bf16-rounded inputs part much further than through a float one
-            # (0.26-0.39 against 0.03 on SmolLM2: a K/V value one rounding step apart
-            # is one quantization step apart, compounded over 30 layers). So there the
-            # eager reference runs the same GEMV, and the GEMV is compared with the
-            # int4 GEMM on its own.
-            same_gemv = self.kv_kind is not None and bool(self._int4_linears)
-            try:
-                self._eager_gemv(same_gemv)
-                decodes = self._check_one(kv_caches, block_size, [block_size + 3, 5], [1, 1],
-                                          [[0, 1], [2, 0]], gen)
-            finally:
-                self._eager_gemv(False)
-            return max(mixed, decodes, self._check_gemv(gen) if same_gemv else 0.0)
+            decodes = self._check_one(kv_caches, block_size, [block_size + 3, 5], [1, 1],
+                                      [[0, 1], [2, 0]], gen)
+            return max(mixed, decodes)
         finally:
             for b, v in zip(blocks, saved):
                 b.copy_(v)
-
-    def _eager_gemv(self, on: bool) -> None:
-        """Whether the decoder layers' 4-bit linears run the step's GEMV in eager calls
-        of up to 4 rows too (only inside the self-check)."""
-        for lin in self._int4_linears:
-            lin.quant_method.run_gemv = self.module.int4_gemv if on else None
-
-    def _check_gemv(self, gen: torch.Generator) -> float:
-        """The first 4-bit linear through the step's GEMV against its int4 GEMM (inputs
-        rounded to bf16: relative differences of ~1e-2), two random rows."""
-        lin = self._int4_linears[0]
-        m = lin.quant_method
-        x = torch.randn(2, lin.input_size, generator=gen)
-        want = m.apply(lin, x).float()
-        got = self.module.int4_gemv(x, *m.gemv, m.group, m.doubled)
-        if lin.bias is not None:
-            got = got + lin.bias.float()
-        return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+            for m in self.gemv_methods:
+                m.run_gemv = None
 
     def _check_blocks(self, kv_caches: torch.Tensor) -> list[torch.Tensor]:
         """What the self-check writes: blocks 0 to 3 of every layer's cache, and of an
@@ -344,6 +389,37 @@ class CppDecodeStep:
         if self.kv_kind == "int8":
             blocks.append(self.kv_scales[:, :, :4])
         return blocks
+
+    @torch.inference_mode()
+    def gemv_error(self) -> float:
+        """The GEMV on its own, on random rows (1 and 5), relative to the output's scale:
+        the first layer's int8-activation linears and the lm_head against the float64
+        product with their dequantized weights (~1e-2: the int8 rounding), float32
+        ones against the int4 GEMM (~1e-2: its bf16 inputs). 0.0 without such layers."""
+        from kvflow.layers.quantization.packed import q8_dequantize
+
+        gen = torch.Generator().manual_seed(1)
+        head = getattr(getattr(self.model, "lm_head", None), "quant_method", None)
+        worst = 0.0
+        for lin in self._int4_linears[:4]:
+            m = lin.quant_method
+            for rows in (1, 5):
+                x = torch.randn(rows, lin.input_size, generator=gen)
+                got = self.module.quant_gemv(x, *m.gemv, m.group, m.doubled, m.gemv_kind)
+                if m.gemv_kind:
+                    want = x.double() @ q8_dequantize(m.gemv[0], m.gemv_kind).double().t()
+                else:
+                    want = m.apply(lin, x).double() - (lin.bias.double() if lin.bias
+                                                       is not None else 0.0)
+                worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+        if getattr(head, "gemv_kind", 0):
+            x = torch.randn(2, head.gemv[0].shape[1] // (40 if head.gemv_kind == 4 else 72)
+                            * 64, generator=gen)
+            got = self.module.quant_gemv(x, *head.gemv, head.group, head.doubled,
+                                         head.gemv_kind)
+            want = x.double() @ q8_dequantize(head.gemv[0], head.gemv_kind).double().t()
+            worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+        return worst
 
     def _check_one(self, kv_caches: torch.Tensor, block_size: int, lens: list[int],
                    qlens: list[int], table: list[list[int]], gen: torch.Generator) -> float:
@@ -422,24 +498,29 @@ def cpu_decode_step(runner):
                        str(e).strip() else "")
         return None
     # Rounding differences stay far below these; a wrong step (a layer skipped, rotary
-    # misplaced) is off by order one. Quantized linears (the int4 GEMM rounds its
-    # inputs to bf16) amplify the float32 rounding differences like a 16-bit model.
-    exact = runner.kv_caches.dtype == torch.float32 and step.num_callbacks == 0
-    # The 4-bit GEMV sums float32 inputs where the eager reference rounds them to bf16:
-    # on the self-check's random tokens over 30 layers of SmolLM2 the two part by 0.11
-    # (the GEMV being the exact one: its greedy tokens match the dense float32 model's).
-    # (With a quantized cache the eager reference runs the same GEMV: see self_check.)
-    tolerance = 1e-2 if exact else 2.5e-1 if step.num_int4 and not step.kv_kind else 1e-1
-    if not error <= tolerance:
+    # misplaced) is off by order one. Quantized linears called back (the int4 GEMM
+    # rounds its inputs to bf16) amplify the float32 rounding differences like a 16-bit
+    # model; those that run the step's GEMV run the same GEMV in the eager reference.
+    exact = runner.kv_caches.dtype == torch.float32 and step.num_callbacks == step.num_int4
+    # int8 activations: a float32 rounding difference upstream can move a value across
+    # a rounding boundary of the int8 grid (a step of 1/127 of its block's largest
+    # value), and the self-check's random tokens and cache carry that through 30 layers
+    # of SmolLM2 to 0.07 (float32 activations: 2e-5).
+    tolerance = 1.5e-1 if step.num_int8_act else 1e-2 if exact else 1e-1
+    gemv_error = step.gemv_error()
+    if not error <= tolerance or not gemv_error <= GEMV_TOLERANCE:
         step.detach()
-        logger.warning("the C++ CPU decode step disagrees with eager (relative error %.2g "
-                       "> %.0e), decoding eagerly", error, tolerance)
+        logger.warning("the C++ CPU decode step disagrees with eager (relative error %.2g, "
+                       "tolerance %.0e; its GEMV against float64 %.2g, tolerance %.0e), "
+                       "decoding eagerly", error, tolerance, gemv_error, GEMV_TOLERANCE)
         return None
-    head = step.head_gemv(step.module.int4_gemv)
+    head = step.head_gemv(step.module.quant_gemv)
     logger.info("C++ CPU decode step: %d decoder layers in one call (%d quantized linears "
-                "called back, %d of them by its own 4-bit GEMV up to 4 rows%s; %s KV cache), "
-                "steps of up to %d tokens; built/loaded in %.1f s (%s), self-check relative "
-                "error %.1e", step.num_layers, step.num_callbacks, step.num_int4,
-                ", the lm_head too" if head else "", step.kv_kind or "model-dtype",
-                MAX_TOKENS, seconds, build_root(), error)
+                "called back, %d of them by its own 4-bit GEMV up to 16 rows%s%s; %s KV "
+                "cache), steps of up to %d tokens; built/loaded in %.1f s (%s), self-check "
+                "relative error %.1e (GEMV %.1e)", step.num_layers, step.num_callbacks,
+                step.num_int4, ", the lm_head too" if head else "",
+                f", {step.num_int8_act} on int8 activations (VNNI)" if step.num_int8_act
+                else "", step.kv_kind or "model-dtype", MAX_TOKENS, seconds, build_root(),
+                error, gemv_error)
     return step

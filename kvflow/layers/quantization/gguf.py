@@ -24,8 +24,13 @@ from kvflow.layers.linear import LinearBase, LinearMethod
 from kvflow.layers.quantization import ggml_blocks as gb
 from kvflow.layers.quantization import gpu
 from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, flatten_tokens,
-                                               gemv_layout, int4_mm, refine_top_logits)
+                                               gemv_layout, int4_mm, q8_layout,
+                                               refine_top_logits)
 from kvflow.layers.quantization.rtn import set_param
+
+
+GEMV_ROWS = 16  # rows the C++ step's GEMV takes (kMaxGemvRows in cpu_step.cpp)
+REFINE_TOP = 32  # logits per row an int8-activation lm_head recomputes in float32
 
 
 def _placeholders(layer: nn.Module, loader) -> None:
@@ -113,10 +118,28 @@ class GGUFLinearMethod(LinearMethod):
     triton: gpu.TritonWeight | None = None
     """Set after loading when the blocks went to the GPU kernels."""
     gemv: tuple[torch.Tensor, torch.Tensor] | None = None
-    """(values, scale_bias) for the C++ step's GEMV (packed.gemv_layout), or None."""
+    """(values, scale_bias) for the C++ step's GEMV (packed.gemv_layout, or q8_layout once
+    ``to_int8_activations`` ran), or None."""
+    gemv_kind = 0
+    """0: ``gemv`` is for float32 activations; 4 or 8: for int8 ones (weights of 4 or 8
+    bits, ``q8_gemv``), the ``kind`` of the C++ ``quant_gemv``."""
+    run_gemv_any_rows = False
+    """``run_gemv`` takes any number of rows (cpu_step.use_step_gemv), not only 16."""
+    head = False
+    """Set with ``run_gemv`` on an lm_head (whose top logits are then refined)."""
+    refine_gemv = None
+    """The C++ ``q8_refine_top`` (x, blocks, bits, y, k), set with ``run_gemv``."""
     run_gemv = None
-    """The C++ step's ``int4_gemv`` (x, values, scale_bias, group, doubled) -> y, set on a
-    tied head by the step after its self-check; None: the packed aten op."""
+    """The C++ step's ``quant_gemv`` (x, values, scale_bias, group, doubled, kind) -> y,
+    set on a tied head by the step after its self-check; None: the packed aten op."""
+
+    def to_int8_activations(self) -> bool:
+        """Switch ``gemv`` to the int8-activation layout (once; whether it now has it)."""
+        if self.gemv is not None and self.gemv_kind == 0:
+            q8 = q8_layout(*self.gemv, self.group, self.doubled)
+            if q8 is not None:  # (blocks, unused): quant_gemv takes two tensors
+                self.gemv, self.gemv_kind = (q8[0], torch.empty(0)), q8[1]
+        return self.gemv_kind != 0
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -157,10 +180,15 @@ class GGUFLinearMethod(LinearMethod):
         if self.triton is not None:  # float32 sums: the logits need no refinement
             return gpu.triton_apply(layer, self.triton, x)
         x2, lead = flatten_tokens(x)
-        if self.run_gemv is not None and x2.shape[0] <= 4:
+        if self.run_gemv is not None and (x2.shape[0] <= GEMV_ROWS or self.run_gemv_any_rows):
             # float32 sums over the exact weights: no bf16 logits to refine.
-            y = self.run_gemv(x2.float().contiguous(), *self.gemv, self.group,
-                              self.doubled).to(x.dtype)
+            xf = x2.float().contiguous()
+            y = self.run_gemv(xf, *self.gemv, self.group, self.doubled, self.gemv_kind)
+            if self.head and self.gemv_kind and self.refine_gemv is not None:
+                # int8 activations: the logits sampling can pick recomputed from float32
+                # inputs (greedy then agrees with the float32 GEMV).
+                self.refine_gemv(xf, self.gemv[0], self.gemv_kind, y, REFINE_TOP)
+            y = y.to(x.dtype)
             if layer.bias is not None:
                 y = y + layer.bias
             return y.view(*lead, -1)

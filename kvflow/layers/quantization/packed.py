@@ -141,6 +141,79 @@ def gemv_layout(w: Int4Groups) -> tuple[torch.Tensor, torch.Tensor] | None:
     return q.contiguous(), sb
 
 
+def q8_layout(q: torch.Tensor, sb: torch.Tensor, group: int, doubled: bool
+              ) -> tuple[torch.Tensor, int] | None:
+    """``gemv_layout``'s (values, scale_bias) converted for the C++ step's int8-activation
+    GEMV (``q8_gemv`` in kvflow/worker/cpu_int4.cpp): (blocks uint8 [N, K / 64 * B], bits).
+    Per block of 64 inputs, B bytes: the values, then (scale, bias) of its two halves of
+    32 in float16 (w = u * scale + bias). 4-bit (B = 40): byte i holds value i (low
+    nibble) and i + 32 (high); a doubled 8-bit weight whose high half's scales are 16x
+    its low half's (Q8_0, ``Int4Groups.from_int8_blocks``) becomes one byte per input
+    u = 16 hi + lo (B = 72), and so do 4-bit shards widened into it (u = lo). Float16 holds GGUF's Q4_0 / Q4_1 / Q8_0 scales and mins
+    exactly (the file stores them so); others round (relative 2^-11, far below the int8
+    activations' rounding). None when the weight has no such form (a doubled weight of
+    other scales, K not a multiple of 64)."""
+    n, k2 = q.shape[0], q.shape[1] * 8
+    words = q.to(torch.int64).view(n, k2 // 64, 1, 8) & 0xFFFFFFFF  # [N, blocks, 1, i]
+    shifts = (4 * torch.arange(8, dtype=torch.int64)).view(1, 1, 8, 1)
+    v = ((words >> shifts) & 15).reshape(n, k2)  # input 8j + i of a block: [N, K2]
+    per32 = sb.view(n, k2 // group, 2).repeat_interleave(group // 32, dim=1)  # [N, K2/32, 2]
+    if not doubled:
+        k, u, out_sb, bits = k2, v, per32, 4
+    else:
+        k = k2 // 2
+        hi, lo = per32[:, :k // 32], per32[:, k // 32:]
+        # Per block: 8-bit (high scale 16x the low one), or a 4-bit shard widened into
+        # a doubled layer (high scale 0: its high half adds only its bias).
+        wide = hi[..., 0] == 0
+        if not bool(((hi[..., 0] == 16 * lo[..., 0]) | wide).all()):
+            return None
+        hv = v[:, :k] * (~wide).repeat_interleave(32, dim=1)
+        u = 16 * hv + v[:, k:]
+        out_sb = torch.stack([lo[..., 0], (hi[..., 1].double() + lo[..., 1].double()).float()],
+                             dim=-1)
+        bits = 8
+    if k % 64:
+        return None
+    blocks = k // 64
+    if bits == 4:
+        half = u.view(n, blocks, 2, 32)  # [N, blocks, half, i]
+        vals = (half[:, :, 0] | (half[:, :, 1] << 4)).to(torch.uint8)  # [N, blocks, 32]
+    else:
+        vals = u.to(torch.uint8).view(n, blocks, 64)
+    scales = out_sb.to(torch.float16).reshape(n, blocks, 4).view(torch.uint8)  # 8 bytes
+    return torch.cat([vals, scales], dim=-1).reshape(n, -1).contiguous(), bits
+
+
+def q8_dequantize(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """The float32 weight [N, K] of a ``q8_layout`` (tests and the step's self-check)."""
+    bb = 40 if bits == 4 else 72
+    n, blocks = w.shape[0], w.shape[1] // bb
+    blk = w.view(n, blocks, bb)
+    if bits == 4:
+        p = blk[:, :, :32]
+        u = torch.stack([p & 15, p >> 4], dim=2).reshape(n, blocks, 64)
+    else:
+        u = blk[:, :, :64]
+    sb = blk[:, :, bb - 8:].contiguous().view(torch.float16).float().view(n, blocks, 2, 2)
+    uf = u.float().view(n, blocks, 2, 32)
+    return (uf * sb[..., :1] + sb[..., 1:]).reshape(n, blocks * 64)
+
+
+def q8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What ``q8_gemv`` computes, in float64: x [M, K] rounded per row and block of 32 to
+    int8 (scale max|x| / 127, half to even) and dequantized, times the float weight
+    w [N, K]."""
+    m, k = x.shape
+    xb = x.float().view(m, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # A true division (``127.0 / amax`` would be amax.reciprocal() * 127, another rounding).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.clamp(torch.round(xb * inv), -127, 127)
+    xd = (q.double() * (amax / 127.0).double()).view(m, k)
+    return xd @ w.double().t()
+
+
 # Up to this many rows the packed ops run on one thread. They split every call across the
 # intra-op threads, and on a shared (oversubscribed) machine each split waits for a
 # descheduled thread: measured on the 2-core dev machine at load 20, a 30-layer SmolLM2
