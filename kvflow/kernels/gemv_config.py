@@ -202,15 +202,21 @@ def table_from_bench(path: str) -> dict[tuple[str, int, int], dict[int, GemvConf
 def _device_table(name: str) -> dict:
     from kvflow import envs
 
-    table: dict = {}
-    for token, measured in MEASURED.items():
-        if token in name:
-            table = dict(measured)
-            break
     path = envs.gemv_table()
-    if path:  # a fresh measurement on this machine replaces the built-in buckets it has
-        for key, buckets in table_from_bench(path).items():
-            table[key] = {**table.get(key, {}), **buckets}
+    return overlay_table(MEASURED, name, table_from_bench(path) if path else {})
+
+
+def overlay_table(measured: dict[str, dict], gpu_name: str, fresh: dict) -> dict:
+    """The built-in table of the first ``measured`` GPU whose token is in ``gpu_name``
+    (empty if none), with the buckets of a fresh measurement (``fresh``, in the same
+    {key: {bucket: config}} form) replacing the built-in buckets they have."""
+    table: dict = {}
+    for token, entries in measured.items():
+        if token in gpu_name:
+            table = dict(entries)
+            break
+    for key, buckets in fresh.items():
+        table[key] = {**table.get(key, {}), **buckets}
     return table
 
 

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-DISPATCH_MAX_M = 8
-M_BUCKETS = (1, 2, 4, 8)
+# The dense GEMV's dispatch bound, M buckets, SM count and table overlay: the low-bit GEMVs
+# take the same decode rows and keep their tables the same way.
+from kvflow.kernels.gemv_config import DISPATCH_MAX_M, _bucket, _sms, overlay_table
 
 
 @dataclass(frozen=True)
@@ -68,14 +69,6 @@ class WoqGemvConfig:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: small shapes, exercise split-K a little
-    from kvflow.kernels.woq_config import num_sms
-
-    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def default_config(fmt: str, m: int, n: int, k: int, device: torch.device,
@@ -226,13 +219,6 @@ MEASURED: dict[str, dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]]]
 }
 
 
-def _bucket(m: int) -> int:
-    for b in M_BUCKETS:
-        if m <= b:
-            return b
-    raise ValueError(f"no GEMV bucket for {m} rows")
-
-
 def table_from_bench(path: str) -> dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]]:
     """The ``table`` of a ``bench_woq_gemv.py`` result file, in ``MEASURED``'s form."""
     import json
@@ -249,15 +235,7 @@ def table_from_bench(path: str) -> dict[tuple[str, int, int], dict[int, WoqGemvC
 
 @functools.lru_cache(maxsize=16)
 def _device_table(name: str, path: str | None) -> dict:
-    table: dict = {}
-    for token, measured in MEASURED.items():
-        if token in name:
-            table = dict(measured)
-            break
-    if path:
-        for key, buckets in table_from_bench(path).items():
-            table[key] = {**table.get(key, {}), **buckets}
-    return table
+    return overlay_table(MEASURED, name, table_from_bench(path) if path else {})
 
 
 def plan(fmt: str, n: int, k: int, device: torch.device) -> dict[int, WoqGemvConfig]:
