@@ -27,6 +27,7 @@ from kvflow.bench.machine import save_result  # noqa: E402
 from kvflow.kernels import paged_attention as pa  # noqa: E402
 from kvflow.kernels import pdl  # noqa: E402
 from kvflow.layers.attention.torch_backend import paged_attention_ref  # noqa: E402
+from graph_timing import graph_ms  # noqa: E402  (this folder)
 
 H, KVH, D, BS = 32, 8, 128, 16
 DT = torch.bfloat16
@@ -40,34 +41,6 @@ def _set(merge: str, pdl_on: bool) -> None:
     pa.merge_mode.cache_clear()
     pa.split_keys.cache_clear()
     pdl._enabled.cache_clear()
-
-
-def _graph_ms(fns: list, replays: int = 20) -> float:
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / len(fns))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def bench(contexts: list[int], splits_list: list[int]) -> list[dict]:
@@ -98,7 +71,7 @@ def bench(contexts: list[int], splits_list: list[int]) -> list[dict]:
                                                   max_seq_len=4096, num_kv_splits=splits,
                                                   out=outs[i])
                     err = float((call(0).float() - ref).abs().max())
-                    ms = _graph_ms([lambda i=i: call(i) for i in range(layers)])
+                    ms = graph_ms([lambda i=i: call(i) for i in range(layers)])
                     r = {"context": ctx, "splits": splits, "merge": merge, "pdl": pdl_on,
                          "us": ms * 1e3, "kv_bytes": per_layer,
                          "gb_per_s": per_layer / ms / 1e6, "max_abs_err": err,

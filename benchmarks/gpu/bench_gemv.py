@@ -43,6 +43,7 @@ from kvflow.kernels.gemv_config import (GemvConfig, _device_table,  # noqa: E402
 from kvflow.kernels.gemv_norm import gemv_rms_norm, gemv_rms_norm_ref  # noqa: E402
 from kvflow.kernels.rms_norm import fused_add_rms_norm  # noqa: E402
 from kvflow.kernels.silu_and_mul import silu_and_mul  # noqa: E402
+from graph_timing import graph_ms  # noqa: E402  (this folder)
 
 HBM = 4.8e12
 L2_BYTES = 50 * 2**20
@@ -52,36 +53,6 @@ SHAPES = [("qkv", "linear", 4096, 6144), ("o", "linear", 4096, 4096),
           ("qkv", "norm_linear", 4096, 6144), ("gate_up", "norm_silu_mul", 4096, 28672)]
 MS = (1, 2, 4, 8)
 DT = torch.bfloat16
-
-
-def _graph_ms(fns: list, replays: int = 20) -> float:
-    """Median ms per call of ``fns`` (launched back to back) replayed from one CUDA graph."""
-    for f in fns:  # warm-up outside capture: compiles, allocates split-K counters
-        f()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / len(fns))
-    del g
-    times.sort()
-    return times[len(times) // 2]
 
 
 def _tile(c: GemvConfig) -> tuple:
@@ -173,7 +144,7 @@ def bench(sweep: bool, budget_s: float, sweep_kinds: set[str] | None = None,
             ref = gemv_ref(x, ws[0]).float()
             run = lambda cfg: gemv(x, ws[0], None, cfg)  # noqa: E731
         tol = float(ref.abs().max())
-        cub_ms = _graph_ms(cublas)
+        cub_ms = graph_ms(cublas)
         base = default_config(m, n_out, k, x.device, pairs=pairs)
         case = {"shape": name, "kind": kind, "k": k, "n": n, "m": m, "bytes": total}
         rows.append({**case, "impl": "cublas", "ms": cub_ms, "gb_per_s": total / cub_ms / 1e6,
@@ -208,7 +179,7 @@ def bench(sweep: bool, budget_s: float, sweep_kinds: set[str] | None = None,
             i += 1
             try:
                 err = float((run(cfg).float() - ref).abs().max())
-                ms = _graph_ms(ours(cfg), replays=10 if i > 1 else 20)
+                ms = graph_ms(ours(cfg), replays=10 if i > 1 else 20)
             except Exception as exc:  # one failing configuration must not hide the others
                 sweeps.append({**case, "config": cfg.as_dict(), "error": repr(exc)[:200]})
                 continue

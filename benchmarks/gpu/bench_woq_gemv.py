@@ -37,6 +37,7 @@ from kvflow.kernels.gemv_w8 import gemv_w8, gemv_w8_ref  # noqa: E402
 from kvflow.kernels.w4a16_gemm import pack_int4, w4a16_gemm  # noqa: E402
 from kvflow.kernels.w8a16_gemm import w8a16_gemm  # noqa: E402
 from kvflow.kernels.woq_gemv_config import WoqGemvConfig, default_config  # noqa: E402
+from graph_timing import graph_ms  # noqa: E402  (this folder)
 
 HBM = 4.8e12
 L2_BYTES = 50 * 2**20
@@ -45,36 +46,6 @@ SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
           ("lm_head", 4096, 128256)]  # (name, K, N); gate_up_silu: + SiLU-and-multiply
 FORMATS = ("w4g128", "fp8", "int8")
 DT = torch.bfloat16
-
-
-def _graph_ms(fns: list, replays: int = 20) -> float:
-    """Median ms per call of ``fns`` (launched back to back) replayed from one CUDA graph."""
-    for f in fns:  # warm-up outside capture: compiles, allocates split-K counters
-        f()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / len(fns))
-    del g
-    times.sort()
-    return times[len(times) // 2]
 
 
 def _weights(fmt: str, n: int, k: int):
@@ -199,15 +170,15 @@ def bench(budget_s: float, ms: tuple[int, ...], formats: tuple[str, ...],
         if silu:
             from kvflow.kernels.silu_and_mul import silu_and_mul
 
-            bf16_ms = _graph_ms([lambda w=w: silu_and_mul(F.linear(x, w)) for w in bw])
+            bf16_ms = graph_ms([lambda w=w: silu_and_mul(F.linear(x, w)) for w in bw])
         else:
-            bf16_ms = _graph_ms([lambda w=w: F.linear(x, w) for w in bw])
+            bf16_ms = graph_ms([lambda w=w: F.linear(x, w) for w in bw])
         bf16_bytes = n_w * k * 2 + x.nbytes + m * n * 2
         del bw
         rows.append({**case, "impl": "bf16-cublas", "ms": bf16_ms, "bytes": bf16_bytes,
                      "gb_per_s": bf16_bytes / bf16_ms / 1e6})
         try:
-            prev_ms = _graph_ms([lambda w=w: _previous(fmt, x, w, silu) for w in wts])
+            prev_ms = graph_ms([lambda w=w: _previous(fmt, x, w, silu) for w in wts])
         except Exception as exc:
             prev_ms = math.inf
             rows.append({**case, "impl": "previous", "error": repr(exc)[:200]})
@@ -247,7 +218,7 @@ def bench(budget_s: float, ms: tuple[int, ...], formats: tuple[str, ...],
             i += 1
             try:
                 err = float((_ours(fmt, x, wts[0], cfg, silu).float() - ref).abs().max())
-                t = _graph_ms([lambda w=w: _ours(fmt, x, w, cfg, silu) for w in wts],
+                t = graph_ms([lambda w=w: _ours(fmt, x, w, cfg, silu) for w in wts],
                               replays=10 if i > 1 else 20)
             except Exception as exc:  # one failing configuration must not hide the others
                 sweeps.append({**case, "config": cfg.as_dict(), "error": repr(exc)[:300]})
