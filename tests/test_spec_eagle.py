@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
+from spec_heads import ENGINE_VARIANTS, assert_spec_equals_plain, tiny
 from kvflow.engine.args import EngineArgs
 from kvflow.errors import InvalidParameterError, ModelLoadError, ModelNotFoundError
 from kvflow.spec_decode.eagle_mlp import EagleMlpHead, EagleMlpProposer
@@ -35,13 +36,6 @@ def write_head(path, hidden=HIDDEN, vocab=VOCAB, draft_vocab=128, seed=0):
         head.out_norm.weight.mul_(20)
     head.save(str(path))
     return head
-
-
-def tiny(**kw) -> LLM:
-    args = dict(load_format="dummy", max_model_len=256, num_gpu_blocks_override=64,
-                block_size=4, max_num_batched_tokens=64, device="cpu")
-    args.update(kw)
-    return LLM("tiny-llama", **args)
 
 
 def test_checkpoint_round_trip(tmp_path):
@@ -110,29 +104,12 @@ def test_draft_confidence_cuts_drafts_at_the_first_unsure_one(tmp_path):
     assert never.propose([t.numpy()[None] for t in last], [3] * 4, hidden=hidden) == [[]] * 4
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    dict(num_gpu_blocks_override=24, max_model_len=96),  # preemption
-    dict(enable_prefix_caching=False, max_num_batched_tokens=16),  # chunked prompts
-], ids=["plain", "preempt", "chunked"])
+@ENGINE_VARIANTS
 def test_greedy_eagle_mlp_equals_plain_greedy(tmp_path, overrides):
     write_head(tmp_path)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 9, 17, 30)]
-    params = [SamplingParams(temperature=0, max_tokens=20 + 3 * i, ignore_eos=True,
-                             n=2 if i == 1 else 1, logprobs=1) for i in range(len(prompts))]
-    want = tiny(**overrides).generate(prompts, params, use_tqdm=False)
-    llm = tiny(speculative_config={"method": "eagle_mlp", "model": str(tmp_path),
-                                   "num_speculative_tokens": 3, "disable_by_batch_size": None,
-                                   "draft_confidence": 0.2}, **overrides)
-    got = llm.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(want, got):
-        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
-    stats = llm.engine.core.scheduler.spec_stats
-    assert stats.num_draft_tokens > 0
-    sp = SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=5)
-    first = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == first
+    assert_spec_equals_plain({"method": "eagle_mlp", "model": str(tmp_path),
+                              "num_speculative_tokens": 3, "disable_by_batch_size": None,
+                              "draft_confidence": 0.2}, overrides)
 
 
 @pytest.mark.parametrize("kind, error, match", [
