@@ -138,23 +138,34 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, wu_ptr, out_ptr, ws_ptr, lock_ptr, M, D,
     up = _partial(x_ptr, wu_ptr, offs_m, offs_n, M, D, K, stride_xm,
                   t_start, t_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT, UPCAST)
     pdl_trigger(PDL)
+    store_silu_pair(gate, up, out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, D, stride_om,
+                    pid_n, pid_k, split_k, SPLIT)
+
+
+@triton.jit
+def store_silu_pair(gate, up, out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, D, stride_om,
+                    tile, pid_k, split_k, SPLIT: tl.constexpr):
+    """gate, up [BM, BN] float32 partials -> silu(gate) * up in out [M, D], the epilogue of
+    every SiLU-fused GEMV (this file's, ``gemv_w4.py``'s, ``gemv_w8.py``'s) for a merged
+    [gate; up] weight. Split-K: each split writes its partials to a workspace
+    [split_k, 2, M, D] (``silu_buffers``); the tile's last-arriving program adds them in
+    order and stores (deterministic, in-launch, counters reset here)."""
     o_mask = (offs_m < M)[:, None] & (offs_n < D)[None, :]
     if SPLIT:  # workspace [split_k, 2, M, D]: this split's gate and up partials
         ws = ws_ptr + offs_m[:, None] * D + offs_n[None, :]
         tl.store(ws + pid_k * 2 * M * D, gate, mask=o_mask)
         tl.store(ws + (pid_k * 2 + 1) * M * D, up, mask=o_mask)
         tl.debug_barrier()  # every thread's partials are written before the release
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == split_k - 1:
-            gate = tl.zeros_like(gate)
-            up = tl.zeros_like(up)
+            g = tl.zeros_like(gate)
+            u = tl.zeros_like(up)
             for j in range(0, split_k):  # .cg: read at L2, where the other SMs wrote
-                gate += tl.load(ws + j * 2 * M * D, mask=o_mask, other=0.0,
-                                cache_modifier=".cg")
-                up += tl.load(ws + (j * 2 + 1) * M * D, mask=o_mask, other=0.0,
-                              cache_modifier=".cg")
-            _store_silu_mul(gate, up, out_ptr, offs_m, offs_n, stride_om, o_mask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0)  # zero again for the next launch
+                g += tl.load(ws + j * 2 * M * D, mask=o_mask, other=0.0, cache_modifier=".cg")
+                u += tl.load(ws + (j * 2 + 1) * M * D, mask=o_mask, other=0.0,
+                             cache_modifier=".cg")
+            _store_silu_mul(g, u, out_ptr, offs_m, offs_n, stride_om, o_mask)
+            tl.atomic_xchg(lock_ptr + tile, 0)  # zero again for the next launch
     else:
         _store_silu_mul(gate, up, out_ptr, offs_m, offs_n, stride_om, o_mask)
 
@@ -226,6 +237,18 @@ def _pdl_args(device: torch.device) -> dict:
     return {"PDL": True, "PREFETCH": prefetch_tiles_default(), **launch_kw(True)}
 
 
+def silu_buffers(config, m: int, d: int, device: torch.device
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(workspace float32 [split_k, 2, m, d], arrival counters) of a split-K SiLU launch,
+    or (None, None)."""
+    if config.split_k == 1:
+        return None, None
+    tiles = triton.cdiv(d, config.block_n)
+    assert tiles <= LOCK_SLOTS, f"{tiles} output tiles for split-K (at most {LOCK_SLOTS})"
+    ws = torch.empty((config.split_k, 2, m, d), dtype=torch.float32, device=device)
+    return ws, split_buffers(config, m, d, device)[1]
+
+
 def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
                       config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] with weight = [gate; up] [2d, K] -> silu(x gate^T) * (x up^T)  # [M, d]"""
@@ -237,11 +260,7 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
     if m == 0:
         return out
     tiles = triton.cdiv(d, cfg.block_n)
-    ws = locks = None
-    if cfg.split_k > 1:
-        assert tiles <= LOCK_SLOTS, f"{tiles} output tiles for split-K (at most {LOCK_SLOTS})"
-        ws = torch.empty((cfg.split_k, 2, m, d), dtype=torch.float32, device=x.device)
-        locks = split_buffers(cfg, m, d, x.device)[1]
+    ws, locks = silu_buffers(cfg, m, d, x.device)
     _gemv_silu_mul_kernel[(tiles, cfg.split_k)](
         x, weight, weight[d:], out, out if ws is None else ws,
         out if locks is None else locks, m, d, k,

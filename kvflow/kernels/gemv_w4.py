@@ -41,7 +41,7 @@ import triton.language as tl
 from kvflow.kernels.woq_gemv_config import WoqGemvConfig
 from kvflow.kernels.w4a16_gemm import PACK_K, PLANE, w4a16_ref
 from kvflow.kernels.woq_config import split_buffers, store_output
-from kvflow.kernels.woq_gemv_epilogue import silu_buffers, store_silu_pair
+from kvflow.kernels.gemv import silu_buffers, store_silu_pair
 
 MAX_M = 16  # x rows of one MMA tile
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kvflow.kernels.woq_config import split_buffers, store_output
-from kvflow.kernels.woq_gemv_epilogue import silu_buffers, store_silu_pair
+from kvflow.kernels.gemv import silu_buffers, store_silu_pair
 
 MAX_M = 16
 # The PTX conversions below produce bf16 operands 2**-112 times the weight values (an
