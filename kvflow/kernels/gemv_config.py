@@ -45,11 +45,7 @@ class GemvConfig:
     num_stages: int = 4
 
     def __post_init__(self) -> None:
-        for v in (self.block_n, self.block_k):
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"GEMV tile sizes must be powers of two >= 16: {self}")
-        if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {self}")
+        check_tile(self)
 
     @property
     def block_m(self) -> int:
@@ -58,6 +54,15 @@ class GemvConfig:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+def check_tile(cfg) -> None:
+    """A GEMV launch configuration's bounds (dense and low-bit configs alike)."""
+    for v in (cfg.block_n, cfg.block_k):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"GEMV tile sizes must be powers of two >= 16: {cfg}")
+    if cfg.split_k < 1 or cfg.num_warps < 1 or cfg.num_stages < 1:
+        raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {cfg}")
 
 
 def _sms(device: torch.device) -> int:

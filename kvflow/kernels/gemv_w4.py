@@ -40,8 +40,8 @@ import triton.language as tl
 
 from kvflow.kernels.woq_gemv_config import WoqGemvConfig
 from kvflow.kernels.w4a16_gemm import PACK_K, PLANE, w4a16_ref
-from kvflow.kernels.woq_config import split_buffers, store_output
-from kvflow.kernels.gemv import silu_buffers, store_silu_pair
+from kvflow.kernels.woq_config import store_output
+from kvflow.kernels.gemv import gemv_outputs, store_silu_pair
 
 MAX_M = 16  # x rows of one MMA tile
 
@@ -368,15 +368,10 @@ def gemv_w4(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     assert qweight.shape == (n, triton.cdiv(k, PACK_K) * PACK_K // 8)
     assert scale.shape == (n, k // group) and scale.dtype == x.dtype
     assert max(qweight.numel(), x.numel(), m * n) < 2**31  # int32 offsets in the kernel
-    n_out = n // 2 if silu_and_mul else n
-    assert not silu_and_mul or n == 2 * n_out, "gate and up halves of one size"
-    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    out, ws, locks = gemv_outputs(x, config, n, silu_and_mul)
     if m == 0:
         return out
-    if silu_and_mul:
-        ws, locks = silu_buffers(config, m, n_out, x.device)
-    else:
-        ws, locks = split_buffers(config, m, n, x.device)
+    n_out = out.shape[1]
     grid = (triton.cdiv(n_out, config.block_n), config.split_k)
     asm = use_asm(x) if asm is None else asm
     _gemv_w4_kernel[grid](

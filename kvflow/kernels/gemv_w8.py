@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.kernels.woq_config import split_buffers, store_output
-from kvflow.kernels.gemv import silu_buffers, store_silu_pair
+from kvflow.kernels.woq_config import store_output
+from kvflow.kernels.gemv import gemv_outputs, store_silu_pair
 
 MAX_M = 16
 # The PTX conversions below produce bf16 operands 2**-112 times the weight values (an
@@ -191,15 +191,10 @@ def gemv_w8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, config,
     assert m <= MAX_M and qweight.shape == (n, k) and qweight.is_contiguous()
     assert qweight.dtype in (torch.int8, torch.float8_e4m3fn) and x.stride(1) == 1
     assert scale.shape == (n,) and scale.dtype == torch.float32
-    n_out = n // 2 if silu_and_mul else n
-    assert not silu_and_mul or n == 2 * n_out, "gate and up halves of one size"
-    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    out, ws, locks = gemv_outputs(x, config, n, silu_and_mul)
     if m == 0:
         return out
-    if silu_and_mul:
-        ws, locks = silu_buffers(config, m, n_out, x.device)
-    else:
-        ws, locks = split_buffers(config, m, n, x.device)
+    n_out = out.shape[1]
     grid = (triton.cdiv(n_out, config.block_n), config.split_k)
     _gemv_w8_kernel[grid](
         x, qweight, scale, out, out if ws is None else ws, out if locks is None else locks,

@@ -29,7 +29,8 @@ import triton
 
 # The dense GEMV's dispatch bound, M buckets, SM count and table overlay: the low-bit GEMVs
 # take the same decode rows and keep their tables the same way.
-from kvflow.kernels.gemv_config import DISPATCH_MAX_M, _bucket, _sms, overlay_table
+from kvflow.kernels.gemv_config import (DISPATCH_MAX_M, _bucket, _sms, check_tile,
+                                        overlay_table)
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,7 @@ class WoqGemvConfig:
     converted weight as the second, instead of the weight first (wgmma at BN >= 64)."""
 
     def __post_init__(self) -> None:
-        for v in (self.block_n, self.block_k):
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"GEMV tile sizes must be powers of two >= 16: {self}")
-        if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {self}")
+        check_tile(self)
 
     @property
     def block_m(self) -> int:
