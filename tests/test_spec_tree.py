@@ -16,7 +16,8 @@ from kvflow.layers.rejection_sampler import INVALID_TOKEN
 from kvflow.layers.sampler import SamplingMetadata
 from kvflow.spec_decode.tree import DraftTree, parse_tree_option, rank_accuracy_profile
 from kvflow.spec_decode.tree_verify import TreeVerifier, move_kv
-from tests.test_spec_medusa import tiny, write_heads
+from spec_heads import tiny
+from tests.test_spec_medusa import write_heads
 
 
 def test_tree_is_breadth_first_with_ancestors():
