@@ -15,7 +15,8 @@ drafts on chat is not an 8B model's, so read the figures as what this machinery 
 give at that acceptance, not as a forecast for Llama-3.1-8B with its own heads.
 
     python scripts/predict_spec_speedup.py --gpu gpu-out/spec-verify.json \\
-        --out benchmarks/results/spec-predict-h200.json [CPU result files ...]
+        --out benchmarks/results/spec-predict-h200.json [--eagle eagle-head.json] \\
+        [CPU result files ...]
 """
 
 from __future__ import annotations
@@ -34,7 +35,20 @@ def _nearest(table: dict, key: int) -> tuple[int, dict] | None:
     return k, table[str(k)]
 
 
-def predict(gpu: dict, cpu_files: list[str]) -> dict:
+def _eagle_ms(eagle: dict | None, k: int, confidence: float) -> float | None:
+    """The eagle_mlp proposer's measured cost for k drafts (benchmarks/gpu/
+    eagle_head_timing.py), at the run's draft_confidence gating or without it."""
+    if not eagle:
+        return None
+    gated = confidence > 0
+    rows = [r for r in eagle["rows"] if (r["draft_confidence"] > 0) == gated]
+    if not rows:
+        return None
+    row = min(rows, key=lambda r: (abs(r["k"] - k), r["k"]))
+    return float(row["ms_per_propose"]) * k / row["k"]
+
+
+def predict(gpu: dict, cpu_files: list[str], eagle: dict | None = None) -> dict:
     plain = gpu["plain_bs1"]
     plain_tps = plain["decode_tokens_per_s"]
     chain = gpu.get("oracle_chain_bs1", {})
@@ -92,6 +106,13 @@ def predict(gpu: dict, cpu_files: list[str]) -> dict:
         # steps too when the oracle's drafts ran off its reference).
         step_ms = float(cost.get("ms_per_verify_step", cost["ms_per_step"]))
         propose_ms = heads_ms * min(k, depth) / depth if method == "medusa" else 0.0
+        if method == "eagle_mlp":
+            propose_ms = _eagle_ms(eagle, k, float(spec.get("draft_confidence") or 0.0))
+            if propose_ms is None:
+                row["predicted"] = None
+                row["why_not"] = "needs the proposer's cost (benchmarks/gpu/eagle_head_timing.py)"
+                rows.append(row)
+                continue
         tps = length / (step_ms + propose_ms) * 1000.0
         row.update({"verify": what, "gpu_cost_measured_at": used,
                     "gpu_ms_per_verify_step": step_ms, "proposer_ms": round(propose_ms, 3),
@@ -116,14 +137,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", required=True, help="kvflow bench spec-verify result JSON")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--eagle", default=None, help="eagle_head_timing.py result JSON (the "
+                    "eagle_mlp proposer's drafting cost at the GPU's shape)")
     ap.add_argument("cpu", nargs="*", help="CPU speculation results (default: "
                     "benchmarks/results/spec-*bs1*-cpu*.json)")
     ns = ap.parse_args()
     with open(ns.gpu) as f:
         gpu = json.load(f)
     files = ns.cpu or sorted(glob.glob("benchmarks/results/spec-*bs1*-cpu*.json"))
-    out = predict(gpu, files)
+    eagle = None
+    if ns.eagle:
+        with open(ns.eagle) as f:
+            eagle = json.load(f)
+    out = predict(gpu, files, eagle)
     out["gpu_result"] = ns.gpu
+    out["eagle_result"] = ns.eagle
     out["cpu_results"] = files
     text = json.dumps(out, indent=2)
     if ns.out:

@@ -26,9 +26,11 @@ HBM_BYTES_PER_S = 4.2e12
 MATMUL_FLOPS = 790e12
 
 
-def step_floor(arch, num_tokens: int, num_seqs: int, context: int) -> dict:
-    """Bytes and FLOPs a step must move/do at least (weights once, KV of each sequence)."""
-    weight_bytes = arch.num_params * 2
+def step_floor(arch, num_tokens: int, num_seqs: int, context: int,
+               weight_bytes: int | None = None) -> dict:
+    """Bytes and FLOPs a step must move/do at least (weights once, KV of each sequence).
+    ``weight_bytes``: the loaded weights' size (low-bit storage), default bf16."""
+    weight_bytes = weight_bytes or arch.num_params * 2
     kv_read = num_seqs * context * arch.kv_bytes_per_token("bfloat16")
     matmul_flops = 2 * (arch.num_params - arch.vocab_size * arch.hidden_size) * num_tokens \
         + 2 * arch.vocab_size * arch.hidden_size * num_seqs
@@ -92,7 +94,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--cases", default="decode1,decode256,prefill",
-                    help="comma-separated subset of decode1, decode256, prefill")
+                    help="comma-separated subset of decode1, decode256, prefill, decode1-graph")
+    ap.add_argument("--quantization", default="none",
+                    help="weight storage (none, int4, int8, fp8, ...): the low-bit kernels' "
+                    "share of the step; int4 uses groups of 128 as GPU-A's int4 runs do")
     ns = ap.parse_args()
     cases = dict(zip(("decode1", "decode256", "prefill", "decode1-graph"), range(4)))
     wanted = {cases[c] for c in ns.cases.split(",")}
@@ -109,6 +114,11 @@ def main() -> None:
         if i not in wanted:
             continue
         extra = {"max_model_len": 16384, "max_num_seqs": 256, **extra}
+        if ns.quantization != "none":
+            extra["quantization"] = ns.quantization
+            if ns.quantization == "int4":
+                extra["quantization_group_size"] = 128
+            label = f"{label}, {ns.quantization} weights"
         args = EngineArgs(model=ns.model, load_format="dummy", enforce_eager=eager, **extra)
         engine = LLMEngine.from_engine_args(args)
         arch = engine.config.model.arch
@@ -128,7 +138,8 @@ def main() -> None:
             def prepare():
                 pass
             run_to_state(engine, batch, prompt, 3, "r")
-            floor = step_floor(arch, batch, batch, prompt + 4)
+            floor = step_floor(arch, batch, batch, prompt + 4,
+                               engine.core.executor.runner.weight_bytes)
         results.append(profile_step(engine, label, floor, prepare))
         engine = None  # free the model before the next configuration
         torch.cuda.empty_cache()

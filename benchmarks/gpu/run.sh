@@ -63,6 +63,10 @@
 #             of chain/tree steps, batch 64 with speculation switched off / forced on
 #             (spec-verify.json); then the batch-1 speedup predicted from the CPU acceptance
 #             figures (spec-predict.json)
+#   eagle-head  the eagle_mlp proposer's drafting cost at 8B shape (eagle-head.json; feeds
+#             scripts/predict_spec_speedup.py --eagle)
+#   profile-graph  per-kernel profile of the batch-1 decode CUDA graph for each weight format
+#             in PROFILE_QUANTS (default "none int4 fp8"; profile-decode1-graph-Q.json)
 #   spec-graphs  GPU tests: greedy speculative output equals plain with verification graphs
 #             on and off (tests/test_spec_graphs_gpu.py, <= 2.5 min)
 set -uo pipefail
@@ -166,6 +170,11 @@ for stage in "$@"; do
     spec-verify)
       timeout ${SPEC_VERIFY_TIMEOUT:-225} $KV bench spec-verify --model llama-3.1-8b --load-format dummy --input-len 128 --output-len 128 --max-model-len 4096 --gpu-memory-utilization 0.45 --ks=${SPEC_KS-1,2,3,4,6,8} --eager-ks=${SPEC_EAGER_KS-1,4,8} --tree-sizes=${SPEC_TREES-8,16,32} --eager-tree-sizes=${SPEC_EAGER_TREES-16} ${SPEC_ARGS---profile} --save-result "$OUT/spec-verify.json" 2>&1 | grep -v "^INFO\|^USDT\|^STAGE" | tail -60
       [ -f "$OUT/spec-verify.json" ] && python scripts/predict_spec_speedup.py --gpu "$OUT/spec-verify.json" --out "$OUT/spec-predict.json" 2>&1 | tail -15;;
+    eagle-head) timeout ${EAGLE_HEAD_TIMEOUT:-60} python benchmarks/gpu/eagle_head_timing.py --out "$OUT/eagle-head.json" 2>&1 | grep -v "^INFO" | tail -10;;
+    profile-graph)  # the batch-1 CUDA graph's kernels per weight format in PROFILE_QUANTS
+      for q in ${PROFILE_QUANTS:-none int4 fp8}; do
+        timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization $q --out "$OUT/profile-decode1-graph-$q.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-30}
+      done;;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     *) echo "unknown stage $stage"; exit 2;;
   esac
