@@ -14,11 +14,11 @@ same ratio to the hidden size as the SmolLM2 head that ``kvflow train-eagle`` ma
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
+from kvflow.bench.machine import save_result
 from kvflow.spec_decode.eagle_mlp import EagleMlpHead, EagleMlpProposer
 from kvflow.spec_decode.heads_config import EagleMlpConfig
 
@@ -80,13 +80,11 @@ def main() -> int:
                 rows.append({"k": k, "draft_confidence": conf, "ms_per_propose": round(ms, 3),
                              "ms_per_draft_token": round(ms / k, 3)})
                 print(f"eagle_mlp k={k} draft_confidence={conf}: {ms:.3f} ms per proposal")
-    result = {"what": "eagle_mlp proposer drafting cost, batch 1, eager, random weights",
+    result = {"script": "benchmarks/gpu/eagle_head_timing.py", "what": "eagle_mlp proposer drafting cost, batch 1, eager, random weights",
               "hidden_size": ns.hidden, "vocab_size": ns.vocab,
               "draft_vocab_size": ns.draft_vocab, "intermediate_size": inter,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rows": rows}
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(result, f, indent=2)
+    save_result(ns.out, result)
     return 0
 
 

@@ -12,12 +12,12 @@ step time is measured separately with CUDA events.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kvflow.bench.machine import save_result
 from kvflow.engine.args import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.sampling_params import SamplingParams
@@ -143,9 +143,8 @@ def main() -> None:
         results.append(profile_step(engine, label, floor, prepare))
         engine = None  # free the model before the next configuration
         torch.cuda.empty_cache()
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(results, f, indent=2)
+    save_result(ns.out, {"script": "benchmarks/gpu/profile_steps.py",
+                         "quantization": ns.quantization, "cases": results})
 
 
 if __name__ == "__main__":
