@@ -42,9 +42,14 @@ def build_gemm(m: int, n: int, k: int, rows: int | None) -> dict:
     consts = dict(QUANT_X=quant_x, GROUP=group or 0, W_ROWS=rows or 1, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO_M=pro_m,
                   PRO_K=max(16, min(1 << (k - 1).bit_length(), 8192 // pro_m)),
-                  SWAP=cfg.swap_ab, SPLIT=cfg.split_k > 1, EMULATE=False)
-    return {"kernel": "fp8_gemm", "m": m, "n": n, "k": k, "block_rows": rows,
-            "config": cfg.__dict__, **_build(_fp8_gemm_kernel, sig, consts, cfg)}
+                  SWAP=cfg.swap_ab, SPLIT=cfg.split_k > 1, EMULATE=False,
+                  PROMOTE_K=min(cfg.promote_k, cfg.block_k))
+    row = {"kernel": "fp8_gemm", "m": m, "n": n, "k": k, "block_rows": rows,
+           "config": cfg.__dict__, **_build(_fp8_gemm_kernel, sig, consts, cfg)}
+    # the FP8 dot promotes its tensor-core partial to float32 as the config asks (sm_90's
+    # default never does): what the interpreter cannot see
+    row["promoted"] = row["max_num_imprecise_acc"] == [consts["PROMOTE_K"]]
+    return row
 
 
 def build_quant(group: int) -> dict:
