@@ -18,10 +18,11 @@ layer does (in the kernel at M <= 16, ``quantize_fp8`` above), float32 outputs:
   error in units of the terms' size, about 2^-24 for float32 sums of exact products;
 - ``test_tol_excess``: the largest amount by which the error passes the interpreter
   test's float32 tolerance (1e-5 max|ref| + eps|ref| + 1e-6; <= 0: within it);
-- above M = 16 also ``triton-bk32`` (K steps of 32, one wgmma instruction per dot, the
-  block scales per 128-group still) and ``triton-bn64-promote32`` (half the columns per
-  tile, room for the promotion's second accumulator: 128 x 128 tiles with 8 warps spill
-  24 bytes with promote_k 32 in the sm_90 build);
+- above M = 16 the 128-wide tiles with promote_k 0 and 32, and ``triton-bn64-promote32``
+  (64 columns per tile: room for the promotion's second accumulator; 128 x 128 tiles with
+  8 warps spill with it); ``is_default`` marks the variant ``choose_config`` picks
+  (the first H200 run also had ``triton-bk32``, K steps of one instruction: 1.5-2.5x
+  slower at M 256);
 - ``graph_ms``: median time of the launch replayed in a CUDA graph (do_bench_cudagraph),
   so old vs new promotion speed comes from the same process.
 
@@ -225,15 +226,13 @@ def run(save) -> dict:
 
                 record("ref-fp32", lambda: fp8_gemm_ref(xq, sx, wq, sw, block, torch.float32),
                        timed=False)
-                cfg0 = choose_config(m, n, k, group, x.device)
-                variants = [(f"triton-promote{pk}", dataclasses.replace(cfg0, promote_k=pk))
-                            for pk in PROMOTE]
-                if m > SMALL_M:  # x given quantized: other ways to a float32 sum per wgmma
-                    variants += [  # K steps of one instruction (32): each dot is one wgmma
-                        ("triton-bk32", dataclasses.replace(cfg0, block_k=32, promote_k=0)),
-                        # half the columns: room for the promotion's second accumulator
-                        ("triton-bn64-promote32", dataclasses.replace(
-                            cfg0, block_n=cfg0.block_n // 2, promote_k=32))]
+                cfg0 = choose_config(m, n, k, group, x.device)  # today's default
+                tiles = dataclasses.replace(cfg0, block_n=64 if m <= SMALL_M else 128)
+                variants = [(f"triton-promote{pk}", dataclasses.replace(tiles, promote_k=pk))
+                            for pk in PROMOTE]  # promote0: the kernel before the fix
+                if m > SMALL_M:  # half the columns: room for the promotion's accumulator
+                    variants.append(("triton-bn64-promote32", dataclasses.replace(
+                        tiles, block_n=64, promote_k=32)))
                 for variant, cfg in variants:
                     pk = cfg.promote_k
                     if m <= SMALL_M:  # what fp8_linear launches: quantized in the kernel
@@ -244,8 +243,10 @@ def run(save) -> dict:
                         def fn(cfg=cfg, block=block, wq=wq, sw=sw, xq=xq, sx=sx):
                             return fp8_gemm(xq, wq, sw, block, x_scale=sx,
                                             out_dtype=torch.float32, config=cfg)
-                    record(variant, fn, {"config": dataclasses.asdict(cfg)})
-                    if name == "o" and m in (1, 8) and variant.startswith("triton-promote"):  # the adder's width, from the kernel
+                    record(variant, fn, {"config": dataclasses.asdict(cfg),
+                                         "is_default": cfg == cfg0})
+                    # the adder's width, from the kernel
+                    if name == "o" and m in (1, 8) and variant.startswith("triton-promote"):
                         try:
                             fits += fit_adder(rows, [(base, fn(), xq, sx, wq, sw, block, cfg,
                                                       ref64)])
@@ -255,7 +256,6 @@ def run(save) -> dict:
                     for fast in (False, True):
                         record("scaled_mm" + ("-fast" if fast else ""),
                                lambda fast=fast: _scaled_mm(xq, sx, wq, sw, block, fast))
-                del ref64, mag64
         save({"rows": rows, "adder_fit": fits, "partial": True})
         del layouts
     return {"rows": rows, "adder_fit": fits}

@@ -65,10 +65,12 @@ class Fp8Config:
     promote_k: int = 32
     """Inputs the tensor cores sum before their partial goes into the float32 accumulator
     (``tl.dot``'s ``max_num_imprecise_acc``, capped at ``block_k``). Hopper's FP8 wgmma adds
-    in reduced precision (about 13-14 mantissa bits, aligned to the largest addend, the
-    accumulator included): without promotion (0: the compiler's default, never on sm_90)
-    a long K loop sums into that adder. 32 is one wgmma instruction's K: each one starts
-    from zero and is added in float32. Other targets and the interpreter ignore it."""
+    in reduced precision (about 13-14 mantissa bits, DeepSeek-V3 3.3.2). 0: the compiler's
+    default (on sm_90 never inside a dot; each K tile's dot starts from zero and is added
+    in float32, so once per ``block_k``: the error of cuBLAS's _scaled_mm). 32, one wgmma
+    instruction's K: every instruction starts from zero, 3-4x less error on the H200
+    (fp8-gemm-precision-h200.json), at the cost of a second accumulator in registers.
+    Other targets and the interpreter ignore it."""
 
     def __post_init__(self) -> None:
         for v in (self.block_m, self.block_n, self.block_k):
@@ -88,10 +90,20 @@ def choose_config(m: int, n: int, k: int, group: int | None, device: torch.devic
     (``swap_ab``: Hopper's wgmma reads the FP8 tile as it is; without it the M = 16 dot
     is an mma.sync that widens every weight to fp16 first) with 8 warps: the best tiles
     of the H200 sweep at M = 1 and 8 (fp8-bench-h200.json, o and gate_up, per channel
-    and block). Larger M: classic 64-128 x 128 tiles (not swept yet)."""
+    and block). Every wgmma instruction's partial is promoted to float32 there (0.5-3%
+    of the time, 3-4x less error: fp8-gemm-precision-h200.json).
+
+    Larger M: 64-128 x 128 tiles. Where those leave SMs idle (fewer tiles than SMs: o,
+    qkv and down at M <= 256), 64 columns per tile with the promotion every instruction
+    (as fast as the 128-wide tiles without it, or faster; the split-K stays the one of
+    the 128-wide tiles, as measured). Otherwise (gate_up, long prefills: compute bound)
+    128-wide tiles promoted once per 128-wide K tile (DeepGEMM's interval, the precision
+    of cuBLAS's _scaled_mm): with a second accumulator the 128 x 128 tile spills and
+    the promotion costs 15-47% there."""
     sms = sms or _sms(device)
     bk = group or 128
     swap = False
+    promote = 32
     if m <= SMALL_M:
         bm, bn, warps, stages, swap = 16, 64, 8, 3, True
         target = 4 * sms
@@ -107,7 +119,12 @@ def choose_config(m: int, n: int, k: int, group: int | None, device: torch.devic
     if tiles < target:
         split = max(1, min(triton.cdiv(target, tiles), k_tiles // 2, 16))
         split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no split left empty
-    return Fp8Config(bm, bn, bk, split, warps, stages, swap)
+    if m > SMALL_M:
+        if tiles < sms:
+            bn = 64
+        else:
+            promote = 0
+    return Fp8Config(bm, bn, bk, split, warps, stages, swap, promote)
 
 
 @triton.jit
@@ -292,7 +309,8 @@ def fp8_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
         QUANT_X=quant_x, GROUP=group or 0, W_ROWS=w_rows, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO_M=pro_m, PRO_K=pro_k,
         SWAP=cfg.swap_ab, SPLIT=ws is not None, EMULATE=interpreting(x.device),
-        PROMOTE_K=min(cfg.promote_k, cfg.block_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PROMOTE_K=min(cfg.promote_k, cfg.block_k), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 
