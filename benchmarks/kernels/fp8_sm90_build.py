@@ -27,7 +27,8 @@ from kvflow.kernels.fp8_quant import _quant_kernel  # noqa: E402
 
 # (M, N, K, block rows or None): decode and prefill sizes at Llama-3.1-8B's shapes
 # (kept to the three kernel variants the engine launches most: each build takes seconds)
-CASES = [(1, 4096, 4096, None), (1, 28672, 4096, 128), (4096, 28672, 4096, 128)]
+CASES = [(1, 4096, 4096, None), (1, 28672, 4096, 128), (4096, 28672, 4096, 128),
+         (256, 4096, 14336, 128)]  # the last: 128 x 64 tiles promoted every instruction
 
 
 def build_gemm(m: int, n: int, k: int, rows: int | None) -> dict:
@@ -42,9 +43,15 @@ def build_gemm(m: int, n: int, k: int, rows: int | None) -> dict:
     consts = dict(QUANT_X=quant_x, GROUP=group or 0, W_ROWS=rows or 1, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO_M=pro_m,
                   PRO_K=max(16, min(1 << (k - 1).bit_length(), 8192 // pro_m)),
-                  SWAP=cfg.swap_ab, SPLIT=cfg.split_k > 1, EMULATE=False)
-    return {"kernel": "fp8_gemm", "m": m, "n": n, "k": k, "block_rows": rows,
-            "config": cfg.__dict__, **_build(_fp8_gemm_kernel, sig, consts, cfg)}
+                  SWAP=cfg.swap_ab, SPLIT=cfg.split_k > 1, EMULATE=False,
+                  PROMOTE_K=min(cfg.promote_k, cfg.block_k))
+    row = {"kernel": "fp8_gemm", "m": m, "n": n, "k": k, "block_rows": rows,
+           "config": cfg.__dict__, **_build(_fp8_gemm_kernel, sig, consts, cfg)}
+    # the FP8 dot promotes its tensor-core partial to float32 as the config asks (the
+    # interpreter cannot see it): every PROMOTE_K inputs, or (0) sm_90's default, 2^30
+    row["promotion_as_configured"] = (row["max_num_imprecise_acc"]
+                                      == [consts["PROMOTE_K"] or 2 ** 30])
+    return row
 
 
 def build_quant(group: int) -> dict:

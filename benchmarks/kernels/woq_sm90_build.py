@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -51,9 +52,11 @@ def _build(kernel, sig: dict, consts: dict, cfg: WoqConfig) -> dict:
                                capture_output=True, text=True, check=True).stdout
     fields = dict(kv.split(":", 1) for kv in usage.split("Function", 1)[1].split()[1:]
                   if ":" in kv)
+    # FP8 dots: how many K the tensor cores sum before a float32 promotion (2^30: never)
+    imprecise = sorted({int(v) for v in re.findall(r"maxNumImpreciseAcc = (\d+)", k.asm["ttgir"])})
     return {"registers": int(fields["REG"]), "spill_bytes": int(fields["STACK"]),
             "shared_bytes": k.metadata.shared, "fits": int(fields["STACK"]) == 0
-            and k.metadata.shared <= SMEM_LIMIT}
+            and k.metadata.shared <= SMEM_LIMIT, "max_num_imprecise_acc": imprecise}
 
 
 def build_w4(cfg: WoqConfig, bias: bool = True, group: int = 128) -> dict:

@@ -54,13 +54,23 @@ class Fp8Config:
     block_n: int
     """Output columns per program."""
     block_k: int
-    """Inputs per K step; the group size in block mode."""
+    """Inputs per K step; in block mode the group size, or a divisor of it when x comes
+    quantized (one wgmma instruction's 32: no tensor-core sum spans two of them)."""
     split_k: int = 1
     """Programs sharing one output tile's K loop."""
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
     """Multiply weight tile x token tile (the weight as the dot's M operand)."""
+    promote_k: int = 32
+    """Inputs the tensor cores sum before their partial goes into the float32 accumulator
+    (``tl.dot``'s ``max_num_imprecise_acc``, capped at ``block_k``). Hopper's FP8 wgmma adds
+    in reduced precision (about 13-14 mantissa bits, DeepSeek-V3 3.3.2). 0: the compiler's
+    default (on sm_90 never inside a dot; each K tile's dot starts from zero and is added
+    in float32, so once per ``block_k``: the error of cuBLAS's _scaled_mm). 32, one wgmma
+    instruction's K: every instruction starts from zero, 3-4x less error on the H200
+    (fp8-gemm-precision-h200.json), at the cost of a second accumulator in registers.
+    Other targets and the interpreter ignore it."""
 
     def __post_init__(self) -> None:
         for v in (self.block_m, self.block_n, self.block_k):
@@ -68,6 +78,8 @@ class Fp8Config:
                 raise ValueError(f"tile sizes must be powers of two >= 16: {self}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1: {self}")
+        if self.promote_k < 0:
+            raise ValueError(f"promote_k must be >= 0: {self}")
 
 
 def choose_config(m: int, n: int, k: int, group: int | None, device: torch.device,
@@ -78,10 +90,20 @@ def choose_config(m: int, n: int, k: int, group: int | None, device: torch.devic
     (``swap_ab``: Hopper's wgmma reads the FP8 tile as it is; without it the M = 16 dot
     is an mma.sync that widens every weight to fp16 first) with 8 warps: the best tiles
     of the H200 sweep at M = 1 and 8 (fp8-bench-h200.json, o and gate_up, per channel
-    and block). Larger M: classic 64-128 x 128 tiles (not swept yet)."""
+    and block). Every wgmma instruction's partial is promoted to float32 there (0.5-3%
+    of the time, 3-4x less error: fp8-gemm-precision-h200.json).
+
+    Larger M: 64-128 x 128 tiles. Where those leave SMs idle (fewer tiles than SMs: o,
+    qkv and down at M <= 256), 64 columns per tile with the promotion every instruction
+    (as fast as the 128-wide tiles without it, or faster; the split-K stays the one of
+    the 128-wide tiles, as measured). Otherwise (gate_up, long prefills: compute bound)
+    128-wide tiles promoted once per 128-wide K tile (DeepGEMM's interval, the precision
+    of cuBLAS's _scaled_mm): with a second accumulator the 128 x 128 tile spills and
+    the promotion costs 15-47% there."""
     sms = sms or _sms(device)
     bk = group or 128
     swap = False
+    promote = 32
     if m <= SMALL_M:
         bm, bn, warps, stages, swap = 16, 64, 8, 3, True
         target = 4 * sms
@@ -97,7 +119,12 @@ def choose_config(m: int, n: int, k: int, group: int | None, device: torch.devic
     if tiles < target:
         split = max(1, min(triton.cdiv(target, tiles), k_tiles // 2, 16))
         split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no split left empty
-    return Fp8Config(bm, bn, bk, split, warps, stages, swap)
+    if m > SMALL_M:
+        if tiles < sms:
+            bn = 64
+        else:
+            promote = 0
+    return Fp8Config(bm, bn, bk, split, warps, stages, swap, promote)
 
 
 @triton.jit
@@ -106,7 +133,7 @@ def _fp8_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M,
                      QUANT_X: tl.constexpr, GROUP: tl.constexpr, W_ROWS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PRO_M: tl.constexpr, PRO_K: tl.constexpr, SWAP: tl.constexpr,
-                     SPLIT: tl.constexpr, EMULATE: tl.constexpr):
+                     SPLIT: tl.constexpr, EMULATE: tl.constexpr, PROMOTE_K: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -148,6 +175,9 @@ def _fp8_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(t_start, t_end):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
+        g = t  # the tile's group in block mode (BLOCK_K divides GROUP)
+        if GROUP > 0:
+            g = (t * BLOCK_K) // GROUP
         k_ok = offs_k < K
         w = tl.load(w_ptr + rows_w + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)  # [BN, BK] fp8
@@ -166,13 +196,15 @@ def _fp8_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M,
         else:
             xq = tl.load(x_ptr + rows_x + offs_k[None, :], mask=x_mask, other=0.0)
             if GROUP > 0:
-                s_t = tl.load(sx_ptr + offs_m * stride_sxm + t, mask=m_ok, other=1.0)
+                s_t = tl.load(sx_ptr + offs_m * stride_sxm + g, mask=m_ok, other=1.0)
         if GROUP > 0:
-            sw_t = tl.load(sw_ptr + (offs_n // W_ROWS) * stride_swn + t, mask=n_ok, other=0.0)
+            sw_t = tl.load(sw_ptr + (offs_n // W_ROWS) * stride_swn + g, mask=n_ok, other=0.0)
         if SWAP:  # [BN, BK] @ [BK, BM]
             if EMULATE:
                 part_t = tl.dot(w.to(tl.float32), tl.trans(xq.to(tl.float32)),
                                 input_precision="ieee")
+            elif PROMOTE_K > 0:
+                part_t = tl.dot(w, tl.trans(xq), max_num_imprecise_acc=PROMOTE_K)
             else:
                 part_t = tl.dot(w, tl.trans(xq))
             if GROUP > 0:
@@ -183,6 +215,8 @@ def _fp8_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M,
             if EMULATE:
                 part = tl.dot(xq.to(tl.float32), tl.trans(w.to(tl.float32)),
                               input_precision="ieee")
+            elif PROMOTE_K > 0:
+                part = tl.dot(xq, tl.trans(w), max_num_imprecise_acc=PROMOTE_K)
             else:
                 part = tl.dot(xq, tl.trans(w))
             if GROUP > 0:
@@ -260,7 +294,9 @@ def fp8_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     if not quant_x and x_scale.dim() == 1:
         x_scale = x_scale.contiguous()
     cfg = config or choose_config(m, n, k, group, x.device)
-    assert group is None or cfg.block_k == group, "block mode steps one group per K tile"
+    # block mode: a K tile is one group, or (given quantized x) a slice of one
+    assert group is None or cfg.block_k == group or (
+        not quant_x and cfg.block_k < group and group % cfg.block_k == 0), (cfg, group)
     pro_m = min(cfg.block_m, triton.next_power_of_2(m))
     pro_k = max(16, min(triton.next_power_of_2(k), 8192 // pro_m))
     ws, locks = split_buffers(cfg, m, n, x.device)
@@ -273,7 +309,8 @@ def fp8_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
         QUANT_X=quant_x, GROUP=group or 0, W_ROWS=w_rows, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRO_M=pro_m, PRO_K=pro_k,
         SWAP=cfg.swap_ab, SPLIT=ws is not None, EMULATE=interpreting(x.device),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PROMOTE_K=min(cfg.promote_k, cfg.block_k), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 
