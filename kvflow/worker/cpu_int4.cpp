@@ -1,5 +1,6 @@
 // The 4-bit GEMV of the C++ CPU decode step (cpu_step.cpp): y [M, N] = x [M, K] W^T for
-// M <= 16 rows (one pass over the weights), float32 activations and float32 sums, straight from the packed weights.
+// M <= 16 rows in one pass over the weights, float32 activations and float32 sums,
+// straight from the packed weights.
 //
 // Why: the packed aten op (_weight_int4pack_mm_for_cpu) is fast only on bfloat16
 // activations, and reaching it from the C++ step means a call back into Python per
@@ -520,7 +521,7 @@ at::Tensor q8_arena(int64_t bytes) {
 }
 
 // The GEMV of a layer that handed its weights to the step: ``kind`` 0 is int4_gemv's
-// float32 layout (chunks of 4 rows), 4 or 8 q8_gemv's (int8 activations).
+// float32 layout (all rows in one pass), 4 or 8 q8_gemv's (int8 activations).
 void quant_gemv(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, int64_t group,
                 bool doubled, int64_t kind, at::Tensor& y) {
   if (kind != 0) return q8_gemv(x, a, kind, q8_gemv_simd(), y);  // b: unused
