@@ -1,7 +1,7 @@
 """The C++ decode step's 4-bit GEMVs (kvflow/worker/cpu_int4.cpp) against the dequantized
 float32 weight, at the embedded model's shapes and others, group sizes 32 to 128, 4-bit
-and doubled 8-bit weights: the float32-activation one (1 to 4 rows, 16 through
-quant_gemv) and the int8-activation one (q8_gemv, 1 to 16 rows, its VNNI kernel and its
+and doubled 8-bit weights: the float32-activation one (1 to 16 rows in one pass, also
+through quant_gemv) and the int8-activation one (q8_gemv, 1 to 16 rows, its VNNI kernel and its
 plain loops); and the layouts they read (packed.gemv_layout, packed.q8_layout)."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _check(ext, w: Int4Groups, m: int, seed: int = 0) -> None:
 
 @pytest.mark.parametrize("n,k", [(576, 576), (1536 * 2, 576), (576, 1536), (192, 576),
                                  (64, 64), (42, 128), (5, 64)])
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
 def test_int4_matches_dequantized(ext, n, k, m):
     w = quantize_int4(torch.randn(n, k), 32, symmetric=False)
     _check(ext, w, m, seed=n + k + m)
@@ -67,8 +67,8 @@ def test_layout_needs_whole_chunks():
 def test_bad_input_is_an_error(ext):
     w = quantize_int4(torch.randn(64, 64), 32, symmetric=False)
     q, sb = gemv_layout(w)
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        ext.int4_gemv(torch.randn(5, 64), q, sb, 32, False)
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        ext.int4_gemv(torch.randn(17, 64), q, sb, 32, False)
     with pytest.raises(RuntimeError, match="x float32"):
         ext.int4_gemv(torch.randn(1, 64, dtype=torch.bfloat16), q, sb, 32, False)
     with pytest.raises(RuntimeError, match="packed values"):
@@ -160,9 +160,28 @@ def test_q8_layout_refuses_what_it_cannot_hold():
     assert _q8(w8) is None
 
 
+@pytest.mark.parametrize("doubled", [False, True])
+@pytest.mark.parametrize("n", [37, 100, 576])
+def test_int4_rows_do_not_depend_on_their_neighbours(ext, n, doubled):
+    """Each row's outputs are bit-identical whether it runs alone or with up to 15 others
+    in one pass (the weights are read once for all rows, in spans): a speculative verify
+    step's rows then give exactly the logits of 1-row decode steps."""
+    if doubled:
+        q8 = torch.randint(-127, 128, (n, 128), dtype=torch.int8)
+        w = Int4Groups.from_int8_blocks(q8, torch.rand(n, 4) * 0.01)
+    else:
+        w = quantize_int4(torch.randn(n, 128), 32, symmetric=False)
+    q, sb = gemv_layout(w)
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(n))
+    alone = torch.cat([ext.int4_gemv(x[i:i + 1], q, sb, w.group, w.doubled) for i in range(16)])
+    for m in (2, 3, 5, 9, 16):
+        got = ext.int4_gemv(x[:m], q, sb, w.group, w.doubled)
+        assert torch.equal(got, alone[:m]), m
+
+
 @pytest.mark.parametrize("m", [5, 16])
 def test_quant_gemv_float_layout_takes_16_rows(ext, m):
-    """kind 0 (float32 activations) over more than 4 rows: chunks of int4_gemv's 4."""
+    """kind 0 (float32 activations) over more than 4 rows: int4_gemv in one pass."""
     w = quantize_int4(torch.randn(100, 128), 32, symmetric=False)
     q, sb = gemv_layout(w)
     x = torch.randn(m, 128)

@@ -1,5 +1,6 @@
 // The 4-bit GEMV of the C++ CPU decode step (cpu_step.cpp): y [M, N] = x [M, K] W^T for
-// M <= 4 rows, float32 activations and float32 sums, straight from the packed weights.
+// M <= 16 rows in one pass over the weights, float32 activations and float32 sums,
+// straight from the packed weights.
 //
 // Why: the packed aten op (_weight_int4pack_mm_for_cpu) is fast only on bfloat16
 // activations, and reaching it from the C++ step means a call back into Python per
@@ -54,9 +55,10 @@ inline float hsum(__m256 v) {
 
 // Output rows [n0, n1) for M input rows, R output rows at a time (enough independent
 // FMA chains to hide their latency); xs [M, K2]: the input scaled per lane block.
+// Writes out[m * ld + (j - j0)] for output j.
 template <int M, int R>
 void rows_avx2(const float* xs, int64_t k2, const int32_t* q, const float* sb,
-               int64_t group, int64_t j0, int64_t j1, float* tot_out) {
+               int64_t group, int64_t j0, int64_t j1, float* out, int64_t ld) {
   const int64_t blocks = k2 / 64, groups = k2 / group;
   for (int64_t j = j0; j < j1; j += R) {
     __m256 tot[R][M];
@@ -98,7 +100,7 @@ void rows_avx2(const float* xs, int64_t k2, const int32_t* q, const float* sb,
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) tot_out[m * (j1 - j0) + (j - j0) + r] = hsum(tot[r][m]);
+      for (int m = 0; m < M; ++m) out[m * ld + (j - j0) + r] = hsum(tot[r][m]);
   }
 }
 #endif
@@ -129,12 +131,19 @@ void rows_avx2(const float* xs, int64_t k2, const int32_t* q, const float* sb,
 
 }  // namespace
 
-// x [M, K] float32 (M <= 4), q [N, K2 / 8] int32, sb [N, K2 / group, 2] float32 -> y
+// x [M, K] float32 (M <= 16), q [N, K2 / 8] int32, sb [N, K2 / group, 2] float32 -> y
 // [M, N] float32 (written into `y`, which must be contiguous and of that shape).
+//
+// One pass over the weights for all M rows: each task walks its output rows in spans of
+// kSpan and runs every chunk of up to 4 activation rows over a span before moving on, so
+// the span's weights come from DRAM once and from L1 for the later chunks (the step's
+// multi-token verify rows cost compute, not another read of the layer). Per (row, output)
+// the sums run in the same order whatever M and the chunking are: a row's result does not
+// depend on the rows beside it (greedy speculative verification needs that).
 void int4_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sb, int64_t group,
                bool doubled, at::Tensor& y) {
   const int64_t m = x.size(0), k = x.size(1), n = q.size(0), k2 = doubled ? 2 * k : k;
-  TORCH_CHECK(m >= 1 && m <= 4, "int4_gemv: 1 to 4 rows, got ", m);
+  TORCH_CHECK(m >= 1 && m <= 16, "int4_gemv: 1 to 16 rows, got ", m);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "int4_gemv: x float32");
   TORCH_CHECK(q.scalar_type() == at::kInt && q.is_contiguous() && q.size(1) * 8 == k2 &&
                   k2 % 64 == 0, "int4_gemv: packed values [N, K2 / 8] int32, K2 % 64 == 0");
@@ -168,31 +177,33 @@ void int4_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sb, i
   // hand-off to another thread.
   const int64_t tiles = (n + 3) / 4;
   const int64_t grain = std::max<int64_t>(4, 16384 / std::max<int64_t>(1, k2));
+  // Output rows per span: 16 of them are 4-12 KiB of weights at K2 = 576-1536 (L1).
+  constexpr int64_t kSpan = 16;
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     const int64_t j0 = t0 * 4, j1 = std::min(n, t1 * 4), cnt = j1 - j0;
-    std::vector<float> tot(m * cnt);
+    std::vector<float> tot(m * cnt);  // [M, cnt]
 #ifdef KVFLOW_INT4_AVX2
-    const int64_t full = j0 + cnt / 4 * 4;  // whole 4-row tiles; the tail one row at a time
-    auto run = [&](auto mc) {
+    // Chunk [m0, m0 + M) over outputs [s0, s1): whole 4-row tiles, the tail one at a time.
+    auto run = [&](auto mc, int64_t m0, int64_t s0, int64_t s1) {
       constexpr int M = decltype(mc)::value;
       constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
-      // tot is [M, cnt]; rows_avx2 writes [M, j1' - j0'] for its own range: call it per
-      // tile range with a pointer offset trick: one call over [j0, full), one per tail row.
-      std::vector<float> part(M * cnt);
-      if (full > j0) rows_avx2<M, R>(xs.data(), k2, qp, sp, group, j0, full, part.data());
-      for (int64_t mm = 0; mm < M; ++mm)
-        for (int64_t c = 0; c < full - j0; ++c) tot[mm * cnt + c] = part[mm * (full - j0) + c];
-      for (int64_t jt = full; jt < j1; ++jt) {
-        float one[M];
-        rows_avx2<M, 1>(xs.data(), k2, qp, sp, group, jt, jt + 1, one);
-        for (int64_t mm = 0; mm < M; ++mm) tot[mm * cnt + (jt - j0)] = one[mm];
-      }
+      const float* xm = xs.data() + m0 * k2;
+      float* out = tot.data() + m0 * cnt - j0;  // out[mm * cnt + j]
+      const int64_t full = s0 + (s1 - s0) / 4 * 4;
+      if (full > s0) rows_avx2<M, R>(xm, k2, qp, sp, group, s0, full, out + s0, cnt);
+      for (int64_t jt = full; jt < s1; ++jt)
+        rows_avx2<M, 1>(xm, k2, qp, sp, group, jt, jt + 1, out + jt, cnt);
     };
-    switch (m) {
-      case 1: run(std::integral_constant<int, 1>()); break;
-      case 2: run(std::integral_constant<int, 2>()); break;
-      case 3: run(std::integral_constant<int, 3>()); break;
-      default: run(std::integral_constant<int, 4>()); break;
+    for (int64_t s0 = j0; s0 < j1; s0 += kSpan) {
+      const int64_t s1 = std::min(j1, s0 + kSpan);
+      for (int64_t m0 = 0; m0 < m; m0 += 4) {
+        switch (std::min<int64_t>(4, m - m0)) {
+          case 1: run(std::integral_constant<int, 1>(), m0, s0, s1); break;
+          case 2: run(std::integral_constant<int, 2>(), m0, s0, s1); break;
+          case 3: run(std::integral_constant<int, 3>(), m0, s0, s1); break;
+          default: run(std::integral_constant<int, 4>(), m0, s0, s1); break;
+        }
+      }
     }
 #else
     rows_scalar(m, xe.data(), k2, qp, sp, group, j0, j1, tot.data());
@@ -510,16 +521,11 @@ at::Tensor q8_arena(int64_t bytes) {
 }
 
 // The GEMV of a layer that handed its weights to the step: ``kind`` 0 is int4_gemv's
-// float32 layout (chunks of 4 rows), 4 or 8 q8_gemv's (int8 activations).
+// float32 layout (all rows in one pass), 4 or 8 q8_gemv's (int8 activations).
 void quant_gemv(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, int64_t group,
                 bool doubled, int64_t kind, at::Tensor& y) {
   if (kind != 0) return q8_gemv(x, a, kind, q8_gemv_simd(), y);  // b: unused
-  TORCH_CHECK(x.size(0) <= kMaxQ8Rows, "quant_gemv: 1 to 16 rows, got ", x.size(0));
-  for (int64_t m0 = 0; m0 < x.size(0); m0 += 4) {
-    const int64_t mc = std::min<int64_t>(4, x.size(0) - m0);
-    at::Tensor ys = y.narrow(0, m0, mc);
-    int4_gemv(x.narrow(0, m0, mc), a, b, group, doubled, ys);
-  }
+  int4_gemv(x, a, b, group, doubled, y);  // all rows in one pass over the weights
 }
 
 }  // namespace kvflow

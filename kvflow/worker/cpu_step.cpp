@@ -667,7 +667,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     at::Tensor y = at::empty({x.size(0), q.size(0)}, x.options());
     kvflow::int4_gemv(x, q, sb, group, doubled, y);
     return y;
-  }, "cpu_int4.cpp's GEMV: x [M <= 4, K] float32 -> [M, N] float32 (for tests)");
+  }, "cpu_int4.cpp's GEMV: x [M <= 16, K] float32 -> [M, N] float32 (for tests)");
   m.def("int4_gemv_simd", &kvflow::int4_gemv_simd);
   m.def("quant_gemv", [](const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                          int64_t group, bool doubled, int64_t kind) {
