@@ -169,13 +169,24 @@ def test_train_eagle_cli_writes_a_head_that_serves(tmp_path, smollm2):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(f"Name {n} animals that live in the sea." for n in
                                  range(2, 12)) + "\n")
+    more = tmp_path / "more.txt"
+    more.write_text("Name two birds.\nName two fish.\n")
+    evals = tmp_path / "eval.txt"
+    evals.write_text("Name three colours.\n")
     out = tmp_path / "head"
-    assert main(["train-eagle", "--output", str(out), "--prompts", str(prompts),
+    cache = tmp_path / "answers.json"
+    assert main(["train-eagle", "--output", str(out), "--prompts", str(prompts), str(more),
                  "--max-tokens", "16", "--epochs", "1", "--unroll", "2",
-                 "--draft-vocab-size", "256"]) == 0
+                 "--draft-vocab-size", "256", "--data-cache", str(cache),
+                 "--eval-prompts", str(evals), "--eval-max-tokens", "8"]) == 0
     report = json.loads((out / "config.json").read_text())["kvflow_train_eagle"]
-    assert report["prompts"] == 10 and report["heldout_positions"] > 0
+    assert report["prompts"] == 12 and report["heldout_positions"] > 0
     assert set(report["heldout"]["mean_accepted_run"]) == {"1", "2"}
+    assert len(json.loads(cache.read_text())["answers"]) == 12
+    ev = report["eval_prompts"]
+    assert ev["prompts"] == 1 and ev["positions"] == 8 - 2 + 1  # rows 0..6 of 8 tokens
+    assert set(ev["confidence_sweep"]) == {"per_draft", "cumulative"}
+    assert len(ev["topk_given_previous_right"][0]) == 3
     chat = [{"role": "user", "content": "Name three colours."}]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = smollm2.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -290,3 +301,27 @@ def test_answer_cache_generates_only_the_prompts_it_lacks(tmp_path):
     llm3 = FakeLLM()
     generate_answers(llm3, ["ab"], ns)
     assert llm3.asked == ["ab"]
+
+
+def test_cumulative_confidence_gates_on_the_chain_probability(tmp_path):
+    """rule="cumulative": a request's drafts stop before the first whose chain
+    probability (the product of the head's probabilities so far) is below the gate."""
+    write_head(tmp_path)
+    target = tiny().engine.core.executor.runner.model
+    prop = EagleMlpProposer(str(tmp_path), 3, target, torch.float32, torch.device("cpu"),
+                            min_confidence=0.2, rule="cumulative")
+    hidden, last = torch.randn(6, HIDDEN), torch.tensor([5, 9, 11, 7, 3, 2])
+    with torch.no_grad():
+        f, tok, probs = hidden, last, []
+        for _ in range(3):
+            f = prop.head(f, prop.embed(tok))
+            p = (f @ prop.lm_rows.t()).softmax(-1)
+            probs.append(p.max(-1).values)
+            tok = prop.vocab[p.argmax(-1)]
+    chain = torch.stack(probs, 1).cumprod(1)
+    want = (chain >= 0.2).long().cumprod(1).sum(1)
+    _, keep = prop.draft(hidden, last, 3)
+    assert torch.equal(keep, want)
+    with pytest.raises(InvalidParameterError, match="confidence rule"):
+        EagleMlpProposer(str(tmp_path), 3, target, torch.float32, torch.device("cpu"),
+                         rule="sometimes")
