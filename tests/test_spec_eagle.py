@@ -169,13 +169,24 @@ def test_train_eagle_cli_writes_a_head_that_serves(tmp_path, smollm2):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(f"Name {n} animals that live in the sea." for n in
                                  range(2, 12)) + "\n")
+    more = tmp_path / "more.txt"
+    more.write_text("Name two birds.\nName two fish.\n")
+    evals = tmp_path / "eval.txt"
+    evals.write_text("Name three colours.\n")
     out = tmp_path / "head"
-    assert main(["train-eagle", "--output", str(out), "--prompts", str(prompts),
+    cache = tmp_path / "answers.json"
+    assert main(["train-eagle", "--output", str(out), "--prompts", str(prompts), str(more),
                  "--max-tokens", "16", "--epochs", "1", "--unroll", "2",
-                 "--draft-vocab-size", "256"]) == 0
+                 "--draft-vocab-size", "256", "--data-cache", str(cache),
+                 "--eval-prompts", str(evals), "--eval-max-tokens", "8"]) == 0
     report = json.loads((out / "config.json").read_text())["kvflow_train_eagle"]
-    assert report["prompts"] == 10 and report["heldout_positions"] > 0
+    assert report["prompts"] == 12 and report["heldout_positions"] > 0
     assert set(report["heldout"]["mean_accepted_run"]) == {"1", "2"}
+    assert len(json.loads(cache.read_text())["answers"]) == 12
+    ev = report["eval_prompts"]
+    assert ev["prompts"] == 1 and ev["positions"] == 8 - 2 + 1  # rows 0..6 of 8 tokens
+    assert set(ev["confidence_sweep"]) == {"per_draft", "cumulative"}
+    assert len(ev["topk_given_previous_right"][0]) == 3
     chat = [{"role": "user", "content": "Name three colours."}]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = smollm2.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -206,3 +217,111 @@ def test_cli_generate_with_eagle_mlp_and_bad_config(tmp_path):
                        env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip()
+
+
+def test_confidence_sweep_counts_what_the_gate_would_propose_and_keep():
+    """confidence_sweep against a direct count: per rule and threshold, drafts proposed
+    (until the gate first fails), kept (leading proposed drafts that are right), and
+    head passes (one more than proposed, at most k)."""
+    from kvflow.spec_decode.train_eagle import confidence_sweep, unroll_head
+
+    torch.manual_seed(0)
+    cfg = EagleMlpConfig(hidden_size=16, vocab_size=40, draft_vocab_size=8,
+                         intermediate_size=8)
+    head = EagleMlpHead(cfg)
+    with torch.no_grad():
+        head.out_norm.weight.mul_(3)
+    embed, rows = torch.randn(40, 16), torch.randn(8, 16)
+    f, x = torch.randn(300, 16), torch.randint(0, 40, (300, 3))
+    with torch.no_grad():
+        outs = unroll_head(head, embed, f, x)
+        p = torch.stack([(o @ rows.t()).softmax(-1) for o in outs], 1)  # [N, 3, 8]
+    best, pick = p.max(-1)
+    y = torch.where(torch.rand(300, 3) < 0.6, pick, (pick + 1) % 8)  # ~60% right
+    got = confidence_sweep(head, embed, rows, f, x, y, (0.0, 0.2, 0.35))
+    for rule in ("per_draft", "cumulative"):
+        for c in (0.0, 0.2, 0.35):
+            proposed, kept, passes = [], [], []
+            for i in range(300):
+                n, run, chain, alive = 0, 0, 1.0, True
+                for j in range(3):
+                    chain *= float(best[i, j])
+                    score = float(best[i, j]) if rule == "per_draft" else chain
+                    if score < c:
+                        break
+                    n += 1
+                    alive = alive and bool(pick[i, j] == y[i, j])
+                    run += alive
+                proposed.append(n)
+                kept.append(run)
+                passes.append(min(n + 1, 3))
+            row = got[rule][str(c)]
+            assert row["proposed"] == pytest.approx(sum(proposed) / 300, abs=1e-4)
+            assert row["kept"] == pytest.approx(sum(kept) / 300, abs=1e-4)
+            assert row["head_passes"] == pytest.approx(sum(passes) / 300, abs=1e-4)
+            assert row["steps_with_drafts"] == pytest.approx(
+                sum(n > 0 for n in proposed) / 300, abs=1e-4)
+    assert got["per_draft"]["0.0"]["proposed"] == 3.0  # no gate: every draft proposed
+
+
+def test_answer_cache_generates_only_the_prompts_it_lacks(tmp_path):
+    """--data-cache keeps answers per prompt: a second run with more prompts generates
+    just the new ones, and a run with another answer length generates all again."""
+    import argparse
+
+    from kvflow.spec_decode.train_medusa import generate_answers
+
+    class FakeLLM:
+        def __init__(self):
+            self.asked = []
+
+        def chat(self, chats, params, use_tqdm=False):
+            from types import SimpleNamespace as NS
+
+            outs = []
+            for c in chats:
+                text = c[0]["content"]
+                self.asked.append(text)
+                prompt = [len(text), 1]
+                outs.append(NS(prompt_token_ids=prompt, outputs=[NS(
+                    token_ids=[ord(ch) for ch in text[: params.max_tokens]])]))
+            return outs
+
+    cache = str(tmp_path / "answers.json")
+    ns = argparse.Namespace(model="m", max_tokens=4, seed=0, data_cache=cache,
+                            samples_per_prompt=1, sample_temperature=0.8)
+    llm = FakeLLM()
+    seqs, starts = generate_answers(llm, ["ab", "cde"], ns)
+    assert seqs == [[2, 1, 97, 98], [3, 1, 99, 100, 101]] and starts == [2, 2]
+    llm2 = FakeLLM()
+    seqs2, _ = generate_answers(llm2, ["cde", "fghij", "ab"], ns)
+    assert llm2.asked == ["fghij"]
+    assert seqs2 == [seqs[1], [5, 1, 102, 103, 104, 105], seqs[0]]
+    ns.max_tokens = 2
+    llm3 = FakeLLM()
+    generate_answers(llm3, ["ab"], ns)
+    assert llm3.asked == ["ab"]
+
+
+def test_cumulative_confidence_gates_on_the_chain_probability(tmp_path):
+    """rule="cumulative": a request's drafts stop before the first whose chain
+    probability (the product of the head's probabilities so far) is below the gate."""
+    write_head(tmp_path)
+    target = tiny().engine.core.executor.runner.model
+    prop = EagleMlpProposer(str(tmp_path), 3, target, torch.float32, torch.device("cpu"),
+                            min_confidence=0.2, rule="cumulative")
+    hidden, last = torch.randn(6, HIDDEN), torch.tensor([5, 9, 11, 7, 3, 2])
+    with torch.no_grad():
+        f, tok, probs = hidden, last, []
+        for _ in range(3):
+            f = prop.head(f, prop.embed(tok))
+            p = (f @ prop.lm_rows.t()).softmax(-1)
+            probs.append(p.max(-1).values)
+            tok = prop.vocab[p.argmax(-1)]
+    chain = torch.stack(probs, 1).cumprod(1)
+    want = (chain >= 0.2).long().cumprod(1).sum(1)
+    _, keep = prop.draft(hidden, last, 3)
+    assert torch.equal(keep, want)
+    with pytest.raises(InvalidParameterError, match="confidence rule"):
+        EagleMlpProposer(str(tmp_path), 3, target, torch.float32, torch.device("cpu"),
+                         rule="sometimes")

@@ -131,10 +131,22 @@ class EagleMlpProposer(Proposer):
 
     wants_hidden = True
 
+    # How ``min_confidence`` gates a chain: "per_draft" stops before the first draft whose
+    # own probability under the head is below it; "cumulative" before the first whose
+    # chain probability (the product of the probabilities up to it: the head's estimate
+    # that the draft is kept, which is what a verified row is worth) is.
+    RULES = ("per_draft", "cumulative")
+
     def __init__(self, path: str, num_speculative_tokens: int, target: nn.Module,
-                 dtype: torch.dtype, device: torch.device, min_confidence: float = 0.0) -> None:
+                 dtype: torch.dtype, device: torch.device, min_confidence: float = 0.0,
+                 rule: str = "per_draft") -> None:
         arch = target.config
+        if rule not in self.RULES:
+            raise InvalidParameterError(f"eagle_mlp confidence rule must be one of "
+                                        f"{', '.join(self.RULES)}, got {rule!r}",
+                                        param="speculative_config.draft_confidence")
         self.min_confidence = min_confidence
+        self.rule = rule
         self.num_speculative_tokens = num_speculative_tokens
         cfg = EagleMlpConfig.read(path)
         cfg.check(arch.hidden_size, arch.vocab_size)
@@ -153,11 +165,14 @@ class EagleMlpProposer(Proposer):
         below ``min_confidence``)."""
         feature, token, out, probs = hidden, last, [], []
         alive = torch.ones(len(hidden), dtype=torch.bool, device=hidden.device)
+        chain = torch.ones(len(hidden), device=hidden.device)
         for _ in range(k):
             feature = self.head(feature, self.embed(token).to(feature.dtype))  # [R, H]
             logits = feature @ self.lm_rows.t()  # [R, Vd]
             if self.min_confidence > 0:
                 best, pick = logits.float().softmax(dim=-1).max(dim=-1)  # [R] each
+                if self.rule == "cumulative":
+                    best = chain = chain * best
                 probs.append(best)
                 alive &= best >= self.min_confidence
             else:

@@ -52,9 +52,11 @@ def add_train_eagle_parser(sub) -> None:
                        "self-distillation (CPU)")
     p.add_argument("--model", default="smollm2-135m", help="the base model")
     p.add_argument("--output", required=True, help="directory for the head's checkpoint")
-    p.add_argument("--prompts", default=None, help="prompt file, one per line (default: "
-                   "900 varied instructions shipped with kvflow)")
-    p.add_argument("--num-prompts", type=int, default=900)
+    p.add_argument("--prompts", default=None, nargs="+", help="prompt files, one prompt "
+                   "per line, read in order (default: 900 varied instructions shipped with "
+                   "kvflow; kvflow/spec_decode/data/chat_prompts.txt has 192 chat requests)")
+    p.add_argument("--num-prompts", type=int, default=1200, help="at most this many of "
+                   "them (every tenth is held out)")
     p.add_argument("--max-tokens", type=int, default=128, help="answer length per prompt")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--unroll", type=int, default=2, help="draft steps trained on the head's "
@@ -78,4 +80,12 @@ def add_train_eagle_parser(sub) -> None:
                    "the base's forward) by later ones")
     p.add_argument("--quantization", default="auto", help="the base model's weights while "
                    "training (auto: as served)")
+    p.add_argument("--eval-prompts", default="bench-chat", help="also report the head on "
+                   "the greedy answers to these prompts, decoded as kvflow bench does (EOS "
+                   "ignored): bench-chat (the prompts of --dataset chat, never trained on), "
+                   "a prompt file, or none")
+    p.add_argument("--eval-max-tokens", type=int, default=64, help="answer length of the "
+                   "--eval-prompts answers")
+    p.add_argument("--eval-head", default=None, help="train nothing: report this saved "
+                   "head on --eval-prompts (--unroll drafts deep)")
     p.set_defaults(func=_run_eagle)
