@@ -285,6 +285,38 @@ def test_wrong_kv_scales_are_caught_by_the_self_check(kv, caplog, monkeypatch):
     assert "disagrees with eager" in caplog.text
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_quantized_self_check_compares_like_for_like(kv, tiny_d64):
+    """With a quantized cache the self-check's eager reference reads the K/V the step
+    stored (no rounding step of the cache between them), and what the step stores is
+    compared with eager's own write: a step whose stored K/V are wrong (one layer's
+    negated after it ran) fails that comparison."""
+    llm = _tiny(tiny_d64, kv_cache_dtype=kv)
+    r = _runner(llm)
+    step = r.graphs
+    assert isinstance(step, cpu_step.CppDecodeStep)
+    assert step.write_error <= cpu_step.WRITE_TOLERANCE
+    assert step.self_check(r.kv_caches, r.block_size) <= max(step.eager_error, 1e-6)
+    real = step.step
+
+    class Corrupting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def forward(self, hidden, pos, slots, *args):
+            out = real.forward(hidden, pos, slots, *args)
+            flat = r.kv_caches[1].view(torch.uint8).view(2, -1, *r.kv_caches.shape[4:])
+            if kv == "int8":
+                flat[:, slots] = (-flat[:, slots].view(torch.int8)).view(torch.uint8)
+            else:
+                flat[:, slots] ^= 0x80  # the E4M3 sign bit
+            return out
+    step.step = Corrupting()
+    step.write_error = 0.0
+    step.self_check(r.kv_caches, r.block_size)
+    assert step.write_error > cpu_step.WRITE_TOLERANCE
+
+
 def test_set_kv_quant_rejects_a_mismatched_cache():
     """The C++ side checks what it is handed (a float32 cache is not int8; int8 scales
     must have the cache's block layout)."""

@@ -12,7 +12,8 @@ from kvflow import LLM, SamplingParams
 from kvflow.engine.args import EngineArgs
 from kvflow.errors import InvalidParameterError
 from kvflow.layers.attention import AttentionMetadata, AttentionSpec
-from kvflow.layers.attention.kv_quant import KVQuant, dequantize_cache, storage_dtype
+from kvflow.layers.attention.kv_quant import (KVQuant, dequantize_cache, keep_cache_values,
+                                             storage_dtype, write_kv_quant)
 from kvflow.layers.attention.torch_backend import (PaddedDecodePlan, TorchAttentionBackend,
                                                    paged_attention_ref)
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary_ref
@@ -79,6 +80,30 @@ def test_torch_backend_matches_reference_over_dequantized_cache(kind, padded):
     step([6], [13], 0)  # a chunk after the second one's cached prefix (request order kept)
     step([1, 1, 1], [11, 14, 9], 3, use_padded=padded)  # a third request joins as decode
     assert quant.kind != "int8" or bool((quant.scales[:, tables[0, :3].long()] > 0).any())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_keep_cache_values_reads_back_instead_of_storing(kind):
+    """Inside keep_cache_values() a quantized write leaves the cache (and int8 scales)
+    as they were and returns what they hold at its slots, dequantized; outside it,
+    the same call stores the new values."""
+    torch.manual_seed(0)
+    nb, bs, kvh, d = 4, 4, 2, 8
+    cache = torch.zeros(2, nb, bs, kvh, d, dtype=storage_dtype(kind))
+    quant = KVQuant(kind, torch.zeros(2, nb, bs, kvh) if kind == "int8" else None,
+                    k_scale=0.05, v_scale=0.1)
+    slots = torch.tensor([1, 6, 13])
+    k, v = torch.randn(3, kvh, d), torch.randn(3, kvh, d)
+    kd, vd = write_kv_quant(k, v, cache, quant, slots, torch.float32)
+    stored = [cache.clone()] + ([quant.scales.clone()] if kind == "int8" else [])
+    with keep_cache_values():
+        kk, vk = write_kv_quant(k * 3, -v, cache, quant, slots, torch.float32)
+    assert torch.equal(cache.view(torch.uint8), stored[0].view(torch.uint8))
+    if kind == "int8":
+        assert torch.equal(quant.scales, stored[1])
+    assert torch.equal(kk, kd) and torch.equal(vk, vd)
+    k3, _ = write_kv_quant(k * 3, -v, cache, quant, slots, torch.float32)
+    assert not torch.equal(k3, kd)  # stored again outside the context
 
 
 def tiny(**kw) -> LLM:

@@ -17,6 +17,7 @@ plus, for int8, 4 bytes per token and head of scales.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -95,15 +96,42 @@ def _bytes_view(cache: torch.Tensor) -> torch.Tensor:
         cache.dtype != torch.int8 else cache
 
 
+_writes_kept = [False]  # inside keep_cache_values(): quantized writes store nothing
+
+
+@contextlib.contextmanager
+def keep_cache_values():
+    """Within it the quantized cache writes (``write_kv_quant``) store nothing and
+    return what the cache already holds at their slots: a forward then attends to
+    quantized K/V that something else wrote. The C++ step's self-check runs its eager
+    reference this way over the values the step stored, so both sides read the same
+    int8/fp8 values and only the rest of the step is compared (one value a rounding
+    step apart, quantized, is a whole quantization step apart)."""
+    old = _writes_kept[0]
+    _writes_kept[0] = True
+    try:
+        yield
+    finally:
+        _writes_kept[0] = old
+
+
 def write_kv_quant(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    quant: KVQuant, slots: torch.Tensor, dtype: torch.dtype
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize k, v [N, KVH, D] (rows already filtered to valid slots) into kv_cache
     [2, NB, BS, KVH, D] at flat ``slots`` [N]; returns what the cache now holds for
     them, dequantized to ``dtype`` (a fresh prefill attends to the same values a later
-    read of the cache sees)."""
+    read of the cache sees). Inside ``keep_cache_values()`` it stores nothing."""
     _, nb, bs, kvh, d = kv_cache.shape
     flat = _bytes_view(kv_cache).view(2, nb * bs, kvh, d)
+    if _writes_kept[0]:
+        kq, vq = flat[0].index_select(0, slots), flat[1].index_select(0, slots)
+        if quant.kind == "int8":
+            sflat = quant.scales.view(2, nb * bs, kvh)
+            return (dequantize(kq, sflat[0].index_select(0, slots), dtype),
+                    dequantize(vq, sflat[1].index_select(0, slots), dtype))
+        kq, vq = kq.view(kv_cache.dtype), vq.view(kv_cache.dtype)
+        return dequantize(kq, quant.k_scale, dtype), dequantize(vq, quant.v_scale, dtype)
     if quant.kind == "int8":
         (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
         sflat = quant.scales.view(2, nb * bs, kvh)
