@@ -169,7 +169,9 @@ def test_w8a8_int8_and_llm_int8_at_load(dense_dir):
     s = outlier_summary(reset=True)
     assert set(s) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     assert s["qkv_proj"]["max_outlier_columns"] >= 2  # the planted channels 3 and 17
-    assert 0 < kl_li < kl_w8, (kl_li, kl_w8)
+    # KL >= 0; a float32 estimate of a near-zero KL can land a few 1e-8 below it (seen on
+    # an AVX2 machine, where the outlier split leaves almost nothing to round).
+    assert -1e-6 < kl_li < kl_w8, (kl_li, kl_w8)
 
 
 def test_bad_smoothquant_checkpoints_are_refused(dense_dir, tmp_path):
