@@ -38,6 +38,19 @@ def write_head(path, hidden=HIDDEN, vocab=VOCAB, draft_vocab=128, seed=0):
     return head
 
 
+
+def _greedy_draft_probs(prop, hidden, last, k):
+    """Reference for the proposer's gate: the head's top probability at each of k greedy
+    drafting steps, [R, k]."""
+    with torch.no_grad():
+        f, tok, probs = hidden, last, []
+        for _ in range(k):
+            f = prop.head(f, prop.embed(tok))
+            p = (f @ prop.lm_rows.t()).softmax(-1)
+            probs.append(p.max(-1).values)
+            tok = prop.vocab[p.argmax(-1)]
+    return torch.stack(probs, 1)
+
 def test_checkpoint_round_trip(tmp_path):
     head = write_head(tmp_path)
     loaded = EagleMlpHead.load(str(tmp_path), torch.float32, torch.device("cpu"))
@@ -84,21 +97,15 @@ def test_draft_confidence_cuts_drafts_at_the_first_unsure_one(tmp_path):
     assert keep.tolist() == [3] * 4
     gated = EagleMlpProposer(str(tmp_path), 3, target, torch.float32, torch.device("cpu"),
                              min_confidence=0.3)
-    with torch.no_grad():  # the probabilities the gate reads, step by step
-        f, tok, probs = hidden, last, []
-        for _ in range(3):
-            f = gated.head(f, gated.embed(tok))
-            p = (f @ gated.lm_rows.t()).softmax(-1)
-            probs.append(p.max(-1).values)
-            tok = gated.vocab[p.argmax(-1)]
-    want = (torch.stack(probs, 1) >= 0.3).long().cumprod(1).sum(1)
+    probs = _greedy_draft_probs(gated, hidden, last, 3)  # what the gate reads, step by step
+    want = (probs >= 0.3).long().cumprod(1).sum(1)
     got_drafts, got_keep = gated.draft(hidden, last, 3)
     n = got_drafts.shape[1]  # the loop stops once every chain has ended
     assert n == 3 or int(want.max()) < n
     assert torch.equal(got_drafts, drafts[:, :n]) and torch.equal(got_keep, want)
     rows = gated.propose([t.numpy()[None] for t in last], [3] * 4, hidden=hidden)
     assert [len(r) for r in rows] == want.tolist()
-    top = float(torch.stack(probs).max())
+    top = float(probs.max())
     never = EagleMlpProposer(str(tmp_path), 3, target, torch.float32, torch.device("cpu"),
                              min_confidence=(1 + top) / 2)
     assert never.propose([t.numpy()[None] for t in last], [3] * 4, hidden=hidden) == [[]] * 4
@@ -311,14 +318,7 @@ def test_cumulative_confidence_gates_on_the_chain_probability(tmp_path):
     prop = EagleMlpProposer(str(tmp_path), 3, target, torch.float32, torch.device("cpu"),
                             min_confidence=0.2, rule="cumulative")
     hidden, last = torch.randn(6, HIDDEN), torch.tensor([5, 9, 11, 7, 3, 2])
-    with torch.no_grad():
-        f, tok, probs = hidden, last, []
-        for _ in range(3):
-            f = prop.head(f, prop.embed(tok))
-            p = (f @ prop.lm_rows.t()).softmax(-1)
-            probs.append(p.max(-1).values)
-            tok = prop.vocab[p.argmax(-1)]
-    chain = torch.stack(probs, 1).cumprod(1)
+    chain = _greedy_draft_probs(prop, hidden, last, 3).cumprod(1)
     want = (chain >= 0.2).long().cumprod(1).sum(1)
     _, keep = prop.draft(hidden, last, 3)
     assert torch.equal(keep, want)
