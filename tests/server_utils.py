@@ -25,6 +25,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """kvflow:* samples of a /metrics page (label sets folded away, except the finish
+    reason: ``kvflow:request_success_total{abort}``)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvflow:"):
+            name_labels, value = line.rsplit(" ", 1)
+            name = name_labels.split("{")[0]
+            if 'finished_reason="' in name_labels:
+                name += "{" + name_labels.split('finished_reason="')[1].split('"')[0] + "}"
+            values[name] = float(value)
+    return values
+
+
 class RemoteServer:
     """Starts ``python -m kvflow.cli serve`` and waits until /health says 200."""
 
@@ -72,16 +86,8 @@ class RemoteServer:
 
     def metrics(self) -> dict[str, float]:
         """kvflow:* samples of /metrics (label sets folded away)."""
-        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
-        values: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("kvflow:"):
-                name_labels, value = line.rsplit(" ", 1)
-                name = name_labels.split("{")[0]
-                if 'finished_reason="' in name_labels:
-                    name += "{" + name_labels.split('finished_reason="')[1].split('"')[0] + "}"
-                values[name] = float(value)
-        return values
+        return parse_metrics(httpx.get(f"{self.url}/metrics", headers=self.headers,
+                                       timeout=10).text)
 
     def openai_client(self, async_client: bool = False):
         import openai

@@ -8,6 +8,7 @@ import json
 import time
 
 import httpx
+from server_utils import parse_metrics
 
 MODEL = "smollm2-135m"
 
@@ -60,9 +61,18 @@ def _wait_idle(server, timeout: float) -> dict:
 
 
 def test_clients_that_give_up_are_aborted(server):
+    """200 clients give up on long requests: half streaming (they leave after the first
+    chunk), half waiting for the whole answer (they leave while it runs). A waiting client
+    leaves only once its request has produced its first token (the TTFT histogram counts
+    every request once): a client that gives up before the server has read its request
+    leaves nothing to abort, and on a loaded CI machine a fixed 1 s client timeout fired
+    before the server got to some of them. So every one of the 200 must end as an abort."""
     url = f"{server.url}/v1/completions"
-    aborted_before = server.metrics()["kvflow:request_success_total{abort}"]
+    before = server.metrics()
     body = {"model": MODEL, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+
+    def since(m: dict[str, float], name: str) -> float:
+        return m[name] - before[name]
 
     async def stream_then_leave(client: httpx.AsyncClient, i: int) -> bool:
         async with client.stream("POST", url, json={**body, "prompt": f"Stream {i}:",
@@ -74,22 +84,32 @@ def test_clients_that_give_up_are_aborted(server):
                     return True  # leaving the block closes the connection
         return False
 
-    async def wait_then_leave(client: httpx.AsyncClient, i: int) -> bool:
-        try:
-            await client.post(url, json={**body, "prompt": f"Wait {i}:"}, timeout=1.0)
-        except httpx.TimeoutException:
-            return True
-        return False
+    async def all_started(client: httpx.AsyncClient) -> dict[str, float]:
+        deadline = time.monotonic() + 120
+        while True:
+            m = parse_metrics((await client.get(f"{server.url}/metrics",
+                                                headers=server.headers)).text)
+            if since(m, "kvflow:time_to_first_token_seconds_count") >= 200:
+                return m
+            assert time.monotonic() < deadline, f"not all 200 requests started: {m}"
+            await asyncio.sleep(0.05)
 
     async def run():
         limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
         async with httpx.AsyncClient(limits=limits, timeout=120) as client:
-            return await asyncio.gather(*(
-                stream_then_leave(client, i) if i % 2 else wait_then_leave(client, i)
-                for i in range(200)))
+            waits = [asyncio.ensure_future(client.post(url, json={**body,
+                                                                  "prompt": f"Wait {i}:"}))
+                     for i in range(100)]
+            streamed = await asyncio.gather(*(stream_then_leave(client, i)
+                                              for i in range(100)))
+            m = await all_started(client)
+            assert not any(w.done() for w in waits), m  # 300 tokens each: still running
+            for w in waits:
+                w.cancel()  # closes its connection: the client is gone
+            await asyncio.gather(*waits, return_exceptions=True)
+            return streamed
     start = time.monotonic()
-    gave_up = asyncio.run(run())
-    assert all(gave_up)
+    assert all(asyncio.run(run()))
     print(f"200 clients gave up within {time.monotonic() - start:.1f} s")
 
     # A fresh request is served within seconds: nothing is left running for the others.
@@ -101,6 +121,6 @@ def test_clients_that_give_up_are_aborted(server):
     m = _wait_idle(server, timeout=10)
     assert m["kvflow:kv_cache_used_blocks"] == 0, m
     assert m["kvflow:num_requests_running"] == 0 and m["kvflow:num_requests_waiting"] == 0
-    aborted = m["kvflow:request_success_total{abort}"] - aborted_before
-    assert aborted >= 150, aborted
+    aborted = since(m, "kvflow:request_success_total{abort}")
+    assert aborted == 200, aborted
     assert httpx.get(f"{server.url}/health").status_code == 200
