@@ -39,7 +39,14 @@ def test_server_speculates_and_reports(spec_server):
     assert m["kvflow:spec_decode_num_draft_tokens_total"] > 0
     assert 0 < m["kvflow:spec_decode_num_accepted_tokens_total"] \
         <= m["kvflow:spec_decode_num_draft_tokens_total"]
+    # Where the time went: every verification step and proposer run is timed.
+    assert m["kvflow:spec_decode_num_verify_steps_total"] > 0
+    assert m["kvflow:spec_decode_verify_time_seconds_total"] > 0
+    assert m["kvflow:spec_decode_num_proposals_total"] \
+        >= m["kvflow:spec_decode_num_verify_steps_total"]
+    assert m["kvflow:spec_decode_draft_time_seconds_total"] > 0
     deadline = time.monotonic() + 10
     while "spec decode: acceptance" not in spec_server.log() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert "spec decode: acceptance" in spec_server.log()
+    assert "verify step" in spec_server.log()

@@ -97,24 +97,57 @@ def test_spec_counters_in_log_line_and_metrics():
     from kvflow.engine.stats import LoggingStatsListener
     from kvflow.entrypoints.openai.metrics import PrometheusMetrics
 
-    def core(drafts, tokens, accepted, per_pos):
+    def core(drafts, tokens, accepted, per_pos, proposals=0, draft_s=0.0, verifies=0,
+             verify_s=0.0):
         return CoreStats(num_running=1, num_waiting=0, num_blocks=10, num_used_blocks=2,
                          kv_cache_usage=0.2, num_preemptions=0, num_steps=5,
                          spec_num_drafts=drafts, spec_num_draft_tokens=tokens,
-                         spec_num_accepted_tokens=accepted, spec_accepted_per_pos=per_pos)
+                         spec_num_accepted_tokens=accepted, spec_accepted_per_pos=per_pos,
+                         spec_num_proposals=proposals, spec_draft_time_s=draft_s,
+                         spec_num_verify_steps=verifies, spec_verify_time_s=verify_s)
 
     log = LoggingStatsListener(5.0)
     log.log(0.0)
-    log.record(core(10, 40, 20, (9, 6, 3, 2)), None)
+    log.record(core(10, 40, 20, (9, 6, 3, 2), 11, 0.011, 10, 0.25), None)
     line = log.log(5.0)
     assert "acceptance 50.0%" in line and "mean accepted length 3.00" in line
     assert "accepted per position [0.90, 0.60, 0.30, 0.20]" in line
+    assert "draft 1.00 ms" in line and "verify step 25.0 ms" in line
+    # The next interval's times are its own: 4 more runs in 0.008 s, 2 steps in 0.03 s.
+    log.record(core(12, 48, 21, (10, 6, 3, 2), 15, 0.019, 12, 0.28), None)
+    line = log.log(10.0)
+    assert "draft 2.00 ms" in line and "verify step 15.0 ms" in line
     m = PrometheusMetrics("m")
-    m.record(core(10, 40, 20, (9, 6, 3, 2)), None)
-    m.record(core(12, 48, 21, (10, 6, 3, 2)), None)
+    m.record(core(10, 40, 20, (9, 6, 3, 2), 11, 0.011, 10, 0.25), None)
+    m.record(core(12, 48, 21, (10, 6, 3, 2), 15, 0.019, 12, 0.28), None)
     text = m.render().decode()
+    assert 'kvflow:spec_decode_num_proposals_total{model_name="m"} 15.0' in text
+    assert 'kvflow:spec_decode_draft_time_seconds_total{model_name="m"} 0.019' in text
+    assert 'kvflow:spec_decode_num_verify_steps_total{model_name="m"} 12.0' in text
+    assert 'kvflow:spec_decode_verify_time_seconds_total{model_name="m"} 0.28' in text
     assert 'kvflow:spec_decode_num_drafts_total{model_name="m"} 12.0' in text
     assert 'kvflow:spec_decode_num_draft_tokens_total{model_name="m"} 48.0' in text
     assert 'kvflow:spec_decode_num_accepted_tokens_total{model_name="m"} 21.0' in text
     assert ('kvflow:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}'
             ' 10.0') in text
+
+
+def test_spec_stats_times_and_deltas():
+    from kvflow.core.spec_stats import SpecDecodingStats
+
+    s = SpecDecodingStats()
+    s.observe(3, 2)
+    s.observe_times(0.002, 0.010)  # a verification step, then a proposer run
+    s.observe_times(0.004, None)  # a proposer run after a step without drafts
+    s.observe_times(None, None)  # the proposer did not run (batch over the limit)
+    assert (s.num_proposals, s.num_verify_steps) == (2, 1)
+    assert s.mean_draft_ms == pytest.approx(3.0) and s.mean_verify_ms == pytest.approx(10.0)
+    before = s.copy()
+    s.observe(4, 4)
+    s.observe_times(0.001, 0.020)
+    d = s.since(before)
+    assert (d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens) == (1, 4, 4)
+    assert d.accepted_per_position == [1, 1, 1, 1] == d.drafted_per_position
+    assert (d.num_proposals, d.num_verify_steps) == (1, 1)
+    assert d.mean_draft_ms == pytest.approx(1.0) and d.mean_verify_ms == pytest.approx(20.0)
+    assert SpecDecodingStats().mean_verify_ms == 0.0

@@ -197,7 +197,10 @@ def run_throughput(ns: argparse.Namespace) -> int:
                 print(f"[kvflow] spec decode: acceptance {100 * sd['acceptance_rate']:.1f}%, "
                       f"mean accepted length {sd['mean_accepted_length']:.2f}, "
                       f"{sd['num_draft_tokens']} drafts, per position "
-                      f"{[round(x, 2) for x in sd['position_acceptance']]}")
+                      f"{[round(x, 2) for x in sd['position_acceptance']]}, "
+                      f"draft {sd['mean_draft_ms']:.2f} ms per proposer run "
+                      f"({sd['num_proposals']} runs), verify {sd['mean_verify_ms']:.2f} ms "
+                      f"per step ({sd['num_verify_steps']} steps)")
     if "kvflow" in results and "kvflow-no-spec" in results:
         ratio = (results["kvflow"]["output_tokens_per_s"]
                  / results["kvflow-no-spec"]["output_tokens_per_s"])
@@ -323,20 +326,15 @@ def _run_kvflow(engine, requests: list[BenchRequest], ns, tag: str) -> dict:
 
 def _spec_delta(before, after) -> dict:
     """Speculative decoding over one benchmark run."""
-    from kvflow.core.spec_stats import SpecDecodingStats
-
-    pos = len(after.drafted_per_position)
-    pad = lambda xs: xs + [0] * (pos - len(xs))  # noqa: E731
-    d = SpecDecodingStats(
-        after.num_drafts - before.num_drafts, after.num_draft_tokens - before.num_draft_tokens,
-        after.num_accepted_tokens - before.num_accepted_tokens,
-        [a - b for a, b in zip(after.accepted_per_position, pad(before.accepted_per_position))],
-        [a - b for a, b in zip(after.drafted_per_position, pad(before.drafted_per_position))])
+    d = after.since(before)
     return {"num_drafts": d.num_drafts, "num_draft_tokens": d.num_draft_tokens,
             "num_accepted_tokens": d.num_accepted_tokens,
             "acceptance_rate": d.acceptance_rate,
             "mean_accepted_length": d.mean_accepted_length,
-            "position_acceptance": d.position_acceptance()}
+            "position_acceptance": d.position_acceptance(),
+            "num_proposals": d.num_proposals, "draft_time_s": d.draft_time_s,
+            "mean_draft_ms": d.mean_draft_ms, "num_verify_steps": d.num_verify_steps,
+            "verify_time_s": d.verify_time_s, "mean_verify_ms": d.mean_verify_ms}
 
 
 def _attach_idle_meter(engine, ns):

@@ -95,6 +95,11 @@ class ModelRunnerOutput:
     # Speculative decoding: drafts proposed to follow each request's new tokens ([] for
     # none), or None when no proposer ran.
     spec_token_ids: list[list[int]] | None = None
+    # Seconds the proposer ran after this step (None: it did not run), and, for a step that
+    # verified drafts, seconds from its launch until its tokens were on the host (None:
+    # no drafts in it).
+    spec_draft_time_s: float | None = None
+    spec_verify_time_s: float | None = None
 
 
 @dataclass

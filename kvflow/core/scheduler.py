@@ -445,6 +445,8 @@ class Scheduler:
         """Append sampled tokens, apply stop rules, free what finished."""
         row = {rid: i for i, rid in enumerate(runner_out.req_ids)}
         outputs: list[EngineCoreOutput] = []
+        self.spec_stats.observe_times(runner_out.spec_draft_time_s,
+                                      runner_out.spec_verify_time_s)
         for rid in sched_out.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is None or req.is_finished():

@@ -33,6 +33,11 @@ class CoreStats(msgspec.Struct, frozen=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # ... proposer runs and their seconds, verification steps and their seconds.
+    spec_num_proposals: int = 0
+    spec_draft_time_s: float = 0.0
+    spec_num_verify_steps: int = 0
+    spec_verify_time_s: float = 0.0
     num_cached_blocks: int = 0  # free blocks that still hold a findable prefix
     num_shared_blocks: int = 0  # blocks held by more than one request
     block_map: str = ""  # one state digit per cell of blocks (kvflow.core.block_map)
@@ -146,7 +151,10 @@ def spec_fields(spec) -> dict:
         return {}
     return {"spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
             "spec_num_accepted_tokens": spec.num_accepted_tokens,
-            "spec_accepted_per_pos": tuple(spec.accepted_per_position)}
+            "spec_accepted_per_pos": tuple(spec.accepted_per_position),
+            "spec_num_proposals": spec.num_proposals, "spec_draft_time_s": spec.draft_time_s,
+            "spec_num_verify_steps": spec.num_verify_steps,
+            "spec_verify_time_s": spec.verify_time_s}
 
 
 __all__ = ["spec_fields", "CoreStats", "AddRequest", "Abort", "FinishStopped", "Shutdown", "Ready",

@@ -132,7 +132,9 @@ class LoggingStatsListener:
         self._steps = 0
         self._step_s = 0.0
         self._api_s = 0.0
-        self._last_spec = (0, 0, 0)  # drafts, draft tokens, accepted at the last log
+        # drafts, draft tokens, accepted, proposer runs and seconds, verification steps and
+        # seconds, at the last log
+        self._last_spec: tuple = (0, 0, 0, 0, 0.0, 0, 0.0)
 
     def record(self, core: CoreStats | None, iteration: IterationStats | None) -> None:
         if core is not None:
@@ -149,17 +151,26 @@ class LoggingStatsListener:
 
     def _spec_part(self, core: CoreStats) -> str:
         """Speculative decoding over the interval: acceptance rate, tokens per
-        verification step, and per-position acceptance since start."""
-        now = (core.spec_num_drafts, core.spec_num_draft_tokens, core.spec_num_accepted_tokens)
-        drafts, tokens, accepted = (a - b for a, b in zip(now, self._last_spec))
+        verification step, time per proposer run and per verification step, and
+        per-position acceptance since start."""
+        now = (core.spec_num_drafts, core.spec_num_draft_tokens, core.spec_num_accepted_tokens,
+               core.spec_num_proposals, core.spec_draft_time_s, core.spec_num_verify_steps,
+               core.spec_verify_time_s)
+        drafts, tokens, accepted, proposals, draft_s, verifies, verify_s = (
+            a - b for a, b in zip(now, self._last_spec))
         self._last_spec = now
         if not tokens:
             return ", spec decode: no drafts"
         per_pos = ", ".join(f"{a / core.spec_num_drafts:.2f}"
                             for a in core.spec_accepted_per_pos)
+        times = ""
+        if proposals:
+            times += f", draft {1000 * draft_s / proposals:.2f} ms"
+        if verifies:
+            times += f", verify step {1000 * verify_s / verifies:.1f} ms"
         return (f", spec decode: acceptance {100 * accepted / tokens:.1f}%, "
                 f"mean accepted length {1 + accepted / drafts:.2f}, "
-                f"drafts {tokens}, accepted per position [{per_pos}]")
+                f"drafts {tokens}{times}, accepted per position [{per_pos}]")
 
     def log(self, now: float) -> str | None:
         """Log (and return) the line for the interval that ends now, if anything ran."""

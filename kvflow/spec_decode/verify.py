@@ -10,6 +10,8 @@ special is only where logits are taken (one sample row per draft plus one after 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -161,15 +163,18 @@ class SpecDecoder:
     # --- after the step -------------------------------------------------------------
     def propose(self, batch, req_ids: list[str], sampled: list[list[int]],
                 hidden: torch.Tensor | None = None,
-                hidden_rows: dict[int, int] | None = None) -> list[list[int]]:
+                hidden_rows: dict[int, int] | None = None
+                ) -> tuple[list[list[int]], float | None]:
         """Next drafts for every request that got new tokens; none while the batch is
         larger than ``disable_by_batch_size`` (there verification would only add work).
         ``hidden`` [N, H]: the step's sample-row hidden states, ``hidden_rows[i]`` the row
-        that gave request i's last token (proposers that want them)."""
+        that gave request i's last token (proposers that want them). Returns the drafts
+        and the seconds the proposer ran (the drafts are host lists, so that includes its
+        device work), or None when it did not run."""
         limit = self.config.disable_by_batch_size
         out: list[list[int]] = [[] for _ in req_ids]
         if limit is not None and batch.num_reqs > limit:
-            return out
+            return out, None
         # A request whose last token is still in flight (the next step was launched
         # before this one was collected: overlapped steps) cannot be drafted for: its
         # drafts would sit at the wrong positions, and that step verifies none.
@@ -177,14 +182,15 @@ class SpecDecoder:
                 if sampled[i] and (row := batch.index.get(rid)) is not None
                 and batch.token_ids[row, int(batch.num_tokens[row]) - 1] != PLACEHOLDER]
         if not todo:
-            return out
+            return out, None
+        start = time.perf_counter()
         seqs = [batch.token_ids[row, : int(batch.num_tokens[row])] for _, row in todo]
         k = self.config.num_speculative_tokens
         extra = {}
         if self.wants_hidden:
             todo = [(i, row) for i, row in todo if hidden_rows and i in hidden_rows]
             if not todo or hidden is None:
-                return out
+                return out, None
             seqs = [batch.token_ids[row, : int(batch.num_tokens[row])] for _, row in todo]
             extra["hidden"] = hidden[to_device([hidden_rows[i] for i, _ in todo],
                                                self.device, torch.int64)]
@@ -194,4 +200,4 @@ class SpecDecoder:
                                              [batch.params[row] for _, row in todo], **extra)
         for (i, _), drafts in zip(todo, proposed):
             out[i] = drafts
-        return out
+        return out, time.perf_counter() - start

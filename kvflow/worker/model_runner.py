@@ -40,11 +40,12 @@ class StepHandle:
 
     def __init__(self, builder: StepBuilder, inputs: StepInputs | None,
                  host: StepHostOutputs, event: torch.cuda.Event | None,
-                 collect: Callable[[], None] | None = None) -> None:
+                 collect: Callable[[], None] | None = None, start: float = 0.0) -> None:
         self.builder = builder
         self.inputs = inputs
         self.host = host  # pinned copies of the step's outputs
         self.event = event
+        self.start = start  # perf_counter() when the step began
         # Pipeline parallelism: waits for the results another rank sends and fills host.
         self.collect = collect
         self._result: ModelRunnerOutput | None = None
@@ -56,7 +57,8 @@ class StepHandle:
                 self.collect = None
             if self.event is not None:
                 self.event.synchronize()
-            self._result = self.builder.finish(self.inputs, self.host)
+            self._result = self.builder.finish(self.inputs, self.host,
+                                               time.perf_counter() - self.start)
         return self._result
 
 
@@ -210,6 +212,7 @@ class ModelRunner:
         return self._execute(so)
 
     def _execute(self, so: SchedulerOutput) -> StepHandle:
+        start = time.perf_counter()
         self.step_builder.update(so)
         # Order matters: a block swapped out may be reused by a swap-in or a copy.
         for dev_block, host_block in so.blocks_to_swap_out:
@@ -237,7 +240,7 @@ class ModelRunner:
             hidden = self.graphs.run_eager(inputs)
         else:
             hidden = self.forward_model(inputs.input_ids, inputs.positions, inputs.meta)
-        return self._launch_sampling(inputs, hidden)
+        return self._launch_sampling(inputs, hidden, start)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst := block src in every layer, before the step runs."""
@@ -253,7 +256,8 @@ class ModelRunner:
         if self.kv_scales is not None:
             copy(self.kv_scales, idx)
 
-    def _launch_sampling(self, inputs: StepInputs, hidden: torch.Tensor) -> StepHandle:
+    def _launch_sampling(self, inputs: StepInputs, hidden: torch.Tensor,
+                         start: float) -> StepHandle:
         host = StepHostOutputs()
         collect = None
         if self.spec is not None and self.spec.wants_hidden and hidden is not None:
@@ -291,7 +295,7 @@ class ModelRunner:
                 self.idle_meter.step_end()
             event = torch.cuda.Event()
             event.record()
-        return StepHandle(self.step_builder, inputs, host, event, collect)
+        return StepHandle(self.step_builder, inputs, host, event, collect, start)
 
     def _verify_tree(self, inputs: StepInputs, hidden: torch.Tensor,
                      host: StepHostOutputs) -> None:

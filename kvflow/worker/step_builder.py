@@ -252,8 +252,10 @@ class StepBuilder:
                                     b.params[row].logprobs, verified=True))
         return slots
 
-    def finish(self, inputs: StepInputs | None, host: StepHostOutputs) -> ModelRunnerOutput:
-        """A completed step's outputs as plain lists; placeholders get their values."""
+    def finish(self, inputs: StepInputs | None, host: StepHostOutputs,
+               verify_time_s: float | None = None) -> ModelRunnerOutput:
+        """A completed step's outputs as plain lists; placeholders get their values.
+        ``verify_time_s``: how long the step took, passed on when it verified drafts."""
         if inputs is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         b = self.batch
@@ -285,14 +287,16 @@ class StepBuilder:
                     logprob_lists[s.req_index] = [
                         (lp[0][r][: k + 1], lp[1][r][: k + 1], lp[2][r])
                         for r in range(s.first_row, s.first_row + len(tokens))]
-        spec_tokens = None
+        spec_tokens = draft_s = None
         if self.spec is not None:
-            spec_tokens = self.spec.propose(b, inputs.req_ids, sampled_lists,
-                                            host.sample_hidden, last_rows)
+            spec_tokens, draft_s = self.spec.propose(b, inputs.req_ids, sampled_lists,
+                                                     host.sample_hidden, last_rows)
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_lists,
                                  logprobs=logprob_lists,
                                  prompt_logprobs=_prompt_logprobs_lists(host.prompt_logprobs),
-                                 spec_token_ids=spec_tokens)
+                                 spec_token_ids=spec_tokens, spec_draft_time_s=draft_s,
+                                 spec_verify_time_s=verify_time_s
+                                 if inputs.sample.num_draft is not None else None)
 
 
 def _prompt_logprobs_lists(plp) -> dict[str, list[LogprobsEntry]]:

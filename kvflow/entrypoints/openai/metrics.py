@@ -79,7 +79,16 @@ class PrometheusMetrics:
         self._spec_per_pos = Counter("kvflow:spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by position in the draft.",
                                      ["model_name", "position"], registry=r)
-        self._spec_last = (0, 0, 0)
+        self.spec_proposals = counter("spec_decode_num_proposals",
+                                      "Proposer runs (each drafts for the whole batch).")
+        self.spec_draft_time = counter("spec_decode_draft_time_seconds",
+                                       "Time the proposer ran.")
+        self.spec_verify_steps = counter("spec_decode_num_verify_steps",
+                                         "Engine steps that verified draft tokens.")
+        self.spec_verify_time = counter("spec_decode_verify_time_seconds",
+                                        "Time of verification steps, from launch until "
+                                        "their tokens reached the host.")
+        self._spec_last: tuple = (0, 0, 0, 0, 0.0, 0, 0.0)
         self._spec_pos_last: list[int] = []
         for reason in ("stop", "length", "abort"):
             self._success.labels(finished_reason=reason, **self._labels)
@@ -97,7 +106,7 @@ class PrometheusMetrics:
             if core.num_preemptions > self._preemptions:
                 self.preemptions.inc(core.num_preemptions - self._preemptions)
                 self._preemptions = core.num_preemptions
-            if core.spec_num_drafts:
+            if core.spec_num_drafts or core.spec_num_proposals:
                 self._record_spec(core)
         if it is None:
             return
@@ -120,9 +129,13 @@ class PrometheusMetrics:
                 self.tpot.observe(f.tpot_s)
 
     def _record_spec(self, core: CoreStats) -> None:
-        now = (core.spec_num_drafts, core.spec_num_draft_tokens, core.spec_num_accepted_tokens)
+        now = (core.spec_num_drafts, core.spec_num_draft_tokens, core.spec_num_accepted_tokens,
+               core.spec_num_proposals, core.spec_draft_time_s, core.spec_num_verify_steps,
+               core.spec_verify_time_s)
         for series, new, old in zip((self.spec_drafts, self.spec_draft_tokens,
-                                     self.spec_accepted), now, self._spec_last):
+                                     self.spec_accepted, self.spec_proposals,
+                                     self.spec_draft_time, self.spec_verify_steps,
+                                     self.spec_verify_time), now, self._spec_last):
             if new > old:
                 series.inc(new - old)
         self._spec_last = now
