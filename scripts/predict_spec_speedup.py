@@ -158,9 +158,12 @@ def main() -> int:
         with open(ns.out, "w") as f:
             f.write(text + "\n")
     for row in out["predictions"]:
+        speedup = row.get("predicted_speedup")
+        verdict = f"{speedup}x" if speedup is not None else \
+            f"no prediction ({row.get('why_not', 'no GPU figure for it')})"
         print(f"{row['method']:11s} {row.get('verify', ''):18s} accepted length "
-              f"{row['cpu_mean_accepted_length']:.2f} -> predicted "
-              f"{row.get('predicted_speedup')}x ({row['cpu_result']})")
+              f"{row['cpu_mean_accepted_length']:.2f} -> predicted {verdict} "
+              f"({row['cpu_result']})")
     print(f"always-right chain: {out['always_right_chain_speedup']}")
     print(f"always-right tree: {out['always_right_tree_speedup']}")
     return 0

@@ -169,7 +169,9 @@ for stage in "$@"; do
       python benchmarks/gpu/woq_gemv_summary.py "$OUT" 2>&1 | tail -24;;
     spec-verify)
       timeout ${SPEC_VERIFY_TIMEOUT:-225} $KV bench spec-verify --model llama-3.1-8b --load-format dummy --input-len 128 --output-len 128 --max-model-len 4096 --gpu-memory-utilization 0.45 --ks=${SPEC_KS-1,2,3,4,6,8} --eager-ks=${SPEC_EAGER_KS-1,4,8} --tree-sizes=${SPEC_TREES-8,16,32} --eager-tree-sizes=${SPEC_EAGER_TREES-16} ${SPEC_ARGS---profile} --save-result "$OUT/spec-verify.json" 2>&1 | grep -v "^INFO\|^USDT\|^STAGE" | tail -60
-      [ -f "$OUT/spec-verify.json" ] && python scripts/predict_spec_speedup.py --gpu "$OUT/spec-verify.json" --out "$OUT/spec-predict.json" 2>&1 | tail -15;;
+      # eagle_mlp's drafting cost: this run's eagle-head stage, else the recorded H200 one.
+      eagle=$OUT/eagle-head.json; [ -f "$eagle" ] || eagle=benchmarks/results/eagle-head-timing-h200.json
+      [ -f "$OUT/spec-verify.json" ] && python scripts/predict_spec_speedup.py --gpu "$OUT/spec-verify.json" --eagle "$eagle" --out "$OUT/spec-predict.json" 2>&1 | tail -15;;
     eagle-head) timeout ${EAGLE_HEAD_TIMEOUT:-60} python benchmarks/gpu/eagle_head_timing.py --out "$OUT/eagle-head.json" 2>&1 | grep -v "^INFO" | tail -10;;
     profile-graph)  # the batch-1 CUDA graph's kernels per weight format in PROFILE_QUANTS
       for q in ${PROFILE_QUANTS:-none int4 fp8}; do
