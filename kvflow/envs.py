@@ -177,8 +177,9 @@ def cpu_int4_gemv() -> bool:
 
 def cpu_int8_act() -> bool:
     """KVFLOW_CPU_INT8_ACT=0: the C++ CPU decode step's GGUF GEMV keeps float32
-    activations instead of rounding them to int8 per block of 32 for VNNI dot products
-    (worker/cpu_int4.cpp ``q8_gemv``; used only where the build has AVX512-VNNI)."""
+    activations instead of rounding them to int8 per block of 32 for integer dot products
+    (worker/cpu_int4.cpp ``q8_gemv``; used only where the build has its AVX512-VNNI or
+    AVX2 kernel)."""
     return os.environ.get("KVFLOW_CPU_INT8_ACT", "1") != "0"
 
 

@@ -179,6 +179,27 @@ def test_int4_rows_do_not_depend_on_their_neighbours(ext, n, doubled):
         assert torch.equal(got, alone[:m]), m
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_q8_rows_do_not_depend_on_their_neighbours(ext, bits):
+    """The int8-activation GEMV too: a row's outputs are bit-identical alone or among up
+    to 15 others, whichever chunks and tiles the kernel cuts the rows into (greedy
+    speculative decoding then verifies exactly what 1-row decode steps would pick)."""
+    if bits == 4:
+        w = _fp16_groups(103, 192, seed=5)
+    else:
+        g = torch.Generator().manual_seed(5)
+        w = Int4Groups.from_int8_blocks(torch.randint(-127, 128, (103, 192), dtype=torch.int8,
+                                                      generator=g),
+                                        (torch.rand(103, 6, generator=g) * 0.01).half().float())
+    blocks, b = _q8(w)
+    assert b == bits
+    x = torch.randn(16, 192, generator=torch.Generator().manual_seed(bits))
+    for simd in _simd_modes(ext):
+        alone = torch.cat([ext.q8_gemv(x[i:i + 1], blocks, bits, simd) for i in range(16)])
+        for m in (2, 3, 5, 6, 9, 13, 16):
+            assert torch.equal(ext.q8_gemv(x[:m], blocks, bits, simd), alone[:m]), (simd, m)
+
+
 @pytest.mark.parametrize("m", [5, 16])
 def test_quant_gemv_float_layout_takes_16_rows(ext, m):
     """kind 0 (float32 activations) over more than 4 rows: int4_gemv in one pass."""

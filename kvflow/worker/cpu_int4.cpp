@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cmath>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -228,7 +229,8 @@ bool int4_gemv_simd() {
 }
 
 // ---------------------------------------------------------------------------------------
-// int8 activations: integer dot products (AVX512-VNNI), up to 16 rows.
+// int8 activations: integer dot products (AVX512-VNNI, or AVX2's vpmaddubsw), up to 16
+// rows.
 //
 // Why: the float32 GEMV above spends ~3 instructions per 8 weights and row (mask,
 // convert, FMA) and is bound by them, not by memory (the 30 layers of SmolLM2 read 80 MB
@@ -402,6 +404,120 @@ void q8_rows_vnni(const QRows& a, int64_t m, int64_t k, const uint8_t* w, int64_
 }
 #endif
 
+#if !defined(KVFLOW_Q8_VNNI) && defined(KVFLOW_INT4_AVX2) && defined(__F16C__)
+#define KVFLOW_Q8_AVX2 1
+
+// AVX2 without VNNI: vpmaddubsw multiplies 32 u8 weights by 32 s8 activations and adds
+// neighbours into 16 int16, vpmaddwd widens those to 8 int32: exact, since a pair of
+// 4-bit products stays below 2 * 15 * 127 (8-bit weights: below 2 * 128 * 127, see
+// below). A block of 64 is two such halves with scales of their own; one vphaddd puts
+// both halves' sums into one vector (lanes 0, 1, 4, 5: the first 32 inputs; 2, 3, 6, 7:
+// the second), so the float part (convert, scale, bias) runs once per block and row.
+// 8-bit weights u (0..255) times q would overflow the int16 pairs: they run as
+// s = u - 128 with the sign trick (|s| as the unsigned operand, q with s's sign), and the
+// 128 u-offset moves into the bias: u * scale + bias = s * scale + (bias + 128 scale).
+template <int MC, int R, int BITS>
+void q8_tile_avx2(const QRows& a, int64_t m0, int64_t k, const uint8_t* w, int64_t j, float* y,
+                  int64_t n) {
+  constexpr int64_t BB = BITS == 4 ? 40 : 72, VB = BB - 8;  // block bytes, value bytes
+  const int64_t blocks = k / 64, wrow = blocks * BB;
+  // Permutes of (scale_a, bias_a, scale_b, bias_b) and of (d_a, d_b, s_a / 8, s_b / 8)
+  // onto the lanes' halves. Each half's s / 8 lands on 4 lanes, not 8: the bias vector
+  // carries the missing factor 2.
+  const __m256i i_scale = _mm256_setr_epi32(0, 0, 2, 2, 0, 0, 2, 2);
+  const __m256i i_bias = _mm256_setr_epi32(1, 1, 3, 3, 1, 1, 3, 3);
+  const __m256i i_d = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);
+  const __m256i i_s = _mm256_setr_epi32(2, 2, 3, 3, 2, 2, 3, 3);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][MC];
+  for (int r = 0; r < R; ++r)
+    for (int mm = 0; mm < MC; ++mm) acc[r][mm] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i lo[R], hi[R];  // the two halves' weights (8-bit: |s|)
+    __m256i slo[R], shi[R];  // 8-bit: s itself, whose signs go onto the activations
+    __m256 sw[R], bw[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* wp = w + (j + r) * wrow + b * BB;
+      if constexpr (BITS == 4) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+        const __m256i low4 = _mm256_set1_epi8(0x0F);
+        lo[r] = _mm256_and_si256(p, low4);
+        hi[r] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
+      } else {
+        const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+        slo[r] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)),
+                                  flip);
+        shi[r] = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32)), flip);
+        lo[r] = _mm256_abs_epi8(slo[r]);  // -128 -> 0x80, read as the unsigned 128
+        hi[r] = _mm256_abs_epi8(shi[r]);
+      }
+      const __m256 s4 = _mm256_castps128_ps256(_mm_cvtph_ps(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp + VB))));
+      sw[r] = _mm256_permutevar8x32_ps(s4, i_scale);
+      __m256 bias = _mm256_permutevar8x32_ps(s4, i_bias);
+      if constexpr (BITS == 8) bias = _mm256_fmadd_ps(sw[r], _mm256_set1_ps(128.f), bias);
+      bw[r] = _mm256_add_ps(bias, bias);
+    }
+    for (int mm = 0; mm < MC; ++mm) {
+      const int64_t row = m0 + mm;
+      const int8_t* xq = a.q.data() + row * k + b * 64;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+      const __m256 ds4 = _mm256_castps128_ps256(_mm_loadu_ps(a.ds.data() + (row * blocks + b) * 4));
+      const __m256 dv = _mm256_permutevar8x32_ps(ds4, i_d);
+      const __m256 sv = _mm256_permutevar8x32_ps(ds4, i_s);
+      for (int r = 0; r < R; ++r) {
+        __m256i p0, p1;
+        if constexpr (BITS == 4) {
+          p0 = _mm256_maddubs_epi16(lo[r], x0);
+          p1 = _mm256_maddubs_epi16(hi[r], x1);
+        } else {
+          p0 = _mm256_maddubs_epi16(lo[r], _mm256_sign_epi8(x0, slo[r]));
+          p1 = _mm256_maddubs_epi16(hi[r], _mm256_sign_epi8(x1, shi[r]));
+        }
+        const __m256i dot = _mm256_hadd_epi32(_mm256_madd_epi16(p0, ones),
+                                              _mm256_madd_epi16(p1, ones));
+        const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dv);
+        acc[r][mm] = _mm256_fmadd_ps(t, sw[r], acc[r][mm]);
+        acc[r][mm] = _mm256_fmadd_ps(bw[r], sv, acc[r][mm]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int mm = 0; mm < MC; ++mm) y[(m0 + mm) * n + j + r] = hsum(acc[r][mm]);
+}
+
+// Output rows [j0, j1) for all M rows: per tile of 4 output rows, chunks of up to 4
+// activation rows (16 registers: fewer rows per chunk than the VNNI kernel's 8).
+template <int BITS>
+void q8_rows_avx2(const QRows& a, int64_t m, int64_t k, const uint8_t* w, int64_t j0,
+                  int64_t j1, float* y, int64_t n) {
+  auto chunk = [&](auto mc, int64_t m0, int64_t t0, int64_t t1) {
+    constexpr int MC = decltype(mc)::value;
+    constexpr int R = MC == 1 ? 4 : 2;
+    int64_t j = t0;
+    for (; j + R <= t1; j += R) q8_tile_avx2<MC, R, BITS>(a, m0, k, w, j, y, n);
+    for (; j < t1; ++j) q8_tile_avx2<MC, 1, BITS>(a, m0, k, w, j, y, n);
+  };
+  // Chunks as even as possible (5 rows: 3 + 2, not 4 + 1).
+  const int64_t chunks = (m + 3) / 4;
+  for (int64_t t0 = j0; t0 < j1; t0 += 4) {
+    const int64_t t1 = std::min(j1, t0 + 4);
+    for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+      const int64_t mc = (m - m0) / (chunks - c);
+      switch (mc) {
+        case 1: chunk(std::integral_constant<int, 1>(), m0, t0, t1); break;
+        case 2: chunk(std::integral_constant<int, 2>(), m0, t0, t1); break;
+        case 3: chunk(std::integral_constant<int, 3>(), m0, t0, t1); break;
+        default: chunk(std::integral_constant<int, 4>(), m0, t0, t1); break;
+      }
+      m0 += mc;
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 // x [M, K] float32 (M <= 16), w in q8_layout -> y [M, N] float32 (into `y`).
@@ -428,6 +544,12 @@ void q8_gemv(const at::Tensor& x, const at::Tensor& w, int64_t bits, bool simd, 
     if (simd) {
       if (bits == 4) q8_rows_vnni<4>(a, m, k, wp, j0, j1, yp, n);
       else q8_rows_vnni<8>(a, m, k, wp, j0, j1, yp, n);
+      return;
+    }
+#elif defined(KVFLOW_Q8_AVX2)
+    if (simd) {
+      if (bits == 4) q8_rows_avx2<4>(a, m, k, wp, j0, j1, yp, n);
+      else q8_rows_avx2<8>(a, m, k, wp, j0, j1, yp, n);
       return;
     }
 #endif
@@ -494,12 +616,23 @@ void q8_refine_top(const at::Tensor& x, const at::Tensor& w, int64_t bits, at::T
   }
 }
 
-// Whether this build has the AVX512-VNNI kernel (else q8_gemv runs the plain loops).
+// Whether this build has a SIMD kernel for q8_gemv, AVX512-VNNI or AVX2 (else it runs the
+// plain loops), and which.
 bool q8_gemv_simd() {
-#ifdef KVFLOW_Q8_VNNI
+#if defined(KVFLOW_Q8_VNNI) || defined(KVFLOW_Q8_AVX2)
   return true;
 #else
   return false;
+#endif
+}
+
+std::string q8_gemv_isa() {
+#if defined(KVFLOW_Q8_VNNI)
+  return "AVX512-VNNI";
+#elif defined(KVFLOW_Q8_AVX2)
+  return "AVX2";
+#else
+  return "";
 #endif
 }
 

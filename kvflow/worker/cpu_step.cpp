@@ -37,6 +37,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -55,6 +56,7 @@ bool int4_gemv_simd();
 void quant_gemv(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, int64_t group,
                 bool doubled, int64_t kind, at::Tensor& y);
 bool q8_gemv_simd();
+std::string q8_gemv_isa();
 at::Tensor q8_arena(int64_t bytes);
 void q8_refine_top(const at::Tensor& x, const at::Tensor& w, int64_t bits, at::Tensor& y,
                    int64_t top);
@@ -682,6 +684,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return y;
   }, "cpu_int4.cpp's int8-activation GEMV; simd False: the plain loops (for tests)");
   m.def("q8_gemv_simd", &kvflow::q8_gemv_simd);
+  m.def("q8_gemv_isa", &kvflow::q8_gemv_isa, "the SIMD kernel q8_gemv runs: 'AVX512-VNNI', "
+        "'AVX2', or '' (plain loops)");
   m.def("q8_arena", &kvflow::q8_arena, "uint8 [bytes] in 2 MiB pages (madvise)");
   m.def("q8_refine_top", [](const at::Tensor& x, const at::Tensor& w, int64_t bits,
                             at::Tensor y, int64_t top) { kvflow::q8_refine_top(x, w, bits, y, top); },

@@ -187,9 +187,10 @@ def _linear_args(lin: nn.Module) -> tuple[list[torch.Tensor], object, list[torch
 
 def int8_activations(model: nn.Module, module) -> int:
     """Switch every GGUF layer's GEMV copy (the tied lm_head's too) to int8 activations
-    (the caller checks that the build has the VNNI kernel and KVFLOW_CPU_INT8_ACT allows
-    it) and move those copies into one arena of 2 MiB pages in the order a step reads
-    them (``q8_arena``: the weights stream like one tensor); the number switched."""
+    (the caller checks that the build has a SIMD kernel for them, AVX512-VNNI or AVX2,
+    and that KVFLOW_CPU_INT8_ACT allows it) and move those copies into one arena of 2 MiB
+    pages in the order a step reads them (``q8_arena``: the weights stream like one
+    tensor); the number switched."""
     methods = [m.quant_method for m in model.modules()
                if hasattr(getattr(m, "quant_method", None), "to_int8_activations")]
     methods = [q for q in methods if q.to_int8_activations()]
@@ -215,7 +216,7 @@ def use_step_gemv(model: nn.Module, int8: bool) -> int:
     module, _ = load_extension()
     if int8:
         if not module.q8_gemv_simd():
-            logger.warning("this build has no AVX512-VNNI kernel: int8 activations run "
+            logger.warning("this build has no AVX512-VNNI or AVX2 kernel: int8 activations run "
                            "the plain loops (slow)")
         int8_activations(model, module)
     count = 0
@@ -259,7 +260,7 @@ class CppDecodeStep:
         model = runner.model
         inner = model.model
         cfg = model.config
-        # int8 activations (VNNI) before the layers hand their GEMV copies over. Not with
+        # int8 activations (VNNI or AVX2) before the layers hand their GEMV copies over. Not with
         # a quantized KV cache: through the self-check's 30 random layers the int8
         # rounding of the activations moves SmolLM2's output by 0.39 even with the eager
         # reference reading the K/V the step stored (0.51 over eager's own; the stored
@@ -568,8 +569,8 @@ def cpu_decode_step(runner):
                 "cache), steps of up to %d tokens; built/loaded in %.1f s (%s), self-check "
                 "relative error %.1e (GEMV %.1e%s)", step.num_layers, step.num_callbacks,
                 step.num_int4, ", the lm_head too" if head else "",
-                f", {step.num_int8_act} on int8 activations (VNNI)" if step.num_int8_act
-                else "", step.kv_kind or "model-dtype", MAX_TOKENS, seconds, build_root(),
+                f", {step.num_int8_act} on int8 activations ({step.module.q8_gemv_isa()})"
+                if step.num_int8_act else "", step.kv_kind or "model-dtype", MAX_TOKENS, seconds, build_root(),
                 error, gemv_error, f"; over eager's own K/V {step.eager_error:.1e}, stored K/V "
                 f"{step.write_error:.1e}" if step.kv_kind else "")
     return step
