@@ -37,7 +37,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <string>
 #include <limits>
 #include <string>
 #include <type_traits>

@@ -216,8 +216,8 @@ def use_step_gemv(model: nn.Module, int8: bool) -> int:
     module, _ = load_extension()
     if int8:
         if not module.q8_gemv_simd():
-            logger.warning("this build has no AVX512-VNNI or AVX2 kernel: int8 activations run "
-                           "the plain loops (slow)")
+            logger.warning("this build has no AVX512-VNNI or AVX2 kernel: int8 activations "
+                           "run the plain loops (slow)")
         int8_activations(model, module)
     count = 0
 
@@ -260,8 +260,8 @@ class CppDecodeStep:
         model = runner.model
         inner = model.model
         cfg = model.config
-        # int8 activations (VNNI or AVX2) before the layers hand their GEMV copies over. Not with
-        # a quantized KV cache: through the self-check's 30 random layers the int8
+        # int8 activations (VNNI or AVX2) before the layers hand their GEMV copies over.
+        # Not with a quantized KV cache: through the self-check's 30 random layers the int8
         # rounding of the activations moves SmolLM2's output by 0.39 even with the eager
         # reference reading the K/V the step stored (0.51 over eager's own; the stored
         # K/V of late layers part by 1.45 of their scale), as much as an order-one error
@@ -570,7 +570,7 @@ def cpu_decode_step(runner):
                 "relative error %.1e (GEMV %.1e%s)", step.num_layers, step.num_callbacks,
                 step.num_int4, ", the lm_head too" if head else "",
                 f", {step.num_int8_act} on int8 activations ({step.module.q8_gemv_isa()})"
-                if step.num_int8_act else "", step.kv_kind or "model-dtype", MAX_TOKENS, seconds, build_root(),
-                error, gemv_error, f"; over eager's own K/V {step.eager_error:.1e}, stored K/V "
+                if step.num_int8_act else "", step.kv_kind or "model-dtype", MAX_TOKENS,
+                seconds, build_root(), error, gemv_error, f"; over eager's own K/V {step.eager_error:.1e}, stored K/V "
                 f"{step.write_error:.1e}" if step.kv_kind else "")
     return step
