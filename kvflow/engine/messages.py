@@ -157,6 +157,17 @@ def spec_fields(spec) -> dict:
             "spec_verify_time_s": spec.verify_time_s}
 
 
-__all__ = ["spec_fields", "CoreStats", "AddRequest", "Abort", "FinishStopped", "Shutdown", "Ready",
+def spec_totals(core: CoreStats | None) -> tuple:
+    """The cumulative speculative-decoding counters of a CoreStats, in one order (the log
+    line and /metrics take deltas of these): drafts, draft tokens, accepted tokens,
+    proposer runs, their seconds, verification steps, their seconds. None: all zero."""
+    if core is None:
+        return (0, 0, 0, 0, 0.0, 0, 0.0)
+    return (core.spec_num_drafts, core.spec_num_draft_tokens, core.spec_num_accepted_tokens,
+            core.spec_num_proposals, core.spec_draft_time_s, core.spec_num_verify_steps,
+            core.spec_verify_time_s)
+
+
+__all__ = ["spec_fields", "spec_totals", "CoreStats", "AddRequest", "Abort", "FinishStopped", "Shutdown", "Ready",
            "Outputs", "Stats", "RequestError", "RequestFailed", "EngineError", "ToCore", "FromCore",
            "MessageCodec", "api_codec", "core_codec"]

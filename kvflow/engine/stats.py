@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvflow.engine.messages import CoreStats
+from kvflow.engine.messages import CoreStats, spec_totals
 from kvflow.logger import init_logger
 
 logger = init_logger(__name__)
@@ -132,9 +132,7 @@ class LoggingStatsListener:
         self._steps = 0
         self._step_s = 0.0
         self._api_s = 0.0
-        # drafts, draft tokens, accepted, proposer runs and seconds, verification steps and
-        # seconds, at the last log
-        self._last_spec: tuple = (0, 0, 0, 0, 0.0, 0, 0.0)
+        self._last_spec = spec_totals(None)  # at the last log
 
     def record(self, core: CoreStats | None, iteration: IterationStats | None) -> None:
         if core is not None:
@@ -153,9 +151,7 @@ class LoggingStatsListener:
         """Speculative decoding over the interval: acceptance rate, tokens per
         verification step, time per proposer run and per verification step, and
         per-position acceptance since start."""
-        now = (core.spec_num_drafts, core.spec_num_draft_tokens, core.spec_num_accepted_tokens,
-               core.spec_num_proposals, core.spec_draft_time_s, core.spec_num_verify_steps,
-               core.spec_verify_time_s)
+        now = spec_totals(core)
         drafts, tokens, accepted, proposals, draft_s, verifies, verify_s = (
             a - b for a, b in zip(now, self._last_spec))
         self._last_spec = now

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
 
-from kvflow.engine.messages import CoreStats
+from kvflow.engine.messages import CoreStats, spec_totals
 from kvflow.engine.stats import IterationStats
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -88,7 +88,7 @@ class PrometheusMetrics:
         self.spec_verify_time = counter("spec_decode_verify_time_seconds",
                                         "Time of verification steps, from launch until "
                                         "their tokens reached the host.")
-        self._spec_last: tuple = (0, 0, 0, 0, 0.0, 0, 0.0)
+        self._spec_last = spec_totals(None)
         self._spec_pos_last: list[int] = []
         for reason in ("stop", "length", "abort"):
             self._success.labels(finished_reason=reason, **self._labels)
@@ -129,9 +129,7 @@ class PrometheusMetrics:
                 self.tpot.observe(f.tpot_s)
 
     def _record_spec(self, core: CoreStats) -> None:
-        now = (core.spec_num_drafts, core.spec_num_draft_tokens, core.spec_num_accepted_tokens,
-               core.spec_num_proposals, core.spec_draft_time_s, core.spec_num_verify_steps,
-               core.spec_verify_time_s)
+        now = spec_totals(core)
         for series, new, old in zip((self.spec_drafts, self.spec_draft_tokens,
                                      self.spec_accepted, self.spec_proposals,
                                      self.spec_draft_time, self.spec_verify_steps,
