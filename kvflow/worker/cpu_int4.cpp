@@ -253,6 +253,16 @@ namespace {
 
 constexpr int64_t kMaxQ8Rows = 16;
 
+// f(std::integral_constant<int, MC>()) for the run-time row count mc in 1..MAX: the SIMD
+// kernels' tiles take their number of activation rows as a template argument.
+template <int MAX, class F>
+void with_rows(int64_t mc, F&& f) {
+  if constexpr (MAX > 1) {
+    if (mc < MAX) return with_rows<MAX - 1>(mc, f);
+  }
+  f(std::integral_constant<int, MAX>());
+}
+
 // The quantized rows: q [M, K] int8 and per row and block of 64 inputs (two of 32)
 // (d_a, d_b, s_a / 8, s_b / 8): the / 8 because the SIMD kernel adds s over 8 lanes.
 struct QRows {
@@ -388,18 +398,8 @@ void q8_rows_vnni(const QRows& a, int64_t m, int64_t k, const uint8_t* w, int64_
   };
   for (int64_t t0 = j0; t0 < j1; t0 += 4) {
     const int64_t t1 = std::min(j1, t0 + 4);
-    for (int64_t m0 = 0; m0 < m; m0 += 8) {
-      switch (std::min<int64_t>(8, m - m0)) {
-        case 1: chunk(std::integral_constant<int, 1>(), m0, t0, t1); break;
-        case 2: chunk(std::integral_constant<int, 2>(), m0, t0, t1); break;
-        case 3: chunk(std::integral_constant<int, 3>(), m0, t0, t1); break;
-        case 4: chunk(std::integral_constant<int, 4>(), m0, t0, t1); break;
-        case 5: chunk(std::integral_constant<int, 5>(), m0, t0, t1); break;
-        case 6: chunk(std::integral_constant<int, 6>(), m0, t0, t1); break;
-        case 7: chunk(std::integral_constant<int, 7>(), m0, t0, t1); break;
-        default: chunk(std::integral_constant<int, 8>(), m0, t0, t1); break;
-      }
-    }
+    for (int64_t m0 = 0; m0 < m; m0 += 8)
+      with_rows<8>(std::min<int64_t>(8, m - m0), [&](auto mc) { chunk(mc, m0, t0, t1); });
   }
 }
 #endif
@@ -506,12 +506,7 @@ void q8_rows_avx2(const QRows& a, int64_t m, int64_t k, const uint8_t* w, int64_
     const int64_t t1 = std::min(j1, t0 + 4);
     for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
       const int64_t mc = (m - m0) / (chunks - c);
-      switch (mc) {
-        case 1: chunk(std::integral_constant<int, 1>(), m0, t0, t1); break;
-        case 2: chunk(std::integral_constant<int, 2>(), m0, t0, t1); break;
-        case 3: chunk(std::integral_constant<int, 3>(), m0, t0, t1); break;
-        default: chunk(std::integral_constant<int, 4>(), m0, t0, t1); break;
-      }
+      with_rows<4>(mc, [&](auto rows) { chunk(rows, m0, t0, t1); });
       m0 += mc;
     }
   }
