@@ -76,19 +76,17 @@ def _run(llm, prompts: list[list[int]], output_len: int, device: str) -> dict:
     total = time.perf_counter() - t0
     decode = max(total - prefill, 1e-9)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs) - len(prompts)
-    verify_steps = (stats.num_drafts - before.num_drafts) // max(len(prompts), 1)
-    accepted = stats.num_accepted_tokens - before.num_accepted_tokens
-    drafted = stats.num_draft_tokens - before.num_draft_tokens
+    run = stats.since(before)  # this run's counters, the engine's own timers among them
+    verify_steps = run.num_drafts // max(len(prompts), 1)
+    accepted, drafted = run.num_accepted_tokens, run.num_draft_tokens
     steps = max(output_len - 1 - accepted // max(len(prompts), 1), 1)
     # Verification steps cost the same kept or rejected: their cost per step, and what
     # drafts that are always right (k + 1 tokens a step) would give at that cost.
     verify_ms = decode / max(verify_steps, 1) * 1000
-    run = stats.since(before)  # the engine's own timers, beside this wall-clock figure
     return {"ms_per_verify_step": round(verify_ms, 3),
             "engine_verify_ms": round(run.mean_verify_ms, 3),
             "engine_draft_ms": round(run.mean_draft_ms, 3),
-            "drafts_per_verify_step": round(drafted / max(stats.num_drafts - before.num_drafts,
-                                                          1), 3),
+            "drafts_per_verify_step": round(drafted / max(run.num_drafts, 1), 3),
             "decode_s": round(decode, 4), "prefill_s": round(prefill, 4),
             "decode_tokens_per_s": round(tokens / decode, 2),
             "verify_steps_per_request": verify_steps, "steps_per_request": steps,
