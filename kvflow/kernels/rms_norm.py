@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvflow.kernels.fp8_quant import F8INV, F8MAX, interpreting, round_e4m3
 from kvflow.kernels.pdl import launch_kw, pdl_enabled, pdl_enter
 
 _TILE_ELEMS = 4096  # elements a program holds; 16 per thread at 8 warps
@@ -30,9 +31,10 @@ _TILE_ELEMS = 4096  # elements a program holds; 16 per thread at 8 warps
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inner, hidden,
-                     stride_xa, stride_xb, eps,
+                     stride_xa, stride_xb, eps, scale_ptr,
                      HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, FP8_OUT: tl.constexpr = False,
+                     EMULATE: tl.constexpr = False):
     pdl_enter(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -51,7 +53,21 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inne
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / hidden + eps)  # [ROWS]
     normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-    tl.store(out_ptr + dense, (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    y = normed * w[None, :]
+    if FP8_OUT:
+        # Rounded to the model dtype as the norm alone would store it, then quantized per
+        # row to FP8 E4M3 as fp8_quant.quantize_fp8 does: the bytes and scales of that
+        # kernel run on the stored norm output, one launch fewer.
+        yf = y.to(x.dtype).to(tl.float32)
+        s = tl.max(tl.abs(yf), axis=1) * F8INV  # [ROWS]
+        s = tl.where(s > 0, s, 1.0)
+        tl.store(scale_ptr + rows64, s, mask=row_ok)
+        v = tl.clamp(tl.math.div_rn(yf, s[:, None]), -F8MAX, F8MAX)
+        if EMULATE:
+            v = round_e4m3(v)
+        tl.store(out_ptr + dense, v.to(tl.float8e4nv), mask=mask)
+    else:
+        tl.store(out_ptr + dense, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +82,8 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            out: torch.Tensor, residual_out: torch.Tensor | None) -> None:
+            out: torch.Tensor, residual_out: torch.Tensor | None,
+            scale: torch.Tensor | None = None) -> None:
     hidden = x.shape[-1]
     assert weight.shape == (hidden,) and weight.is_contiguous()
     x3 = _as_3d(x)
@@ -81,8 +98,11 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x3, residual if residual is not None else x3, weight, out,
         residual_out if residual_out is not None else out,
         n_rows, x3.shape[1], hidden, x3.stride(0), x3.stride(1), eps,
+        scale if scale is not None else out,
         HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_N=block_n, num_warps=num_warps,
-        **({"PDL": True, **launch_kw(True)} if pdl_enabled(x.device) else {}))
+        **({"PDL": True, **launch_kw(True)} if pdl_enabled(x.device) else {}),
+        **({"FP8_OUT": True, "EMULATE": interpreting(x.device)} if scale is not None
+           else {}))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -120,3 +140,24 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     assert residual_out.is_contiguous() and residual_out.shape == x.shape
     _launch(x, residual, weight, eps, out, residual_out)
     return out, residual_out
+
+
+def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The norm (with ``residual``: of ``r = x + residual``) quantized per row to FP8 in
+    the same launch: ``(xq float8_e4m3fn [T, hidden], scales float32 [T], r)`` with the
+    bytes of ``quantize_fp8(norm)`` (``r = x`` without a residual). x [T, hidden]: the
+    input of an FP8 W8A8 decode GEMV (``kvflow/kernels/gemv_fp8.py``)."""
+    assert x.dim() == 2 and x.stride(-1) == 1
+    t, hidden = x.shape
+    xq = torch.empty((t, hidden), dtype=torch.float8_e4m3fn, device=x.device)
+    sx = torch.empty((t,), dtype=torch.float32, device=x.device)
+    if residual is None:
+        _launch(x, None, weight, eps, xq, None, sx)
+        return xq, sx, x
+    assert residual.shape == x.shape and residual.dtype == x.dtype
+    if not residual.is_contiguous():
+        residual = residual.contiguous()
+    r = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, residual, weight, eps, xq, r, sx)
+    return xq, sx, r

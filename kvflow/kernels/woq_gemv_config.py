@@ -51,6 +51,10 @@ class WoqGemvConfig:
     xa: bool = False
     """8-bit: x as the MMA's first operand (16 rows: mma.sync from registers) and the
     converted weight as the second, instead of the weight first (wgmma at BN >= 64)."""
+    promote: int = 0
+    """``fp8a8`` (FP8 x FP8 on the tensor cores, ``gemv_fp8.py``): inputs the MMA sums in
+    its reduced precision before a float32 promotion (``max_num_imprecise_acc``); 0: once
+    per K step of ``block_k``."""
 
     def __post_init__(self) -> None:
         check_tile(self)

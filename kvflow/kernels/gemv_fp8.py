@@ -1,0 +1,145 @@
+"""FP8 W8A8 decode GEMV on the FP8 tensor cores: ``y = (xq @ wq^T) * sx[:, None] *
+sw[None, :]`` for xq [M, K] float8_e4m3fn activations already quantized per token (M <= 16,
+scales ``sx`` float32 [M]) and wq [N, K] float8_e4m3fn weights with one scale per output
+channel (``sw`` float32 [N]): the numbers of the W8A8 path at every other M
+(``layers/quantization/fp8.py``: per-token quantization + ``torch._scaled_mm``).
+
+Why a third form next to the weight-dequant GEMV (``gemv_w8.py``: bf16 activations, the FP8
+weight widened to bf16 in registers): there the weight tile goes global -> shared memory
+-> registers (conversion) -> the MMA, and that kernel read FP8 weights at 2.1-2.8 TB/s on
+the H200 where the dense bf16 GEMV (``gemv.py``) streams at 3.3-4.2. Here both operands
+are FP8, so the loop is the dense GEMV's: the [BLOCK_N, BLOCK_K] weight tile is the
+wgmma's wide operand straight from the pipelined shared-memory stages, x^T [BLOCK_K, 16]
+(rows >= M zero) its narrow one, float32 accumulation; nothing is converted. The
+activations must arrive quantized: ``rms_norm.fused_add_rms_norm_fp8`` writes them from
+the norm that precedes qkv and gate/up (no extra launch), ``fp8_quant.quantize_fp8`` for
+the others (one small launch).
+
+Hopper's FP8 MMA sums in reduced precision (about 13-14 mantissa bits); ``promote``
+(``tl.dot``'s ``max_num_imprecise_acc``) sets how many inputs it sums before the partial
+goes into the float32 accumulator: 0 (the compiler's default) once per K step of
+BLOCK_K inputs, as ``torch._scaled_mm`` does about every 128.
+
+Grid ``(cdiv(N, BLOCK_N), split_k)``; split-K partials are summed in the launch
+(``woq_config.store_output``); the SiLU form (``silu_and_mul``: a merged [gate; up]
+weight) writes ``silu(gate) * up`` through ``gemv.store_silu_pair``. Configurations:
+``woq_gemv_config`` (formats ``fp8a8`` / ``fp8a8-silu``). Reference: ``gemv_fp8_ref``
+(float32 products of the FP8 values, exact). Traffic at M = 1: N K bytes of weight + K
+of activation + 4 (N + 1) of scales; gate_up of Llama-3.1-8B 117 MB, 28 us at 4.2 TB/s.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvflow.kernels.gemv import gemv_outputs, store_silu_pair
+from kvflow.kernels.woq_config import store_output
+
+MAX_M = 16
+
+
+@triton.jit
+def _fp8_partial(xq_ptr, w_ptr, rows, n_ok, offs_m, m_ok, K, stride_xm, t_start, t_end,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 PROMOTE: tl.constexpr, UPCAST: tl.constexpr):
+    """sum over the K tiles t_start .. t_end of Wq[rows] . xq -> [BN, 16] float32."""
+    BM: tl.constexpr = 16
+    rows_w = rows.to(tl.int64)[:, None] * K  # [BN, 1]
+    acc = tl.zeros((BLOCK_N, BM), dtype=tl.float32)
+    for t in range(t_start, t_end):
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
+        if EVEN_K:
+            w = tl.load(w_ptr + rows_w + offs_k[None, :], mask=n_ok[:, None], other=0.0,
+                        eviction_policy="evict_first")  # [BN, BK], streamed once
+            x = tl.load(xq_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None], other=0.0)  # [BM, BK]
+        else:
+            k_ok = offs_k < K
+            w = tl.load(w_ptr + rows_w + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0, eviction_policy="evict_first")
+            x = tl.load(xq_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:  # CPU interpreter: FP8 values widened exactly, float32 products
+            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        elif PROMOTE > 0:
+            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE)
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)  # [BN, BK] @ [BK, BM]
+    return acc
+
+
+@triton.jit
+def _gemv_fp8_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K,
+                     stride_xm, stride_om, split_k, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+                     SILU: tl.constexpr, PROMOTE: tl.constexpr, UPCAST: tl.constexpr):
+    """N: the output width (SILU: the gate rows; the up rows follow them in the weight)."""
+    BM: tl.constexpr = 16
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BM)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, split_k)
+    t_start = pid_k * per_split
+    t_end = tl.minimum(t_start + per_split, k_tiles)
+    acc = _fp8_partial(xq_ptr, w_ptr, offs_n, n_ok, offs_m, m_ok, K, stride_xm, t_start,
+                       t_end, BLOCK_N, BLOCK_K, EVEN_K, PROMOTE, UPCAST)
+    sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)  # [BM] float32
+    sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)  # [BN] float32
+    y = tl.trans(acc * sw[:, None]) * sx[:, None]  # [BM, BN], as fp8_mm_ref scales
+    if SILU:  # the matching up rows, then silu(gate) * up
+        up = _fp8_partial(xq_ptr, w_ptr, offs_n + N, n_ok, offs_m, m_ok, K, stride_xm,
+                          t_start, t_end, BLOCK_N, BLOCK_K, EVEN_K, PROMOTE, UPCAST)
+        su = tl.load(sw_ptr + N + offs_n, mask=n_ok, other=0.0)
+        store_silu_pair(y, tl.trans(up * su[:, None]) * sx[:, None], out_ptr, ws_ptr,
+                        lock_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, split_k,
+                        SPLIT)
+    else:
+        store_output(y, out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_om, pid_n,
+                     pid_k, split_k, SPLIT)
+
+
+def gemv_fp8_ref(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """Reference: (xq @ wq^T) * sx[:, None] * sw[None, :] in float32 -> [M, N] in
+    ``out_dtype`` (the products of two FP8 values are exact in float32)."""
+    acc = xq.float() @ wq.float().t()
+    return (acc * sw.float()[None, :] * sx.float()[:, None]).to(out_dtype)
+
+
+def gemv_fp8(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+             config, out_dtype: torch.dtype = torch.bfloat16,
+             silu_and_mul: bool = False) -> torch.Tensor:
+    """xq [M, K] float8_e4m3fn (M <= 16, unit stride along K) with per-row scales sx [M],
+    times wq [N, K] float8_e4m3fn with per-channel scales sw [N] -> [M, N] in
+    ``out_dtype``. ``silu_and_mul``: wq = [gate; up] (N = 2d rows) -> silu(gate) * up
+    [M, d]. ``config``: a ``woq_gemv_config.WoqGemvConfig`` (``promote`` included)."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    assert m <= MAX_M and wq.shape == (n, k) and wq.is_contiguous() and xq.stride(1) == 1
+    assert xq.dtype == torch.float8_e4m3fn and wq.dtype == torch.float8_e4m3fn
+    assert sx.shape == (m,) and sx.dtype == torch.float32
+    assert sw.shape == (n,) and sw.dtype == torch.float32
+    out, ws, locks = gemv_outputs(_out_like(xq, out_dtype), config, n, silu_and_mul)
+    if m == 0:
+        return out
+    n_out = out.shape[1]
+    grid = (triton.cdiv(n_out, config.block_n), config.split_k)
+    _gemv_fp8_kernel[grid](
+        xq, sx, wq, sw, out, out if ws is None else ws, out if locks is None else locks,
+        m, n_out, k, xq.stride(0), n_out, config.split_k, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SPLIT=ws is not None,
+        SILU=silu_and_mul, PROMOTE=config.promote, UPCAST=xq.device.type == "cpu",
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def _out_like(xq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A [M, 0] stand-in with the output's dtype: ``gemv_outputs`` sizes its buffers from x's
+    rows and dtype, and x here is FP8."""
+    return torch.empty((xq.shape[0], 0), dtype=dtype, device=xq.device)
