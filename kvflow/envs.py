@@ -120,6 +120,22 @@ def woq_gemv_mode() -> str:
     return mode
 
 
+def fp8_decode_mode() -> str:
+    """KVFLOW_FP8_DECODE: how decode rows (M <= 8) of FP8 layers on CUDA multiply:
+    ``auto`` (default: W8A8 on the FP8 tensor cores, kvflow/kernels/gemv_fp8.py, where the
+    per-GPU table in woq_gemv_config.py measured it faster, else the weight-dequant GEMV),
+    ``w8a8`` (the FP8 x FP8 GEMV at every M <= 8, heuristic tiles where the table has
+    none) or ``dequant`` (bf16 activations times the FP8 weights widened: the path before
+    the W8A8 GEMV existed)."""
+    mode = os.environ.get("KVFLOW_FP8_DECODE", "auto").lower()
+    if mode not in ("auto", "w8a8", "dequant"):
+        from kvflow.errors import InvalidParameterError
+
+        raise InvalidParameterError(
+            f"KVFLOW_FP8_DECODE must be auto, w8a8 or dequant, not {mode!r}")
+    return mode
+
+
 def woq_gemv_table() -> str | None:
     """KVFLOW_WOQ_GEMV_TABLE: a ``benchmarks/gpu/bench_woq_gemv.py`` result JSON whose
     measured table replaces the built-in one for the shapes it lists."""

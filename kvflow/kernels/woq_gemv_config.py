@@ -14,8 +14,9 @@ M <= 8: table config where there is one, else the heuristic).
 ``KVFLOW_WOQ_GEMV_TABLE`` names a ``benchmarks/gpu/bench_woq_gemv.py`` result whose
 ``table`` replaces the built-in entries it has (a fresh measurement on this machine).
 
-Table keys: (format, N, K) with format ``w4g<G>`` (int4, G inputs per group), ``int8``
-or ``fp8``, and ``<format>-silu`` for a merged [gate; up] layer with SiLU-and-multiply in
+Table keys: (format, N, K) with format ``w4g<G>`` (int4, G inputs per group), ``int8``,
+``fp8`` (the weight-dequant GEMV) or ``fp8a8`` (FP8 W8A8, ``gemv_fp8.py``; chosen by
+``KVFLOW_FP8_DECODE``, see ``plan``), and ``<format>-silu`` for a merged [gate; up] layer with SiLU-and-multiply in
 the epilogue (N = d, the output width); values {M bucket (1, 2, 4, 8): config or None}.
 """
 
@@ -79,9 +80,14 @@ def default_config(fmt: str, m: int, n: int, k: int, device: torch.device,
         cfg = default_config(fmt.removesuffix("-silu"), m, n, k, device, sms)
         if not fmt.startswith("w4"):  # two 8-bit tiles of 256 spill on sm_90: 128
             cfg = WoqGemvConfig(cfg.block_n, min(cfg.block_k, 128), cfg.split_k,
-                                cfg.num_warps, cfg.num_stages, cfg.deq, cfg.xa)
+                                cfg.num_warps, cfg.num_stages, cfg.deq, cfg.xa,
+                                min(cfg.promote, 128))
         return cfg
-    return _default(fmt, m, n, k, device, sms)
+    cfg = _default(fmt, m, n, k, device, sms)
+    if fmt == "fp8a8":  # FP8 x FP8: a float32 promotion per 128 inputs (as _scaled_mm)
+        cfg = WoqGemvConfig(cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
+                            cfg.num_stages, promote=min(128, cfg.block_k))
+    return cfg
 
 
 def _default(fmt: str, m: int, n: int, k: int, device: torch.device,
@@ -109,8 +115,8 @@ def _default(fmt: str, m: int, n: int, k: int, device: torch.device,
 
 
 def _c(bn: int, bk: int, split: int, warps: int, stages: int, deq: bool = False,
-       xa: bool = False) -> WoqGemvConfig:
-    return WoqGemvConfig(bn, bk, split, warps, stages, deq, xa)
+       xa: bool = False, promote: int = 0) -> WoqGemvConfig:
+    return WoqGemvConfig(bn, bk, split, warps, stages, deq, xa, promote)
 
 
 # Measured tables: device-name token -> {(format, N, K): {M bucket: config or None}}; each
@@ -209,6 +215,32 @@ MEASURED: dict[str, dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]]]
             4: None,  # x0.61 the previous path
             8: None,  # x0.62 the previous path
         },
+        # FP8 W8A8 on the FP8 tensor cores (gemv_fp8.py; activations quantized per
+        # token in the norm that precedes qkv and gate/up, by a quantize launch before o
+        # and down): benchmarks/gpu/bench_fp8_gemv.py at 23106f0
+        # (results/fp8-gemv-bench-h200.json, M = 1 and 8; buckets 2 and 4 take M = 1's
+        # and M = 8's tile). promote 128 (a float32 promotion per 128 inputs, as
+        # _scaled_mm's): 18-25x less error than the compiler's default, which sums all of K
+        # in the MMA's reduced precision (0.12-0.35 % of the output's range), for 0-1.4 us.
+        # Comments: the GEMV's time at promote 128 against the weight-dequant GEMV's.
+        ('fp8a8', 6144, 4096): {  # qkv: 10.6 vs 14.4 us (M 1), 11.4 vs 19.8 (M 8)
+            1: _c(64, 256, 1, 4, 6, promote=128), 2: _c(64, 256, 1, 4, 6, promote=128),
+            4: _c(64, 256, 1, 4, 6, promote=128), 8: _c(64, 256, 1, 4, 6, promote=128),
+        },
+        # o: 9.2 + 3.1 us of quantize launch against 11.0 (M 1): the dequant GEMV stays
+        ('fp8a8', 4096, 4096): {1: None, 2: None, 4: None, 8: None},
+        ('fp8a8', 28672, 4096): {  # gate_up: 31.8 vs 42.6 (M 1), 32.9 vs 50.6 (M 8)
+            1: _c(64, 128, 1, 4, 3, promote=128), 2: _c(64, 128, 1, 4, 3, promote=128),
+            4: _c(128, 128, 1, 4, 4, promote=128), 8: _c(128, 128, 1, 4, 4, promote=128),
+        },
+        ('fp8a8-silu', 14336, 4096): {  # gate_up + SiLU: 31.6 vs 43.7 (M 1, promote 0)
+            1: _c(64, 256, 1, 4, 4, promote=128), 2: _c(64, 256, 1, 4, 4, promote=128),
+            4: _c(64, 256, 1, 4, 3, promote=128), 8: _c(64, 256, 1, 4, 3, promote=128),
+        },
+        ('fp8a8', 4096, 14336): {  # down: 19.8 vs 25.1 (M 1), 20.0 vs 33.1 (M 8)
+            1: _c(64, 256, 4, 4, 3, promote=128), 2: _c(64, 256, 4, 4, 3, promote=128),
+            4: _c(64, 256, 2, 4, 6, promote=128), 8: _c(64, 256, 2, 4, 6, promote=128),
+        },
         # lm_head int8
         ('int8', 128256, 4096): {
             1: None,  # x0.85 the previous path
@@ -250,6 +282,13 @@ def plan(fmt: str, n: int, k: int, device: torch.device) -> dict[int, WoqGemvCon
         return {}
     table = _device_table(torch.cuda.get_device_name(device), envs.woq_gemv_table())
     buckets = table.get((fmt, n, k))
+    if fmt.startswith("fp8a8"):
+        # FP8 W8A8 decode rows follow KVFLOW_FP8_DECODE: ``auto`` only where the table
+        # measured them faster than the weight-dequant GEMV; ``w8a8`` everywhere
+        fp8_mode = envs.fp8_decode_mode()
+        if fp8_mode == "dequant" or (fp8_mode == "auto" and buckets is None):
+            return {}
+        mode = "force" if fp8_mode == "w8a8" else "auto"
     if buckets is None and mode == "auto" and (fmt.startswith("int8") or fmt.endswith("-silu")):
         # int8 per channel: w8a16_gemm beat this kernel at every 8B shape on the H200, so
         # an unmeasured shape keeps it; the fused SiLU form measured level with GEMM +

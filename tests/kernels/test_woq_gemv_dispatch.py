@@ -161,3 +161,106 @@ def test_table_from_bench_round_trip(tmp_path):
     path.write_text(json.dumps({"table": rows}))
     table = woq_gemv_config.table_from_bench(str(path))
     assert table[("w4g128", 4096, 4096)] == {1: cfg, 2: None}
+
+
+@pytest.fixture
+def w8a8_planned(monkeypatch):
+    """FP8 layers' decode rows take the W8A8 GEMV (as ``fp8a8_plan`` answers on an H200
+    for qkv, gate/up and down), and the weight-dequant GEMV nowhere; the calls are
+    recorded."""
+    cfg = woq_gemv_config.WoqGemvConfig(32, 128, 2, num_stages=2, promote=128)
+    monkeypatch.setattr(fp8, "fp8a8_plan", lambda layer, silu=False: dict.fromkeys(
+        range(1, 9), cfg))
+    monkeypatch.setattr(fp8, "fp8_gemv_plan", lambda layer, silu=False: {})
+    from kvflow.kernels import gemv_fp8
+
+    used = []
+    fn = gemv_fp8.gemv_fp8
+    monkeypatch.setattr(gemv_fp8, "gemv_fp8", lambda *a, **k: used.append(
+        k.get("silu_and_mul", False)) or fn(*a, **k))
+    return used
+
+
+def _w8a8_ref(layer, h: torch.Tensor) -> torch.Tensor:
+    """The W8A8 product of the prefill path: per-token FP8 rows times the FP8 weight."""
+    xq, sx = fp8.quantize_fp8_rows(h)
+    return fp8.fp8_mm_ref(xq, sx, layer.weight, layer.weight_scale, h.dtype)
+
+
+def test_fp8_decode_rows_take_the_w8a8_gemv(w8a8_planned):
+    """At M <= 8 the FP8 layer quantizes x per token and multiplies on the FP8 tensor
+    cores: the numbers of its W8A8 path for larger M."""
+    torch.manual_seed(5)
+    w = (torch.randn(64, 256) * 0.05).bfloat16().float()
+    layer = _layer(QuantizationConfig("fp8"), w)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    y = layer(x)
+    assert w8a8_planned == [False]
+    ref = _w8a8_ref(layer, x)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2,
+                               atol=1e-2 * float(ref.abs().max()))
+    x9 = torch.randn(9, 256, dtype=torch.bfloat16)  # not a decode batch
+    layer(x9)
+    assert w8a8_planned == [False]
+
+
+@pytest.mark.parametrize("with_act", [False, True])
+def test_fp8_normed_decode_rows_quantize_in_the_norm(w8a8_planned, with_act):
+    """forward_normed: residual add + RMSNorm + FP8 quantization in one launch, then the
+    W8A8 GEMV (SiLU-and-multiply in its epilogue for gate/up): the unfused norm and
+    layer's numbers, and the same residual."""
+    from kvflow.layers.activation import SiluAndMul
+    from kvflow.layers.norm import RMSNorm
+
+    torch.manual_seed(6)
+    w = (torch.randn(128, 256) * 0.05).bfloat16().float()
+    layer = _gate_up(QuantizationConfig("fp8"), w) if with_act else _layer(
+        QuantizationConfig("fp8"), w)
+    norm = RMSNorm(256, 1e-5, torch.bfloat16)
+    norm.weight.data.uniform_(0.5, 1.5)
+    norm.use_kernels(True)
+    act = SiluAndMul() if with_act else None
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    res = torch.randn(2, 256, dtype=torch.bfloat16)
+    y, r = layer.forward_normed(x, res, norm, act)
+    assert w8a8_planned == [with_act]
+    h, r_ref = norm(x, res)
+    assert torch.equal(r, r_ref)
+    ref = _w8a8_ref(layer, h)
+    if with_act:
+        ref = act(ref)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2,
+                               atol=2e-2 * float(ref.abs().max()))
+    norm.use_kernels(False)  # a norm the GEMV cannot fold: the layer's usual path
+    layer.forward_normed(x, res, norm, act)
+    assert len(w8a8_planned) == 2
+
+
+def test_fp8_decode_mode_follows_the_h200_table(monkeypatch):
+    """KVFLOW_FP8_DECODE: auto takes the W8A8 GEMV where the H200 table measured it
+    faster (qkv, gate/up, down) and not where it did not (o) or was not measured;
+    w8a8 takes it everywhere; dequant nowhere."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(woq_gemv_config, "_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    woq_gemv_config._device_table.cache_clear()
+    try:
+        monkeypatch.delenv("KVFLOW_FP8_DECODE", raising=False)
+        qkv = woq_gemv_config.plan("fp8a8", 6144, 4096, cuda)
+        assert set(qkv) == set(range(1, 9)) and qkv[1].promote == 128
+        assert woq_gemv_config.plan("fp8a8", 4096, 4096, cuda) == {}  # o: dequant faster
+        assert woq_gemv_config.plan("fp8a8", 2048, 2048, cuda) == {}  # unmeasured
+        assert set(woq_gemv_config.plan("fp8a8-silu", 14336, 4096, cuda)) == set(range(1, 9))
+        monkeypatch.setenv("KVFLOW_FP8_DECODE", "w8a8")
+        other = woq_gemv_config.plan("fp8a8", 2048, 2048, cuda)
+        assert other[1] == woq_gemv_config.default_config("fp8a8", 1, 2048, 2048, cuda)
+        assert other[1].promote == 128
+        assert set(woq_gemv_config.plan("fp8a8", 4096, 4096, cuda)) == set(range(1, 9))
+        monkeypatch.setenv("KVFLOW_FP8_DECODE", "dequant")
+        assert woq_gemv_config.plan("fp8a8", 6144, 4096, cuda) == {}
+        assert woq_gemv_config.plan("fp8", 6144, 4096, cuda)  # the weight-dequant GEMV
+        monkeypatch.setenv("KVFLOW_FP8_DECODE", "bogus")
+        with pytest.raises(InvalidParameterError, match="KVFLOW_FP8_DECODE"):
+            woq_gemv_config.plan("fp8a8", 6144, 4096, cuda)
+    finally:
+        woq_gemv_config._device_table.cache_clear()

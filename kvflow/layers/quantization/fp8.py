@@ -135,10 +135,88 @@ def fp8_gemv_plan(layer: LinearBase, silu: bool = False) -> dict:
     return plans[1] if silu else plans[0]
 
 
+def fp8a8_plan(layer: LinearBase, silu: bool = False) -> dict:
+    """{M: config} of the decode rows that take the FP8 W8A8 GEMV on the FP8 tensor cores
+    (``kvflow/kernels/gemv_fp8.py``: activations quantized per token, as at every other
+    M; ``silu``: its gate/up form with SiLU-and-multiply in the epilogue), planned once per
+    layer at its first call; ``KVFLOW_FP8_DECODE`` and the per-GPU table decide
+    (``woq_gemv_config.plan``). Rows it leaves out take ``fp8_gemv_plan``'s kernel. Not
+    for a checkpoint's static activation scale (its layers keep that scale's numbers)."""
+    plans = getattr(layer, "_fp8a8_gemv", None)
+    if plans is None:
+        plans = ({}, {})
+        w = layer.weight
+        if (use_fp8_kernels(w.device) and w.dim() == 2 and w.is_contiguous()
+                and layer.weight_scale.dim() == 1
+                and getattr(layer, "input_scale", None) is None):
+            from kvflow.kernels.woq_gemv_config import plan as woq_plan
+            from kvflow.layers.quantization.gpu import gate_up_pairs
+
+            n, k = w.shape
+            plans = (woq_plan("fp8a8", n, k, w.device),
+                     woq_plan("fp8a8-silu", n // 2, k, w.device) if gate_up_pairs(layer, n)
+                     else {})
+        layer._fp8a8_gemv = plans
+    return plans[1] if silu else plans[0]
+
+
+def _w8a8_gemv(layer: LinearBase, xq: torch.Tensor, sx: torch.Tensor, cfg, act,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """The W8A8 decode GEMV on quantized rows; ``act`` (SiLU-and-multiply) in its epilogue
+    where the layer has that plan for this M, else after it."""
+    from kvflow.kernels.gemv_fp8 import gemv_fp8
+
+    m = xq.shape[0]
+    scfg = (fp8a8_plan(layer, silu=True).get(m) if act is not None and layer.bias is None
+            else None)
+    if scfg is not None:
+        return gemv_fp8(xq, sx, layer.weight, layer.weight_scale, scfg, out_dtype,
+                        silu_and_mul=True)
+    y = gemv_fp8(xq, sx, layer.weight, layer.weight_scale, cfg, out_dtype)
+    if layer.bias is not None:
+        y = y + layer.bias
+    return y if act is None else act(y)
+
+
+def _w8a8_cfg(layer: LinearBase, x2: torch.Tensor, act) -> object | None:
+    """The W8A8 GEMV's config for these rows (with ``act``: the fused SiLU form's or the
+    plain one's), or None."""
+    if x2.dtype != torch.bfloat16:
+        return None
+    m = x2.shape[0]
+    cfg = fp8a8_plan(layer).get(m)
+    if cfg is None and act is not None and layer.bias is None:
+        cfg = fp8a8_plan(layer, silu=True).get(m)
+    return cfg
+
+
+def _apply_normed(layer: LinearBase, x: torch.Tensor, residual: torch.Tensor | None,
+                  norm, act) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Decode rows whose layer takes the W8A8 GEMV: the residual add, RMSNorm and the
+    per-token FP8 quantization in one launch (``rms_norm.rms_norm_fp8``), then the GEMV;
+    None where the layer's usual norm-then-linear path applies."""
+    if (x.dim() != 2 or x.stride(-1) != 1 or not getattr(norm, "uses_kernels", False)
+            or (residual is not None and residual.shape != x.shape)):
+        return None
+    cfg = _w8a8_cfg(layer, x, act)
+    if cfg is None:
+        return None
+    from kvflow.kernels.rms_norm import rms_norm_fp8
+
+    xq, sx, r = rms_norm_fp8(x, residual, norm.weight, norm.eps)
+    return _w8a8_gemv(layer, xq, sx, cfg, act, x.dtype), r
+
+
 def _apply_silu_and_mul(layer: LinearBase, x: torch.Tensor, act) -> torch.Tensor:
-    """Decode rows of an FP8 gate/up layer: the weight-dequant GEMV with SiLU in its
-    epilogue; everything else unfused (W8A8, then ``act``)."""
+    """Decode rows of an FP8 gate/up layer: the W8A8 or the weight-dequant GEMV with SiLU
+    in its epilogue; everything else unfused (W8A8, then ``act``)."""
     x2, lead = flatten_tokens(x)
+    a8 = _w8a8_cfg(layer, x2, act)
+    if a8 is not None:
+        from kvflow.kernels.fp8_quant import quantize_fp8
+
+        xq, sx = quantize_fp8(x2 if x2.stride(-1) == 1 else x2.contiguous())
+        return _w8a8_gemv(layer, xq, sx, a8, act, x.dtype).view(*lead, -1)
     cfg = (fp8_gemv_plan(layer, silu=True).get(x2.shape[0])
            if x2.dtype == torch.bfloat16 else None)
     if cfg is None:
@@ -153,7 +231,15 @@ def _apply_silu_and_mul(layer: LinearBase, x: torch.Tensor, act) -> torch.Tensor
 def _apply(layer: LinearBase, x: torch.Tensor,
            input_scale: torch.Tensor | None = None) -> torch.Tensor:
     x2, lead = flatten_tokens(x)  # [M, K]
+    a8 = _w8a8_cfg(layer, x2, None) if input_scale is None else None
     cfg = fp8_gemv_plan(layer).get(x2.shape[0]) if x2.dtype == torch.bfloat16 else None
+    if a8 is not None:
+        # Decode rows on the FP8 tensor cores: per-token quantization (one launch) and
+        # the W8A8 GEMV, the numbers of the _scaled_mm path below.
+        from kvflow.kernels.fp8_quant import quantize_fp8
+
+        xq, sx = quantize_fp8(x2 if x2.stride(-1) == 1 else x2.contiguous())
+        return _w8a8_gemv(layer, xq, sx, a8, None, x.dtype).view(*lead, -1)
     if cfg is not None:
         # Decode rows (M <= 8): weight-dequant GEMV, x stays bf16 (no activation
         # quantization launch; the step is a weight stream).
@@ -199,6 +285,10 @@ class Fp8LinearMethod(_QuantizeAfterLoad):
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor, act) -> torch.Tensor:
         return _apply_silu_and_mul(layer, x, act)
+
+    def apply_normed(self, layer: LinearBase, x: torch.Tensor, residual, norm, act):
+        out = _apply_normed(layer, x, residual, norm, act)
+        return out if out is not None else super().apply_normed(layer, x, residual, norm, act)
 
 
 def shard_rows(layer: LinearBase, shard) -> tuple[int, int]:
@@ -287,3 +377,7 @@ class Fp8CheckpointLinearMethod(LinearMethod):
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor, act) -> torch.Tensor:
         return _apply_silu_and_mul(layer, x, act)
+
+    def apply_normed(self, layer: LinearBase, x: torch.Tensor, residual, norm, act):
+        out = None if self.static else _apply_normed(layer, x, residual, norm, act)
+        return out if out is not None else super().apply_normed(layer, x, residual, norm, act)

@@ -1,0 +1,130 @@
+"""The FP8 W8A8 decode GEMV (``gemv_fp8``: FP8 activations x FP8 weights on the tensor
+cores) against its float32 reference, the RMSNorm kernel's FP8 output against the
+unfused norm + ``quantize_fp8``, and the one-pass per-token quantization; small shapes
+under the interpreter, Llama-3.1-8B shapes on a GPU (``gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.kernels.fp8_quant import quantize_fp8, quantize_fp8_ref
+from kvflow.kernels.gemv_fp8 import gemv_fp8, gemv_fp8_ref
+from kvflow.kernels.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_fp8
+from kvflow.kernels.woq_gemv_config import WoqGemvConfig, default_config
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _operands(m: int, n: int, k: int, device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    wq, sw = quantize_fp8_ref(torch.randn(n, k, generator=g))
+    xq, sx = quantize_fp8_ref(torch.randn(m, k, generator=g).to(torch.bfloat16))
+    return xq.to(device), sx.to(device), wq.to(device), sw.to(device)
+
+
+def _bound(xq, sx, wq, sw, ref, promote: bool):
+    """float32 sums of exact products (interpreter: 1e-5 of the magnitudes; the H200's
+    FP8 MMA sums up to ``promote`` inputs in about 13 bits: 2**-12), plus an ulp of the
+    bf16 output."""
+    mag = (xq.float().abs() @ wq.float().abs().t()) * sw[None, :] * sx[:, None]
+    rel = 2.0 ** -12 if promote else 1e-5
+    return rel * mag + torch.finfo(torch.bfloat16).eps * ref.float().abs() + 1e-5
+
+
+@pytest.mark.parametrize("m,n,k,bn,bk,split", [
+    (1, 64, 512, 64, 256, 1),
+    (3, 80, 384, 32, 128, 2),    # K not a multiple of BK, N not of BN, split-K
+    (8, 128, 256, 64, 64, 4),
+    (16, 64, 512, 32, 128, 1),   # every row of the MMA tile used
+])
+def test_gemv_fp8_matches_reference(device, m, n, k, bn, bk, split):
+    xq, sx, wq, sw = _operands(m, n, k, device)
+    cfg = WoqGemvConfig(bn, bk, split, num_stages=2, promote=min(128, bk))
+    y = gemv_fp8(xq, sx, wq, sw, cfg)
+    ref = gemv_fp8_ref(xq, sx, wq, sw, torch.bfloat16)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    err = (y.float() - ref.float()).abs()
+    assert (err <= _bound(xq, sx, wq, sw, ref, device.type == "cuda")).all()
+
+
+def test_gemv_fp8_strided_rows_and_float32_output(device):
+    xq, sx, wq, sw = _operands(4, 64, 256, device, seed=1)
+    big = torch.zeros(4, 512, dtype=torch.float8_e4m3fn, device=device)
+    big[:, :256] = xq
+    y = gemv_fp8(big[:, :256], sx, wq, sw, WoqGemvConfig(32, 128, num_stages=2),
+                 out_dtype=torch.float32)
+    ref = gemv_fp8_ref(xq, sx, wq, sw, torch.float32)
+    torch.testing.assert_close(y, ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("m,split", [(1, 1), (5, 2)])
+def test_gemv_fp8_silu_and_mul(device, m, split):
+    xq, sx, wq, sw = _operands(m, 128, 256, device, seed=2)
+    y = gemv_fp8(xq, sx, wq, sw, WoqGemvConfig(32, 128, split, num_stages=2, promote=128),
+                 silu_and_mul=True)
+    full = gemv_fp8_ref(xq, sx, wq, sw, torch.bfloat16)
+    ref = torch.nn.functional.silu(full[:, :64]) * full[:, 64:]
+    assert y.shape == (m, 64)
+    torch.testing.assert_close(y.float(), ref.float(), atol=2e-2 * float(ref.abs().max()),
+                               rtol=2e-2)
+
+
+def test_gemv_fp8_rejects_bad_operands():
+    xq, sx, wq, sw = _operands(2, 64, 128, "cpu")
+    cfg = WoqGemvConfig(32, 64)
+    with pytest.raises(AssertionError):
+        gemv_fp8(xq.float().to(torch.bfloat16), sx, wq, sw, cfg)  # not FP8 activations
+    with pytest.raises(AssertionError):
+        gemv_fp8(xq, sx[:1], wq, sw, cfg)  # one scale per row
+    with pytest.raises(AssertionError):
+        gemv_fp8(xq, sx, wq, sw[:32], cfg)  # one scale per output channel
+
+
+@pytest.mark.parametrize("t,hidden,residual", [(1, 256, True), (3, 300, True), (2, 64, False)])
+def test_rms_norm_fp8_is_the_norm_then_quantize(device, t, hidden, residual):
+    """Same bytes, scales and residual as the norm kernel followed by ``quantize_fp8``."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(t, hidden, generator=g) * 3).to(torch.bfloat16).to(device)
+    res = torch.randn(t, hidden, generator=g).to(torch.bfloat16).to(device) if residual else None
+    w = (torch.rand(hidden, generator=g) + 0.5).to(torch.bfloat16).to(device)
+    xq, sx, r = rms_norm_fp8(x, res, w, 1e-5)
+    if residual:
+        h, r_ref = fused_add_rms_norm(x, res, w, 1e-5)
+    else:
+        h, r_ref = rms_norm(x, w, 1e-5), x
+    q_ref, s_ref = quantize_fp8_ref(h)
+    assert torch.equal(r, r_ref)
+    assert torch.equal(sx, s_ref)
+    assert torch.equal(xq.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("k", [300, 4096, 20000])  # one pass; one pass; two passes
+def test_quantize_fp8_matches_reference_at_every_width(device, k):
+    x = (torch.randn(3, k, generator=torch.Generator().manual_seed(4)) * 5).to(torch.bfloat16)
+    x[1].zero_()  # an all-zero token: scale 1
+    q, s = quantize_fp8(x.to(device))
+    q_ref, s_ref = quantize_fp8_ref(x)
+    assert torch.equal(s.cpu(), s_ref)
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_gemv_fp8_real_shapes(n, k):
+    dev = torch.device("cuda")
+    for m in (1, 8):
+        xq, sx, wq, sw = _operands(m, n, k, dev, seed=m)
+        ref = gemv_fp8_ref(xq, sx, wq, sw, torch.bfloat16)
+        cfg = default_config("fp8a8", m, n, k, dev)
+        y = gemv_fp8(xq, sx, wq, sw, cfg)
+        err = (y.float() - ref.float()).abs()
+        assert (err <= _bound(xq, sx, wq, sw, ref, True)).all()
+        if n == 28672:  # the SiLU epilogue
+            c = default_config("fp8a8-silu", m, n // 2, k, dev)
+            ys = gemv_fp8(xq, sx, wq, sw, c, silu_and_mul=True)
+            full = gemv_fp8_ref(xq, sx, wq, sw, torch.bfloat16)
+            sref = torch.nn.functional.silu(full[:, :n // 2]) * full[:, n // 2:]
+            torch.testing.assert_close(ys.float(), sref.float(), rtol=2e-2,
+                                       atol=2e-2 * float(sref.abs().max()))
