@@ -85,8 +85,14 @@ def profile_step(engine, label: str, floor: dict, prepare=lambda: None) -> dict:
           f"floor {floor['floor_ms']:.3f} ms ({floor['bound']}-bound) ==")
     for name, (ms, count) in top:
         print(f"  {ms:8.3f} ms  {100 * ms / total_gpu:5.1f}%  x{count:<4d} {name[:90]}")
+    host = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
+                  key=lambda e: -e.self_cpu_time_total)[:12]  # where the host time went
+    for e in host[:6]:
+        print(f"  host {e.self_cpu_time_total / 1e3:8.3f} ms  x{e.count:<5d} {e.key[:80]}")
     return {"label": label, "gpu_kernel_ms": total_gpu, "step_ms_events": wall, **floor,
-            "kernels": [{"name": n, "ms": ms, "count": c} for n, (ms, c) in top]}
+            "kernels": [{"name": n, "ms": ms, "count": c} for n, (ms, c) in top],
+            "host_self_ms": [{"name": e.key, "ms": e.self_cpu_time_total / 1e3,
+                              "count": e.count} for e in host]}
 
 
 def main() -> None:
@@ -94,12 +100,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--cases", default="decode1,decode256,prefill",
-                    help="comma-separated subset of decode1, decode256, prefill, decode1-graph")
+                    help="comma-separated subset of decode1, decode256, prefill, "
+                    "decode1-graph, prefill128 (one 128-token prompt: GPU-A's prefill)")
     ap.add_argument("--quantization", default="none",
                     help="weight storage (none, int4, int8, fp8, ...): the low-bit kernels' "
                     "share of the step; int4 uses groups of 128 as GPU-A's int4 runs do")
     ns = ap.parse_args()
-    cases = dict(zip(("decode1", "decode256", "prefill", "decode1-graph"), range(4)))
+    cases = dict(zip(("decode1", "decode256", "prefill", "decode1-graph", "prefill128"),
+                     range(5)))
     wanted = {cases[c] for c in ns.cases.split(",")}
     results = []
     for i, (label, batch, prompt, eager, extra) in enumerate([
@@ -109,6 +117,8 @@ def main() -> None:
         # the decode graph GPU-A replays (its split-KV count is the graph's, 16 at batch
         # 1, not the eager step's 4); the profiler lists the kernels of the replay
         ("decode batch 1 (ctx ~256, CUDA graph)", 1, 256, False,
+         {"max_num_seqs": 1, "max_model_len": 4096}),
+        ("prefill 128 tokens (GPU-A's prompt, CUDA graphs for decode)", 1, 128, False,
          {"max_num_seqs": 1, "max_model_len": 4096}),
     ]):
         if i not in wanted:
@@ -130,10 +140,10 @@ def main() -> None:
                 while engine.has_unfinished_requests():
                     engine.step()
                 engine.add_request(f"p{next(counter)}", {"prompt_token_ids": [
-                    (j * 13) % 30000 + 100 for j in range(8192)]}, params)
+                    (j * 13) % 30000 + 100 for j in range(prompt)]}, params)
             prepare()
             engine.step()  # warm-up: compile the prefill kernels
-            floor = step_floor(arch, 8192, 1, 8192)
+            floor = step_floor(arch, prompt, 1, prompt)
         else:
             def prepare():
                 pass
