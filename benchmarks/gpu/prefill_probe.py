@@ -55,6 +55,18 @@ def main() -> None:
     for _ in range(2):
         one()
     times = [one() for _ in range(ns.repeats)]
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    one()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(18)
+    python_top = buf.getvalue()
+    print(python_top[-4000:])
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         one()
     kernels = defaultdict(lambda: [0.0, 0])
@@ -75,7 +87,8 @@ def main() -> None:
                          "gpu_kernels": [{"name": n, "ms": ms, "count": c}
                                          for n, (ms, c) in gpu],
                          "host_self": [{"name": e.key, "ms": e.self_cpu_time_total / 1e3,
-                                        "count": e.count} for e in host]})
+                                        "count": e.count} for e in host],
+                         "python_tottime_top": python_top})
 
 
 if __name__ == "__main__":
