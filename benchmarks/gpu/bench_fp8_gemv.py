@@ -168,14 +168,85 @@ def bench(budget_s: float, ms: tuple[int, ...]) -> dict:
     return {"rows": rows, "summary": errors, "table": table, "launches": launches}
 
 
+def bench_chain(budget_s: float, ms: tuple[int, ...]) -> dict:
+    """The gated MLP's FP8 chain at 8B shape: gate/up + SiLU writing FP8 in 128-wide
+    groups (``siluq``: 128-row tiles, no split-K) and down reading them (``xg``: 128-input
+    K steps), each over a small sweep, against the per-token pair it replaces (gate/up +
+    SiLU in bf16, the quantize launch, down) at the table's configs."""
+    from kvflow.kernels.woq_gemv_config import plan as woq_plan
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    dev = torch.device("cuda")
+    d, k = 14336, 4096
+    out = {"rows": [], "table": [], "summary": []}
+    end = time.time() + budget_s
+    gu = [quantize_fp8_ref(torch.randn(2 * d, k, device="cuda")) for _ in range(2)]
+    dn = [quantize_fp8_ref(torch.randn(k, d, device="cuda")) for _ in range(4)]
+    for i, m in enumerate(ms):
+        x = torch.randn(m, k, dtype=DT, device="cuda")
+        xq, sx = quantize_fp8(x)
+        deadline = time.time() + max(0.0, end - time.time()) / (len(ms) - i)
+        best = {}
+        sq = [WoqGemvConfig(128, bk, 1, w, st, promote=128) for bk, w, st in
+              itertools.product((128, 256), (4, 8), (4, 3, 6)) if 128 * bk * st <= 100 * 1024]
+        xg = [WoqGemvConfig(bn, 128, sp, 4, st) for bn, st, sp in itertools.product(
+            (64, 128), (6, 4, 3), (1, 2, 3, 4, 6, 8)) if sms // 2 <= (k // bn) * sp <= 8 * sms]
+        hq, hs = gemv_fp8(xq, sx, gu[0][0], gu[0][1], sq[0], silu_and_mul=True, fp8_out=True)
+        for form, grid in (("siluq", sq), ("xg", xg)):
+            for j, cfg in enumerate(grid):
+                if j and time.time() > deadline:
+                    break
+                if form == "siluq":
+                    fns = [lambda wt=wt, c=cfg: gemv_fp8(xq, sx, wt[0], wt[1], c,
+                                                         silu_and_mul=True, fp8_out=True)
+                           for wt in gu]
+                else:
+                    fns = [lambda wt=wt, c=cfg: gemv_fp8(hq, hs, wt[0], wt[1], c) for wt in dn]
+                try:
+                    t = graph_ms(fns)
+                except Exception as exc:
+                    out["rows"].append({"form": form, "m": m, "config": cfg.as_dict(),
+                                        "error": repr(exc)[:160]})
+                    continue
+                out["rows"].append({"form": form, "m": m, "config": cfg.as_dict(), "ms": t})
+                if form not in best or t < best[form][1]:
+                    best[form] = (cfg, t)
+        # the pair it replaces, at the table's configs
+        scfg = woq_plan("fp8a8-silu", d, k, dev).get(m) or default_config("fp8a8-silu", m, d,
+                                                                            k, dev)
+        dcfg = woq_plan("fp8a8", k, d, dev).get(m) or default_config("fp8a8", m, k, d, dev)
+        t_gu = graph_ms([lambda wt=wt: gemv_fp8(xq, sx, wt[0], wt[1], scfg, silu_and_mul=True)
+                         for wt in gu])
+        h = gemv_fp8(xq, sx, gu[0][0], gu[0][1], scfg, silu_and_mul=True)
+        t_q = graph_ms([lambda: quantize_fp8(h)] * 4)
+        hq1, hs1 = quantize_fp8(h)
+        t_dn = graph_ms([lambda wt=wt: gemv_fp8(hq1, hs1, wt[0], wt[1], dcfg) for wt in dn])
+        summ = {"m": m, "siluq": best["siluq"][0].as_dict(), "siluq_ms": best["siluq"][1],
+                "xg": best["xg"][0].as_dict(), "xg_ms": best["xg"][1],
+                "chain_ms": best["siluq"][1] + best["xg"][1],
+                "pair_ms": {"gate_up_silu": t_gu, "quantize": t_q, "down": t_dn,
+                            "total": t_gu + t_q + t_dn}}
+        out["summary"].append(summ)
+        out["table"] += [{"format": "fp8a8-siluq", "n": d, "k": k, "m": m,
+                          "config": best["siluq"][0].as_dict()},
+                         {"format": "fp8a8-xg", "n": k, "k": d, "m": m,
+                          "config": best["xg"][0].as_dict()}]
+        print(json.dumps({kk: (round(v * 1e3, 1) if isinstance(v, float) else v)
+                          for kk, v in summ.items() if kk != "pair_ms"}),
+              {kk: round(v * 1e3, 1) for kk, v in summ["pair_ms"].items()}, flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--ms", default="1,8")
+    ap.add_argument("--chain", action="store_true",
+                    help="only the gated MLP's FP8 chain (bench_chain)")
     args = ap.parse_args()
     ms = tuple(int(v) for v in args.ms.split(","))
-    res = bench(args.budget_s, ms)
+    res = bench_chain(args.budget_s, ms) if args.chain else bench(args.budget_s, ms)
     save_result(args.out, {"command": "python benchmarks/gpu/bench_fp8_gemv.py " + " ".join(
         sys.argv[1:]), **res, "timing": "one CUDA graph over weight copies > 4x L2, "
         "median per launch"})

@@ -69,10 +69,11 @@
 #             in PROFILE_QUANTS (default "none int4 fp8"; profile-decode1-graph-Q.json)
 #   spec-graphs  GPU tests: greedy speculative output equals plain with verification graphs
 #             on and off (tests/test_spec_graphs_gpu.py, <= 2.5 min)
-#   fp8-decode  FP8 W8A8 decode GEMV: its GPU tests, GPU-A batch 1 in bf16 and with FP8
-#             weights for each KVFLOW_FP8_DECODE in FP8_DECODE_MODES (default "dequant auto
-#             w8a8"; gpu-a-fp8-MODE.json, gpu-a-fp8-bf16.json), the batch-1 graph's kernel
-#             profile with the default (profile-decode1-graph-fp8.json)
+#   fp8-decode  FP8 W8A8 decode GEMV: its GPU tests, the MLP chain's sweep
+#             (fp8-chain-bench.json), GPU-A batch 1 in bf16 and with FP8 weights for each
+#             mode in FP8_DECODE_MODES (default "dequant auto chain": KVFLOW_FP8_DECODE
+#             values, chain = auto with the sweep's table; gpu-a-fp8-MODE.json), the batch-1
+#             graph's kernel profile with the default (profile-decode1-graph-fp8.json)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/env.sh  # OUT, PYTHONPATH, KVFLOW_GIT_COMMIT, KV
@@ -182,13 +183,16 @@ for stage in "$@"; do
         timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization $q --out "$OUT/profile-decode1-graph-$q.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-30}
       done;;
     fp8-decode)
-      timeout ${FP8_DECODE_TEST_TIMEOUT:-120} python -m pytest tests/kernels/test_gemv_fp8_kernel.py tests/kernels/test_woq_gemv_dispatch.py -q -x 2>&1 | tail -4
-      for run in none:bf16 ${FP8_DECODE_MODES:-dequant auto w8a8}; do
+      timeout ${FP8_DECODE_TEST_TIMEOUT:-120} python -m pytest tests/kernels/test_gemv_fp8_kernel.py -q 2>&1 | tail -4
+      # the gated MLP's FP8 chain: its sweep, whose best tiles the "chain" run takes
+      [ "${FP8_DECODE_CHAIN:-1}" = 1 ] && timeout $(( ${FP8_CHAIN_BUDGET:-60} + 60 )) python benchmarks/gpu/bench_fp8_gemv.py --chain --budget-s ${FP8_CHAIN_BUDGET:-60} --ms 1,8 --out "$OUT/fp8-chain-bench.json" 2>&1 | grep -v "^INFO" | tail -4
+      for run in none:bf16 ${FP8_DECODE_MODES:-dequant auto chain}; do
         q=fp8; mode=$run; [ $run = none:bf16 ] && { q=none; mode=bf16; }
-        KVFLOW_FP8_DECODE=${mode/bf16/auto} timeout ${FP8_DECODE_RUN_TIMEOUT:-90} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --quantization $q --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-fp8-$mode.json" 2>&1 | grep -E "weights:|tokens/s|rror|Traceback" | tail -4
+        table=$([ $mode = chain ] && [ -f "$OUT/fp8-chain-bench.json" ] && echo "$OUT/fp8-chain-bench.json")
+        KVFLOW_WOQ_GEMV_TABLE=$table KVFLOW_FP8_DECODE=$(case $mode in bf16|chain) echo auto;; *) echo $mode;; esac) timeout ${FP8_DECODE_RUN_TIMEOUT:-90} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters ${FP8_DECODE_ITERS:-6} --backend kvflow --quantization $q --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-fp8-$mode.json" 2>&1 | grep -E "weights:|tokens/s|rror|Traceback" | tail -4
         echo "gpu-a-fp8-$mode exit ${PIPESTATUS[0]}"
       done
-      timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization fp8 --out "$OUT/profile-decode1-graph-fp8.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
+      KVFLOW_WOQ_GEMV_TABLE=$([ -f "$OUT/fp8-chain-bench.json" ] && echo "$OUT/fp8-chain-bench.json") timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization fp8 --out "$OUT/profile-decode1-graph-fp8.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     *) echo "unknown stage $stage"; exit 2;;
   esac

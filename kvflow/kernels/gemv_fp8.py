@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvflow.kernels.fp8_quant import F8INV, F8MAX, round_e4m3
 from kvflow.kernels.gemv import gemv_outputs, store_silu_pair
 from kvflow.kernels.woq_config import store_output
 
@@ -42,9 +43,12 @@ MAX_M = 16
 
 @triton.jit
 def _fp8_partial(xq_ptr, w_ptr, rows, n_ok, offs_m, m_ok, K, stride_xm, t_start, t_end,
+                 sx_ptr, stride_sxm,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 PROMOTE: tl.constexpr, UPCAST: tl.constexpr):
-    """sum over the K tiles t_start .. t_end of Wq[rows] . xq -> [BN, 16] float32."""
+                 PROMOTE: tl.constexpr, UPCAST: tl.constexpr, XGROUP: tl.constexpr):
+    """sum over the K tiles t_start .. t_end of Wq[rows] . xq -> [BN, 16] float32.
+    ``XGROUP``: x carries one scale per row and K tile (``sx[m, t]``, BLOCK_K inputs per
+    group): each tile's dot starts from zero and is scaled before it is added."""
     BM: tl.constexpr = 16
     rows_w = rows.to(tl.int64)[:, None] * K  # [BN, 1]
     acc = tl.zeros((BLOCK_N, BM), dtype=tl.float32)
@@ -61,7 +65,15 @@ def _fp8_partial(xq_ptr, w_ptr, rows, n_ok, offs_m, m_ok, K, stride_xm, t_start,
                         other=0.0, eviction_policy="evict_first")
             x = tl.load(xq_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if UPCAST:  # CPU interpreter: FP8 values widened exactly, float32 products
+        if XGROUP:
+            if UPCAST:
+                part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)),
+                              input_precision="ieee")
+            else:
+                part = tl.dot(w, tl.trans(x))  # [BN, BM], one group: promoted once
+            sxt = tl.load(sx_ptr + offs_m * stride_sxm + t, mask=m_ok, other=0.0)  # [BM]
+            acc += part * sxt[None, :]
+        elif UPCAST:  # CPU interpreter: FP8 values widened exactly, float32 products
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
         elif PROMOTE > 0:
             acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE)
@@ -72,10 +84,15 @@ def _fp8_partial(xq_ptr, w_ptr, rows, n_ok, offs_m, m_ok, K, stride_xm, t_start,
 
 @triton.jit
 def _gemv_fp8_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K,
-                     stride_xm, stride_om, split_k, BLOCK_N: tl.constexpr,
+                     stride_xm, stride_om, split_k, stride_sxm, oscale_ptr,
+                     BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-                     SILU: tl.constexpr, PROMOTE: tl.constexpr, UPCAST: tl.constexpr):
-    """N: the output width (SILU: the gate rows; the up rows follow them in the weight)."""
+                     SILU: tl.constexpr, PROMOTE: tl.constexpr, UPCAST: tl.constexpr,
+                     XGROUP: tl.constexpr = False, OUT_FP8: tl.constexpr = False):
+    """N: the output width (SILU: the gate rows; the up rows follow them in the weight).
+    ``XGROUP``: per-(row, K tile) activation scales ``sx [M, K / BLOCK_K]``. ``OUT_FP8``
+    (SILU, no split-K): ``silu(gate) * up`` quantized to FP8 per row and BLOCK_N-wide
+    group, scales into ``oscale [M, N / BLOCK_N]`` (the next GEMV's XGROUP input)."""
     BM: tl.constexpr = 16
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -88,20 +105,53 @@ def _gemv_fp8_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M
     t_start = pid_k * per_split
     t_end = tl.minimum(t_start + per_split, k_tiles)
     acc = _fp8_partial(xq_ptr, w_ptr, offs_n, n_ok, offs_m, m_ok, K, stride_xm, t_start,
-                       t_end, BLOCK_N, BLOCK_K, EVEN_K, PROMOTE, UPCAST)
-    sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)  # [BM] float32
+                       t_end, sx_ptr, stride_sxm, BLOCK_N, BLOCK_K, EVEN_K, PROMOTE, UPCAST,
+                       XGROUP)
+    if XGROUP:  # the activation scales are in the sums already
+        sx = tl.full((BM,), 1.0, tl.float32)
+    else:
+        sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)  # [BM] float32
     sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)  # [BN] float32
     y = tl.trans(acc * sw[:, None]) * sx[:, None]  # [BM, BN], as fp8_mm_ref scales
     if SILU:  # the matching up rows, then silu(gate) * up
         up = _fp8_partial(xq_ptr, w_ptr, offs_n + N, n_ok, offs_m, m_ok, K, stride_xm,
-                          t_start, t_end, BLOCK_N, BLOCK_K, EVEN_K, PROMOTE, UPCAST)
+                          t_start, t_end, sx_ptr, stride_sxm, BLOCK_N, BLOCK_K, EVEN_K,
+                          PROMOTE, UPCAST, XGROUP)
         su = tl.load(sw_ptr + N + offs_n, mask=n_ok, other=0.0)
-        store_silu_pair(y, tl.trans(up * su[:, None]) * sx[:, None], out_ptr, ws_ptr,
-                        lock_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, split_k,
-                        SPLIT)
+        u = tl.trans(up * su[:, None]) * sx[:, None]
+        if OUT_FP8:
+            _store_silu_mul_fp8(y, u, out_ptr, oscale_ptr, offs_m, offs_n, M, N, stride_om,
+                                pid_n, BLOCK_N, UPCAST)
+        else:
+            store_silu_pair(y, u, out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N,
+                            stride_om, pid_n, pid_k, split_k, SPLIT)
     else:
         store_output(y, out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_om, pid_n,
                      pid_k, split_k, SPLIT)
+
+
+@triton.jit
+def _store_silu_mul_fp8(gate, up, out_ptr, oscale_ptr, offs_m, offs_n, M, N, stride_om,
+                        group, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
+    """gate, up [BM, BN] float32 -> h = silu(gate) * up rounded as the unfused path rounds
+    it (``gemv._store_silu_mul``), then quantized to FP8 per row over these BN columns
+    as ``quantize_fp8(h, group=BN)`` does: the bytes into out [M, N] (float8) and the
+    scale into oscale [M, N / BN] at column ``group``."""
+    o_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    g = gate.to(tl.bfloat16).to(tl.float32)
+    u = up.to(tl.bfloat16).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(tl.bfloat16).to(tl.float32)
+    h = (act * u).to(tl.bfloat16).to(tl.float32)
+    h = tl.where(o_mask, h, 0.0)
+    s = tl.max(tl.abs(h), axis=1) * F8INV  # [BM]
+    s = tl.where(s > 0, s, 1.0)
+    n_groups = tl.cdiv(N, BLOCK_N)
+    tl.store(oscale_ptr + offs_m * n_groups + group, s, mask=offs_m < M)
+    v = tl.clamp(tl.math.div_rn(h, s[:, None]), -F8MAX, F8MAX)
+    if EMULATE:
+        v = round_e4m3(v)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], v.to(tl.float8e4nv),
+             mask=o_mask)
 
 
 def gemv_fp8_ref(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
@@ -113,30 +163,47 @@ def gemv_fp8_ref(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch
 
 
 def gemv_fp8(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
-             config, out_dtype: torch.dtype = torch.bfloat16,
-             silu_and_mul: bool = False) -> torch.Tensor:
+             config, out_dtype: torch.dtype = torch.bfloat16, silu_and_mul: bool = False,
+             fp8_out: bool = False):
     """xq [M, K] float8_e4m3fn (M <= 16, unit stride along K) with per-row scales sx [M],
-    times wq [N, K] float8_e4m3fn with per-channel scales sw [N] -> [M, N] in
-    ``out_dtype``. ``silu_and_mul``: wq = [gate; up] (N = 2d rows) -> silu(gate) * up
-    [M, d]. ``config``: a ``woq_gemv_config.WoqGemvConfig`` (``promote`` included)."""
+    or per row and ``config.block_k``-wide K group sx [M, cdiv(K, block_k)] (as
+    ``quantize_fp8(x, group=block_k)`` and ``fp8_out`` write them), times wq [N, K]
+    float8_e4m3fn with per-channel scales sw [N] -> [M, N] in ``out_dtype``.
+    ``silu_and_mul``: wq = [gate; up] (N = 2d rows) -> silu(gate) * up [M, d];
+    with ``fp8_out`` (no split-K) that product quantized per row and ``block_n``-wide
+    group -> (float8 [M, d], float32 scales [M, d / block_n]).
+    ``config``: a ``woq_gemv_config.WoqGemvConfig`` (``promote`` included)."""
     m, k = xq.shape
     n = wq.shape[0]
     assert m <= MAX_M and wq.shape == (n, k) and wq.is_contiguous() and xq.stride(1) == 1
     assert xq.dtype == torch.float8_e4m3fn and wq.dtype == torch.float8_e4m3fn
-    assert sx.shape == (m,) and sx.dtype == torch.float32
+    x_group = sx.dim() == 2
+    assert sx.dtype == torch.float32 and sx.shape == (
+        (m, triton.cdiv(k, config.block_k)) if x_group else (m,))
     assert sw.shape == (n,) and sw.dtype == torch.float32
-    out, ws, locks = gemv_outputs(_out_like(xq, out_dtype), config, n, silu_and_mul)
+    oscale = None
+    if fp8_out:
+        d = n // 2
+        assert silu_and_mul and config.split_k == 1 and d % config.block_n == 0
+        assert out_dtype == torch.bfloat16, "the SiLU product is rounded to bf16 first"
+        out = torch.empty((m, d), dtype=torch.float8_e4m3fn, device=xq.device)
+        oscale = torch.empty((m, d // config.block_n), dtype=torch.float32, device=xq.device)
+        ws = locks = None
+    else:
+        out, ws, locks = gemv_outputs(_out_like(xq, out_dtype), config, n, silu_and_mul)
     if m == 0:
-        return out
+        return (out, oscale) if fp8_out else out
     n_out = out.shape[1]
     grid = (triton.cdiv(n_out, config.block_n), config.split_k)
     _gemv_fp8_kernel[grid](
         xq, sx, wq, sw, out, out if ws is None else ws, out if locks is None else locks,
-        m, n_out, k, xq.stride(0), n_out, config.split_k, BLOCK_N=config.block_n,
+        m, n_out, k, xq.stride(0), n_out, config.split_k, sx.stride(0),
+        sx if oscale is None else oscale, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SPLIT=ws is not None,
         SILU=silu_and_mul, PROMOTE=config.promote, UPCAST=xq.device.type == "cpu",
+        XGROUP=x_group, OUT_FP8=fp8_out,
         num_warps=config.num_warps, num_stages=config.num_stages)
-    return out
+    return (out, oscale) if fp8_out else out
 
 
 def _out_like(xq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -16,7 +16,8 @@ M <= 8: table config where there is one, else the heuristic).
 
 Table keys: (format, N, K) with format ``w4g<G>`` (int4, G inputs per group), ``int8``,
 ``fp8`` (the weight-dequant GEMV) or ``fp8a8`` (FP8 W8A8, ``gemv_fp8.py``; chosen by
-``KVFLOW_FP8_DECODE``, see ``plan``), and ``<format>-silu`` for a merged [gate; up] layer with SiLU-and-multiply in
+``KVFLOW_FP8_DECODE``, see ``plan``; ``fp8a8-siluq``: gate/up + SiLU writing FP8 in
+128-wide groups, ``fp8a8-xg``: down reading them), and ``<format>-silu`` for a merged [gate; up] layer with SiLU-and-multiply in
 the epilogue (N = d, the output width); values {M bucket (1, 2, 4, 8): config or None}.
 """
 
@@ -83,6 +84,8 @@ def default_config(fmt: str, m: int, n: int, k: int, device: torch.device,
                                 cfg.num_warps, cfg.num_stages, cfg.deq, cfg.xa,
                                 min(cfg.promote, 128))
         return cfg
+    if fmt == "fp8a8-siluq":  # gate/up + SiLU with FP8 output: 128-wide groups, no split
+        return WoqGemvConfig(128, 128, 1, 4, 4, promote=128)
     cfg = _default(fmt, m, n, k, device, sms)
     if fmt == "fp8a8":  # FP8 x FP8: a float32 promotion per 128 inputs (as _scaled_mm)
         cfg = WoqGemvConfig(cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
@@ -102,6 +105,8 @@ def _default(fmt: str, m: int, n: int, k: int, device: torch.device,
     bn, bk = 64, 256 if k >= 512 else max(16, triton.next_power_of_2(k) // 2)
     if fmt.startswith("w4"):
         bk = 256
+    if fmt == "fp8a8-xg":  # x in 128-wide groups: one group per K step
+        bk = 128
     tiles = triton.cdiv(n, bn)
     k_tiles = triton.cdiv(k, bk)
     split = 1

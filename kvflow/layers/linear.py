@@ -72,6 +72,16 @@ class LinearMethod:
         return y, r  # (layer(h): through the module, so its forward hooks fire)
 
 
+    def apply_mlp(self, layer: "LinearBase", x: torch.Tensor, residual: torch.Tensor | None,
+                  norm: nn.Module, act: nn.Module, down: "LinearBase"
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A gated MLP from this merged [gate; up] layer: ``h, r = norm(x, residual)``,
+        then ``down(act(layer(h)))`` -> (output, r). A method that hands its activation
+        to ``down`` in a form of its own (FP8 with group scales) overrides it."""
+        h, r = layer.forward_normed(x, residual, norm, act)
+        return down(h), r
+
+
 class UnquantizedLinearMethod(LinearMethod):
     """A dense weight [out_features, in_features] in the model dtype; y = x W^T + b."""
 
@@ -183,6 +193,13 @@ class LinearBase(nn.Module):
         -> (output, r): the seam for the decode GEMV with the residual add and RMSNorm in
         its prologue (no communication, so for column-parallel layers only)."""
         return self.quant_method.apply_normed(self, x, residual, norm, act)
+
+    def forward_mlp(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
+                    act: nn.Module, down: "LinearBase") -> tuple[torch.Tensor, torch.Tensor]:
+        """This merged [gate; up] layer and ``down`` as a gated MLP: ``(down(act(self(
+        norm(x, residual)))), r)``; the seam for decode rows whose activation goes from
+        the gate/up GEMV's epilogue to the down GEMV quantized (FP8)."""
+        return self.quant_method.apply_mlp(self, x, residual, norm, act, down)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}"

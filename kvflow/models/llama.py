@@ -88,8 +88,7 @@ class LlamaMLP(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual) of ``norm(x, residual)``: the add, the norm and the
         activation go through gate_up_proj, which may fold them into one launch."""
-        h, residual = self.gate_up_proj.forward_normed(x, residual, norm, self.act_fn)
-        return self.down_proj(h), residual
+        return self.gate_up_proj.forward_mlp(x, residual, norm, self.act_fn, self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -128,3 +128,71 @@ def test_gemv_fp8_real_shapes(n, k):
             sref = torch.nn.functional.silu(full[:, :n // 2]) * full[:, n // 2:]
             torch.testing.assert_close(ys.float(), sref.float(), rtol=2e-2,
                                        atol=2e-2 * float(sref.abs().max()))
+
+
+def _grouped_ref(xq, sx, wq, sw, group: int) -> torch.Tensor:
+    """(per-group-scaled x) @ (per-channel-scaled W)^T in float32."""
+    m, k = xq.shape
+    xs = xq.float() * sx.repeat_interleave(group, dim=1)[:, :k]
+    return (xs @ wq.float().t()) * sw[None, :]
+
+
+@pytest.mark.parametrize("m,n,k,split", [(1, 64, 512, 1), (5, 96, 384, 2), (8, 64, 200, 1)])
+def test_gemv_fp8_grouped_activation_scales(device, m, n, k, split):
+    """x scaled per row and 128-wide group (what the SiLU epilogue's FP8 output is):
+    each K tile's sum times its group's scale."""
+    g = torch.Generator().manual_seed(7)
+    wq, sw = quantize_fp8_ref(torch.randn(n, k, generator=g))
+    x = (torch.randn(m, k, generator=g) * torch.linspace(0.1, 8, k)).to(torch.bfloat16)
+    xq, sx = quantize_fp8_ref(x, group=128)
+    xq, sx, wq, sw = xq.to(device), sx.to(device), wq.to(device), sw.to(device)
+    y = gemv_fp8(xq, sx, wq, sw, WoqGemvConfig(32, 128, split, num_stages=2))
+    ref = _grouped_ref(xq.cpu(), sx.cpu(), wq.cpu(), sw.cpu(), 128)
+    torch.testing.assert_close(y.float().cpu(), ref.to(torch.bfloat16).float(), rtol=1e-2,
+                               atol=1e-2 * float(ref.abs().max()))
+    with pytest.raises(AssertionError):  # the groups must be the config's K step
+        gemv_fp8(xq, sx, wq, sw, WoqGemvConfig(32, 64, split, num_stages=2))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_fp8_silu_fp8_output_feeds_the_grouped_gemv(device, m):
+    """gate/up with SiLU and FP8 output per 128-wide group: the bytes and scales of
+    ``quantize_fp8(silu(gate) * up, group=128)`` on the bf16 product; then a down GEMV
+    reading them gives the unfused chain's result."""
+    d, k = 256, 256
+    xq, sx, wq, sw = _operands(m, 2 * d, k, device, seed=8)
+    cfg = WoqGemvConfig(128, 128, 1, num_stages=2, promote=128)
+    hq, hs = gemv_fp8(xq, sx, wq, sw, cfg, silu_and_mul=True, fp8_out=True)
+    h = gemv_fp8(xq, sx, wq, sw, cfg, silu_and_mul=True)  # the bf16 product
+    q_ref, s_ref = quantize_fp8_ref(h.cpu(), group=128)
+    assert hq.shape == (m, d) and hs.shape == (m, d // 128)
+    torch.testing.assert_close(hs.cpu(), s_ref, rtol=0, atol=0)
+    assert torch.equal(hq.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    wd, sd = quantize_fp8_ref(torch.randn(64, d, generator=torch.Generator().manual_seed(9)))
+    y = gemv_fp8(hq, hs, wd.to(device), sd.to(device), WoqGemvConfig(32, 128, 2, num_stages=2))
+    ref = _grouped_ref(q_ref, s_ref, wd, sd, 128)
+    torch.testing.assert_close(y.float().cpu(), ref.to(torch.bfloat16).float(), rtol=1e-2,
+                               atol=1e-2 * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gemv_fp8_chain_real_shapes():
+    """Llama-3.1-8B's MLP at M = 1 and 8: gate/up + SiLU with FP8 output in 128-wide groups
+    (the default ``fp8a8-siluq`` tile), then down on those groups (``fp8a8-xg``)."""
+    dev = torch.device("cuda")
+    d, k = 14336, 4096
+    for m in (1, 8):
+        xq, sx, wq, sw = _operands(m, 2 * d, k, dev, seed=m)
+        hq, hs = gemv_fp8(xq, sx, wq, sw, default_config("fp8a8-siluq", m, d, k, dev),
+                          silu_and_mul=True, fp8_out=True)
+        full = gemv_fp8_ref(xq, sx, wq, sw, torch.bfloat16)
+        h = torch.nn.functional.silu(full[:, :d]) * full[:, d:]
+        h_back = hq.float() * hs.repeat_interleave(128, dim=1)
+        torch.testing.assert_close(h_back, h.float(), rtol=8e-2,
+                                   atol=2e-2 * float(h.abs().max()))
+        wd, sd = quantize_fp8_ref(torch.randn(k, d, device=dev))
+        y = gemv_fp8(hq, hs, wd, sd, default_config("fp8a8-xg", m, k, d, dev))
+        ref = (h_back @ wd.float().t()) * sd[None, :]
+        torch.testing.assert_close(y.float(), ref, rtol=2e-2,
+                                   atol=2e-2 * float(ref.abs().max()))

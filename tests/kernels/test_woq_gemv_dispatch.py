@@ -264,3 +264,45 @@ def test_fp8_decode_mode_follows_the_h200_table(monkeypatch):
             woq_gemv_config.plan("fp8a8", 6144, 4096, cuda)
     finally:
         woq_gemv_config._device_table.cache_clear()
+
+
+def test_fp8_mlp_decode_rows_run_as_one_fp8_chain(monkeypatch):
+    """forward_mlp with both layers FP8 and the chain planned: norm + quantize, gate/up +
+    SiLU writing FP8 per 128-input group, down reading those groups (three launches);
+    the result is the unfused W8A8 MLP's within the activation's FP8 rounding, and
+    without the chain planned the same call takes the layers' usual path."""
+    from kvflow.kernels import gemv_fp8
+    from kvflow.layers.activation import SiluAndMul
+    from kvflow.layers.norm import RMSNorm
+
+    cfgs = {"siluq": woq_gemv_config.WoqGemvConfig(128, 128, 1, num_stages=2, promote=128),
+            "xg": woq_gemv_config.WoqGemvConfig(32, 128, 2, num_stages=2)}
+    planned = {"on": True}
+    monkeypatch.setattr(fp8, "fp8a8_chain_plan", lambda layer, form: dict.fromkeys(
+        range(1, 9), cfgs[form]) if planned["on"] else {})
+    used = []
+    fn = gemv_fp8.gemv_fp8
+    monkeypatch.setattr(gemv_fp8, "gemv_fp8", lambda *a, **k: used.append(
+        k.get("fp8_out", False)) or fn(*a, **k))
+    torch.manual_seed(7)
+    gate_up = _gate_up(QuantizationConfig("fp8"), (torch.randn(256, 256) * 0.05).bfloat16()
+                       .float())
+    down = _layer(QuantizationConfig("fp8"), (torch.randn(64, 128) * 0.05).bfloat16().float())
+    norm = RMSNorm(256, 1e-5, torch.bfloat16)
+    norm.use_kernels(True)
+    act = SiluAndMul()
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    res = torch.randn(3, 256, dtype=torch.bfloat16)
+    y, r = gate_up.forward_mlp(x, res, norm, act, down)
+    assert used == [True, False]
+    h, r_ref = norm(x, res)
+    assert torch.equal(r, r_ref)
+    ref = _w8a8_ref(down, act(_w8a8_ref(gate_up, h)))
+    assert y.shape == (3, 64)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=5e-2,
+                               atol=5e-2 * float(ref.abs().max()))
+    planned["on"] = False  # no chain: norm, gate/up (+ act), down as separate layers
+    y2, _ = gate_up.forward_mlp(x, res, norm, act, down)
+    assert used == [True, False] and y2.shape == (3, 64)
+    torch.testing.assert_close(y2.float(), ref.float(), rtol=5e-2,
+                               atol=5e-2 * float(ref.abs().max()))

@@ -207,6 +207,66 @@ def _apply_normed(layer: LinearBase, x: torch.Tensor, residual: torch.Tensor | N
     return _w8a8_gemv(layer, xq, sx, cfg, act, x.dtype), r
 
 
+GROUP = 128  # inputs per activation scale between the gate/up and down GEMVs
+
+
+def fp8a8_chain_plan(layer: LinearBase, form: str) -> dict:
+    """{M: config} of the decode rows whose gated MLP runs as one FP8 chain: ``siluq``
+    (this gate/up layer's W8A8 GEMV with SiLU and an FP8 output in 128-wide groups) or
+    ``xg`` (this down layer's W8A8 GEMV reading them); planned once per layer and form
+    (``woq_gemv_config.plan``: the table, ``KVFLOW_FP8_DECODE``)."""
+    plans = getattr(layer, "_fp8a8_chain", None)
+    if plans is None:
+        plans = layer._fp8a8_chain = {}
+    if form not in plans:
+        plan = {}
+        w = layer.weight
+        if (isinstance(layer.quant_method, (Fp8LinearMethod, Fp8CheckpointLinearMethod))
+                and use_fp8_kernels(w.device) and w.dim() == 2 and w.is_contiguous()
+                and layer.weight_scale.dim() == 1 and layer.bias is None
+                and getattr(layer, "input_scale", None) is None):
+            from kvflow.kernels.woq_gemv_config import plan as woq_plan
+            from kvflow.layers.quantization.gpu import gate_up_pairs
+
+            n, k = w.shape
+            if form == "xg" and k % GROUP == 0:
+                plan = woq_plan("fp8a8-xg", n, k, w.device)
+            elif form == "siluq" and gate_up_pairs(layer, n) and (n // 2) % GROUP == 0:
+                plan = woq_plan("fp8a8-siluq", n // 2, k, w.device)
+            plan = {m: c for m, c in plan.items()  # the group is the tile
+                    if (c.block_k if form == "xg" else c.block_n) == GROUP
+                    and (form == "xg" or c.split_k == 1)}
+        plans[form] = plan
+    return plans[form]
+
+
+def _apply_mlp(layer: LinearBase, x: torch.Tensor, residual: torch.Tensor | None, norm,
+               act, down: LinearBase) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Decode rows of a gated MLP whose two layers are FP8 with the chain planned: the
+    residual add, RMSNorm and per-token quantization (one launch), gate/up with SiLU
+    writing its product in FP8 with one scale per row and 128 inputs, down reading
+    those: three launches, no bf16 intermediate and no quantization launch between
+    them. None where the layers' usual path applies."""
+    if (x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(-1) != 1
+            or not getattr(norm, "uses_kernels", False)
+            or (residual is not None and residual.shape != x.shape)):
+        return None
+    m = x.shape[0]
+    gcfg = fp8a8_chain_plan(layer, "siluq").get(m)
+    dcfg = fp8a8_chain_plan(down, "xg").get(m) if gcfg is not None else None
+    if dcfg is None:
+        return None
+    from kvflow.kernels.gemv_fp8 import gemv_fp8
+    from kvflow.kernels.rms_norm import rms_norm_fp8
+
+    xq, sx, r = rms_norm_fp8(x, residual, norm.weight, norm.eps)
+    hq, hs = gemv_fp8(xq, sx, layer.weight, layer.weight_scale, gcfg, silu_and_mul=True,
+                      fp8_out=True)
+    y = gemv_fp8(hq, hs, down.weight, down.weight_scale, dcfg, x.dtype)
+    tp = getattr(down, "tp", None)  # a row-parallel down sums its ranks' partials
+    return (y if tp is None else tp.all_reduce(y)), r
+
+
 def _apply_silu_and_mul(layer: LinearBase, x: torch.Tensor, act) -> torch.Tensor:
     """Decode rows of an FP8 gate/up layer: the W8A8 or the weight-dequant GEMV with SiLU
     in its epilogue; everything else unfused (W8A8, then ``act``)."""
@@ -289,6 +349,11 @@ class Fp8LinearMethod(_QuantizeAfterLoad):
     def apply_normed(self, layer: LinearBase, x: torch.Tensor, residual, norm, act):
         out = _apply_normed(layer, x, residual, norm, act)
         return out if out is not None else super().apply_normed(layer, x, residual, norm, act)
+
+    def apply_mlp(self, layer: LinearBase, x: torch.Tensor, residual, norm, act, down):
+        out = _apply_mlp(layer, x, residual, norm, act, down)
+        return out if out is not None else super().apply_mlp(layer, x, residual, norm, act,
+                                                             down)
 
 
 def shard_rows(layer: LinearBase, shard) -> tuple[int, int]:
@@ -381,3 +446,8 @@ class Fp8CheckpointLinearMethod(LinearMethod):
     def apply_normed(self, layer: LinearBase, x: torch.Tensor, residual, norm, act):
         out = None if self.static else _apply_normed(layer, x, residual, norm, act)
         return out if out is not None else super().apply_normed(layer, x, residual, norm, act)
+
+    def apply_mlp(self, layer: LinearBase, x: torch.Tensor, residual, norm, act, down):
+        out = None if self.static else _apply_mlp(layer, x, residual, norm, act, down)
+        return out if out is not None else super().apply_mlp(layer, x, residual, norm, act,
+                                                             down)
