@@ -246,6 +246,18 @@ MEASURED: dict[str, dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]]]
             1: _c(64, 256, 4, 4, 3, promote=128), 2: _c(64, 256, 4, 4, 3, promote=128),
             4: _c(64, 256, 2, 4, 6, promote=128), 8: _c(64, 256, 2, 4, 6, promote=128),
         },
+        # The gated MLP as one FP8 chain (fp8.py _apply_mlp): gate/up + SiLU writing FP8
+        # per 128-input group, down reading the groups; bench_fp8_gemv.py --chain at
+        # 1b011c1 (results/fp8-chain-bench-h200.json): 55.9 us at M = 1 (58.6 at M = 8)
+        # against 64.4 (65.0) for gate/up + SiLU, the quantize launch and down.
+        ('fp8a8-siluq', 14336, 4096): {
+            1: _c(128, 256, 1, 8, 3, promote=128), 2: _c(128, 256, 1, 8, 3, promote=128),
+            4: _c(128, 128, 1, 8, 6, promote=128), 8: _c(128, 128, 1, 8, 6, promote=128),
+        },
+        ('fp8a8-xg', 4096, 14336): {
+            1: _c(64, 128, 6, 4, 4), 2: _c(64, 128, 6, 4, 4),
+            4: _c(64, 128, 6, 4, 4), 8: _c(64, 128, 6, 4, 4),
+        },
         # lm_head int8
         ('int8', 128256, 4096): {
             1: None,  # x0.85 the previous path

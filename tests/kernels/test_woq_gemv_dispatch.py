@@ -251,6 +251,11 @@ def test_fp8_decode_mode_follows_the_h200_table(monkeypatch):
         assert woq_gemv_config.plan("fp8a8", 4096, 4096, cuda) == {}  # o: dequant faster
         assert woq_gemv_config.plan("fp8a8", 2048, 2048, cuda) == {}  # unmeasured
         assert set(woq_gemv_config.plan("fp8a8-silu", 14336, 4096, cuda)) == set(range(1, 9))
+        siluq = woq_gemv_config.plan("fp8a8-siluq", 14336, 4096, cuda)  # the MLP chain
+        xg = woq_gemv_config.plan("fp8a8-xg", 4096, 14336, cuda)
+        assert set(siluq) == set(xg) == set(range(1, 9))
+        assert all(c.block_n == 128 and c.split_k == 1 for c in siluq.values())
+        assert all(c.block_k == 128 for c in xg.values())
         monkeypatch.setenv("KVFLOW_FP8_DECODE", "w8a8")
         other = woq_gemv_config.plan("fp8a8", 2048, 2048, cuda)
         assert other[1] == woq_gemv_config.default_config("fp8a8", 1, 2048, 2048, cuda)
