@@ -237,76 +237,6 @@ def bench_chain(budget_s: float, ms: tuple[int, ...]) -> dict:
     return out
 
 
-def bench_norm(budget_s: float, ms: tuple[int, ...]) -> dict:
-    """The residual add + RMSNorm + activation quantization folded into the W8A8 GEMV's K
-    loop (``gemv_fp8_norm.gemv_fp8_rms_norm``: x quantized per row and K tile in the loop)
-    against the two launches it replaces (``rms_norm_fp8``, then ``gemv_fp8`` at the
-    table's config): qkv, and gate/up + SiLU with the FP8 output of the MLP chain."""
-    from kvflow.kernels.gemv_fp8_norm import gemv_fp8_rms_norm
-    from kvflow.kernels.woq_gemv_config import plan as woq_plan
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    dev = torch.device("cuda")
-    out = {"rows": [], "table": [], "summary": []}
-    end = time.time() + budget_s
-    cases = [(name, n, k, m) for m in ms for name, n, k in (
-        ("qkv", 6144, 4096), ("gate_up_siluq", 28672, 4096))]
-    for i, (name, n_w, k, m) in enumerate(cases):
-        siluq = name == "gate_up_siluq"
-        n = n_w // 2 if siluq else n_w
-        copies = max(2, min(8, -(-4 * L2_BYTES // (n_w * k))))
-        wts = [quantize_fp8_ref(torch.randn(n_w, k, device="cuda")) for _ in range(copies)]
-        x = torch.randn(m, k, dtype=DT, device="cuda")
-        res = torch.randn(m, k, dtype=DT, device="cuda")
-        wn = (torch.rand(k, device="cuda") + 0.5).to(DT)
-        fmt = "fp8a8-siluq" if siluq else "fp8a8"
-        base = woq_plan(fmt, n, k, dev).get(m) or default_config(fmt, m, n, k, dev)
-
-        def unfused(wt, c=base):
-            xq, sx, _ = rms_norm_fp8(x, res, wn, 1e-5)
-            return gemv_fp8(xq, sx, wt[0], wt[1], c, silu_and_mul=siluq, fp8_out=siluq)
-        t_base = graph_ms([lambda wt=wt: unfused(wt) for wt in wts])
-        grid = []
-        for bn, bk, w, st, sp in itertools.product((128,) if siluq else (64, 128), (128, 256),
-                                                   (4, 8), (4, 3, 6), (1,) if siluq else
-                                                   (1, 2, 3)):
-            if bn * bk * st > 160 * 1024 or (not siluq and (n // bn) * sp > 8 * sms):
-                continue
-            grid.append(WoqGemvConfig(bn, bk, sp, w, st, promote=0))
-        grid.sort(key=lambda c: (c.num_warps != (8 if siluq else 4), c.split_k, c.block_k))
-        deadline = time.time() + max(0.0, end - time.time()) / (len(cases) - i)
-        best = None
-        for j, cfg in enumerate(grid):
-            if j and time.time() > deadline:
-                break
-            fns = [lambda wt=wt, c=cfg: gemv_fp8_rms_norm(x, res, wn, 1e-5, wt[0], wt[1], c,
-                                                          silu_and_mul=siluq, fp8_out=siluq)
-                   for wt in wts]
-            try:
-                t = graph_ms(fns)
-            except Exception as exc:
-                out["rows"].append({"shape": name, "m": m, "config": cfg.as_dict(),
-                                    "error": repr(exc)[:160]})
-                continue
-            out["rows"].append({"shape": name, "m": m, "config": cfg.as_dict(), "ms": t})
-            if best is None or t < best[1]:
-                best = (cfg, t)
-        summ = {"shape": name, "m": m, "norm_then_gemv_ms": t_base,
-                "base_config": base.as_dict(), "folded_ms": best[1] if best else None,
-                "folded_config": best[0].as_dict() if best else None,
-                "configs_tried": sum(1 for r in out["rows"] if r["shape"] == name
-                                     and r["m"] == m)}
-        out["summary"].append(summ)
-        if best is not None and best[1] < t_base * 0.98:
-            out["table"].append({"format": "fp8a8-norm-siluq" if siluq else "fp8a8-norm",
-                                 "n": n, "k": k, "m": m, "config": best[0].as_dict()})
-        print(json.dumps({kk: (round(v * 1e3, 1) if isinstance(v, float) else v)
-                          for kk, v in summ.items() if kk != "base_config"}), flush=True)
-        del wts
-        torch.cuda.empty_cache()
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -314,12 +244,9 @@ def main() -> int:
     ap.add_argument("--ms", default="1,8")
     ap.add_argument("--chain", action="store_true",
                     help="only the gated MLP's FP8 chain (bench_chain)")
-    ap.add_argument("--norm", action="store_true",
-                    help="only the norm folded into the GEMV (bench_norm)")
     args = ap.parse_args()
     ms = tuple(int(v) for v in args.ms.split(","))
-    res = (bench_chain(args.budget_s, ms) if args.chain else
-           bench_norm(args.budget_s, ms) if args.norm else bench(args.budget_s, ms))
+    res = bench_chain(args.budget_s, ms) if args.chain else bench(args.budget_s, ms)
     save_result(args.out, {"command": "python benchmarks/gpu/bench_fp8_gemv.py " + " ".join(
         sys.argv[1:]), **res, "timing": "one CUDA graph over weight copies > 4x L2, "
         "median per launch"})

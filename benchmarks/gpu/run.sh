@@ -69,10 +69,6 @@
 #             in PROFILE_QUANTS (default "none int4 fp8"; profile-decode1-graph-Q.json)
 #   spec-graphs  GPU tests: greedy speculative output equals plain with verification graphs
 #             on and off (tests/test_spec_graphs_gpu.py, <= 2.5 min)
-#   fp8-norm  the residual add + RMSNorm + FP8 quantization folded into the W8A8 GEMVs
-#             (gemv_fp8_norm.py): tests, sweep against norm launch + GEMV
-#             (fp8-norm-bench.json), GPU-A bf16 / FP8 default / FP8 with the sweep's table
-#             (gpu-a-fp8n-MODE.json), the graph's kernels with it
 #   fp8-decode  FP8 W8A8 decode GEMV: its GPU tests, the MLP chain's sweep
 #             (fp8-chain-bench.json), GPU-A batch 1 in bf16 and with FP8 weights for each
 #             mode in FP8_DECODE_MODES (default "dequant auto chain": KVFLOW_FP8_DECODE
@@ -197,16 +193,6 @@ for stage in "$@"; do
         echo "gpu-a-fp8-$mode exit ${PIPESTATUS[0]}"
       done
       KVFLOW_WOQ_GEMV_TABLE=$([ -f "$OUT/fp8-chain-bench.json" ] && echo "$OUT/fp8-chain-bench.json") timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization fp8 --out "$OUT/profile-decode1-graph-fp8.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
-    fp8-norm)  # the norm folded into the FP8 GEMVs: tests, sweep, GPU-A with its table
-      timeout ${FP8_NORM_TEST_TIMEOUT:-150} python -m pytest tests/kernels/test_gemv_fp8_norm_kernel.py tests/kernels/test_gemv_fp8_kernel.py -q 2>&1 | tail -3
-      timeout $(( ${FP8_NORM_BUDGET:-60} + 90 )) python benchmarks/gpu/bench_fp8_gemv.py --norm --budget-s ${FP8_NORM_BUDGET:-60} --ms 1,8 --out "$OUT/fp8-norm-bench.json" 2>&1 | grep -v "^INFO" | tail -6
-      for mode in ${FP8_NORM_MODES:-bf16 chain norm}; do
-        q=fp8; [ $mode = bf16 ] && q=none
-        table=$([ $mode = norm ] && [ -f "$OUT/fp8-norm-bench.json" ] && echo "$OUT/fp8-norm-bench.json")
-        KVFLOW_WOQ_GEMV_TABLE=$table timeout ${FP8_DECODE_RUN_TIMEOUT:-90} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters ${FP8_DECODE_ITERS:-6} --backend kvflow --quantization $q --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-fp8n-$mode.json" 2>&1 | grep -E "tokens/s|rror|Traceback" | tail -3
-        echo "gpu-a-fp8n-$mode exit ${PIPESTATUS[0]}"
-      done
-      [ -f "$OUT/fp8-norm-bench.json" ] && KVFLOW_WOQ_GEMV_TABLE="$OUT/fp8-norm-bench.json" timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization fp8 --out "$OUT/profile-decode1-graph-fp8-norm.json" 2>&1 | grep -v "^INFO" | grep " ms " | head -12;;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     *) echo "unknown stage $stage"; exit 2;;
   esac

@@ -17,9 +17,7 @@ M <= 8: table config where there is one, else the heuristic).
 Table keys: (format, N, K) with format ``w4g<G>`` (int4, G inputs per group), ``int8``,
 ``fp8`` (the weight-dequant GEMV) or ``fp8a8`` (FP8 W8A8, ``gemv_fp8.py``; chosen by
 ``KVFLOW_FP8_DECODE``, see ``plan``; ``fp8a8-siluq``: gate/up + SiLU writing FP8 in
-128-wide groups, ``fp8a8-xg``: down reading them; ``fp8a8-norm`` / ``fp8a8-norm-siluq``:
-the residual add, RMSNorm and the activation's quantization folded into the GEMV,
-``gemv_fp8_norm.py``), and ``<format>-silu`` for a merged [gate; up] layer with SiLU-and-multiply in
+128-wide groups, ``fp8a8-xg``: down reading them), and ``<format>-silu`` for a merged [gate; up] layer with SiLU-and-multiply in
 the epilogue (N = d, the output width); values {M bucket (1, 2, 4, 8): config or None}.
 """
 
@@ -88,11 +86,6 @@ def default_config(fmt: str, m: int, n: int, k: int, device: torch.device,
         return cfg
     if fmt == "fp8a8-siluq":  # gate/up + SiLU with FP8 output: 128-wide groups, no split
         return WoqGemvConfig(128, 128, 1, 4, 4, promote=128)
-    if fmt == "fp8a8-norm-siluq":  # the same with the norm folded in (gemv_fp8_norm.py)
-        return WoqGemvConfig(128, 128, 1, 8, 4)
-    if fmt == "fp8a8-norm":  # the norm folded in: x quantized per 128-input K step
-        cfg = _default("fp8a8-xg", m, n, k, device, sms)
-        return WoqGemvConfig(cfg.block_n, 128, cfg.split_k, 4, 4)
     cfg = _default(fmt, m, n, k, device, sms)
     if fmt == "fp8a8":  # FP8 x FP8: a float32 promotion per 128 inputs (as _scaled_mm)
         cfg = WoqGemvConfig(cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,

@@ -201,13 +201,6 @@ def _apply_normed(layer: LinearBase, x: torch.Tensor, residual: torch.Tensor | N
     cfg = _w8a8_cfg(layer, x, act)
     if cfg is None:
         return None
-    fold = fp8a8_chain_plan(layer, "norm").get(x.shape[0]) if act is None else None
-    if fold is not None:  # one launch: add, norm, quantization in the GEMV's K loop
-        from kvflow.kernels.gemv_fp8_norm import gemv_fp8_rms_norm
-
-        y, r = gemv_fp8_rms_norm(x, residual, norm.weight, norm.eps, layer.weight,
-                                 layer.weight_scale, fold, out_dtype=x.dtype)
-        return (y if layer.bias is None else y + layer.bias), r
     from kvflow.kernels.rms_norm import rms_norm_fp8
 
     xq, sx, r = rms_norm_fp8(x, residual, norm.weight, norm.eps)
@@ -218,12 +211,9 @@ GROUP = 128  # inputs per activation scale between the gate/up and down GEMVs
 
 
 def fp8a8_chain_plan(layer: LinearBase, form: str) -> dict:
-    """{M: config} of the decode rows that take one of the W8A8 forms beyond the plain
-    GEMV: ``siluq`` (this gate/up layer's GEMV with SiLU and an FP8 output in 128-wide
-    groups) or ``xg`` (this down layer's GEMV reading them): the gated MLP as one FP8
-    chain; ``norm`` / ``norm-siluq``: the plain / ``siluq`` GEMV with the residual add,
-    RMSNorm and the activation's quantization folded into its K loop
-    (``kernels/gemv_fp8_norm.py``). Planned once per layer and form
+    """{M: config} of the decode rows whose gated MLP runs as one FP8 chain: ``siluq``
+    (this gate/up layer's W8A8 GEMV with SiLU and an FP8 output in 128-wide groups) or
+    ``xg`` (this down layer's W8A8 GEMV reading them); planned once per layer and form
     (``woq_gemv_config.plan``: the table, ``KVFLOW_FP8_DECODE``)."""
     plans = getattr(layer, "_fp8a8_chain", None)
     if plans is None:
@@ -241,14 +231,11 @@ def fp8a8_chain_plan(layer: LinearBase, form: str) -> dict:
             n, k = w.shape
             if form == "xg" and k % GROUP == 0:
                 plan = woq_plan("fp8a8-xg", n, k, w.device)
-                plan = {m: c for m, c in plan.items() if c.block_k == GROUP}
-            elif form in ("siluq", "norm-siluq") and gate_up_pairs(layer, n) and (
-                    n // 2) % GROUP == 0:
-                plan = woq_plan(f"fp8a8-{form}", n // 2, k, w.device)
-                plan = {m: c for m, c in plan.items()  # the output group is the tile
-                        if c.block_n == GROUP and c.split_k == 1}
-            elif form == "norm":
-                plan = woq_plan("fp8a8-norm", n, k, w.device)
+            elif form == "siluq" and gate_up_pairs(layer, n) and (n // 2) % GROUP == 0:
+                plan = woq_plan("fp8a8-siluq", n // 2, k, w.device)
+            plan = {m: c for m, c in plan.items()  # the group is the tile
+                    if (c.block_k if form == "xg" else c.block_n) == GROUP
+                    and (form == "xg" or c.split_k == 1)}
         plans[form] = plan
     return plans[form]
 
@@ -270,20 +257,11 @@ def _apply_mlp(layer: LinearBase, x: torch.Tensor, residual: torch.Tensor | None
     if dcfg is None:
         return None
     from kvflow.kernels.gemv_fp8 import gemv_fp8
+    from kvflow.kernels.rms_norm import rms_norm_fp8
 
-    fold = fp8a8_chain_plan(layer, "norm-siluq").get(m)
-    if fold is not None:  # the norm and its quantization in gate/up's K loop too
-        from kvflow.kernels.gemv_fp8_norm import gemv_fp8_rms_norm
-
-        (hq, hs), r = gemv_fp8_rms_norm(x, residual, norm.weight, norm.eps, layer.weight,
-                                        layer.weight_scale, fold, silu_and_mul=True,
-                                        fp8_out=True)
-    else:
-        from kvflow.kernels.rms_norm import rms_norm_fp8
-
-        xq, sx, r = rms_norm_fp8(x, residual, norm.weight, norm.eps)
-        hq, hs = gemv_fp8(xq, sx, layer.weight, layer.weight_scale, gcfg, silu_and_mul=True,
-                          fp8_out=True)
+    xq, sx, r = rms_norm_fp8(x, residual, norm.weight, norm.eps)
+    hq, hs = gemv_fp8(xq, sx, layer.weight, layer.weight_scale, gcfg, silu_and_mul=True,
+                      fp8_out=True)
     y = gemv_fp8(hq, hs, down.weight, down.weight_scale, dcfg, x.dtype)
     tp = getattr(down, "tp", None)  # a row-parallel down sums its ranks' partials
     return (y if tp is None else tp.all_reduce(y)), r
