@@ -183,7 +183,7 @@ for stage in "$@"; do
         timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization $q --out "$OUT/profile-decode1-graph-$q.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-30}
       done;;
     fp8-decode)
-      timeout ${FP8_DECODE_TEST_TIMEOUT:-120} python -m pytest tests/kernels/test_gemv_fp8_kernel.py -q 2>&1 | tail -4
+      timeout ${FP8_DECODE_TEST_TIMEOUT:-120} python -m pytest tests/kernels/test_gemv_fp8_kernel.py tests/test_fp8_decode_gpu.py -q 2>&1 | tail -4
       # the gated MLP's FP8 chain: its sweep, whose best tiles the "chain" run takes
       [ "${FP8_DECODE_CHAIN:-1}" = 1 ] && timeout $(( ${FP8_CHAIN_BUDGET:-60} + 60 )) python benchmarks/gpu/bench_fp8_gemv.py --chain --budget-s ${FP8_CHAIN_BUDGET:-60} --ms 1,8 --out "$OUT/fp8-chain-bench.json" 2>&1 | grep -v "^INFO" | tail -4
       for run in none:bf16 ${FP8_DECODE_MODES:-dequant auto chain}; do
