@@ -100,14 +100,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--cases", default="decode1,decode256,prefill",
-                    help="comma-separated subset of decode1, decode256, prefill, "
-                    "decode1-graph, prefill128 (one 128-token prompt: GPU-A's prefill)")
+                    help="comma-separated subset of decode1, decode256, prefill, decode1-graph "
+                    "(a short prompt's prefill: prefill_probe.py)")
     ap.add_argument("--quantization", default="none",
                     help="weight storage (none, int4, int8, fp8, ...): the low-bit kernels' "
                     "share of the step; int4 uses groups of 128 as GPU-A's int4 runs do")
     ns = ap.parse_args()
-    cases = dict(zip(("decode1", "decode256", "prefill", "decode1-graph", "prefill128"),
-                     range(5)))
+    cases = dict(zip(("decode1", "decode256", "prefill", "decode1-graph"), range(4)))
     wanted = {cases[c] for c in ns.cases.split(",")}
     results = []
     for i, (label, batch, prompt, eager, extra) in enumerate([
@@ -117,8 +116,6 @@ def main() -> None:
         # the decode graph GPU-A replays (its split-KV count is the graph's, 16 at batch
         # 1, not the eager step's 4); the profiler lists the kernels of the replay
         ("decode batch 1 (ctx ~256, CUDA graph)", 1, 256, False,
-         {"max_num_seqs": 1, "max_model_len": 4096}),
-        ("prefill 128 tokens (GPU-A's prompt, CUDA graphs for decode)", 1, 128, False,
          {"max_num_seqs": 1, "max_model_len": 4096}),
     ]):
         if i not in wanted:
