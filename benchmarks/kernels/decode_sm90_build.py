@@ -130,9 +130,15 @@ def main() -> int:
                        dict(HEAD_DIM=128, D_PAD=128, S_PAD=16, PDL=True), 4, 1))
     rsig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
             "res_out_ptr": "*bf16", "n_rows": "i32", "n_inner": "i32", "hidden": "i32",
-            "stride_xa": "i32", "stride_xb": "i32", "eps": "fp32"}
+            "stride_xa": "i32", "stride_xb": "i32", "eps": "fp32", "scale_ptr": "*fp32"}
     rows.append(_build("rms_norm", rms_norm._rms_norm_kernel, rsig,
-                       dict(HAS_RESIDUAL=True, ROWS=1, BLOCK_N=4096, PDL=True), 8, 1))
+                       dict(HAS_RESIDUAL=True, ROWS=1, BLOCK_N=4096, PDL=True,
+                            FP8_OUT=False, EMULATE=False), 8, 1))
+    # the FP8-output form (rms_norm_fp8: the input of the FP8 W8A8 decode GEMV)
+    rows.append(_build("rms_norm fp8 out", rms_norm._rms_norm_kernel,
+                       {**rsig, "out_ptr": "*fp8e4nv"},
+                       dict(HAS_RESIDUAL=True, ROWS=1, BLOCK_N=4096, PDL=True,
+                            FP8_OUT=True, EMULATE=False), 8, 1))
     qsig = {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
             "cs_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "slot_ptr": "*i64",
             "q_out_ptr": "*bf16", "k_out_ptr": "*bf16", "ks_ptr": "*bf16", "vs_ptr": "*bf16",
