@@ -113,51 +113,49 @@ def _check_device(layer: LinearBase, w: torch.Tensor) -> None:
             f"none (or int8 weight-only)")
 
 
-def fp8_gemv_plan(layer: LinearBase, silu: bool = False) -> dict:
-    """{M: config} of the decode rows that take the FP8 weight-dequant GEMV
-    (``kvflow/kernels/gemv_w8.py``; ``silu``: its gate/up form with SiLU-and-multiply in
-    the epilogue): planned once per layer at its first call (the weights are final by
-    then; ``woq_gemv_config.plan``)."""
-    plans = getattr(layer, "_fp8_gemv", None)
+def _gemv_weights(layer: LinearBase, w8a8: bool = False) -> bool:
+    """Whether the layer's weights suit the decode GEMVs (an FP8 GPU, a contiguous [N, K]
+    weight with per-channel scales); ``w8a8``: and its activations are quantized per
+    token, not with a checkpoint's static scale (whose numbers those layers keep)."""
+    w = layer.weight
+    return (use_fp8_kernels(w.device) and w.dim() == 2 and w.is_contiguous()
+            and layer.weight_scale.dim() == 1
+            and not (w8a8 and getattr(layer, "input_scale", None) is not None))
+
+
+def _gemv_plans(layer: LinearBase, attr: str, fmt: str, silu: bool, w8a8: bool) -> dict:
+    """{M: config} of ``fmt`` (``silu``: its ``fmt-silu`` gate/up form), planned once per
+    layer at its first call (the weights are final by then) and kept in ``attr``."""
+    plans = getattr(layer, attr, None)
     if plans is None:
         plans = ({}, {})
-        w = layer.weight
-        if (use_fp8_kernels(w.device) and w.dim() == 2 and w.is_contiguous()
-                and layer.weight_scale.dim() == 1):
+        if _gemv_weights(layer, w8a8):
             from kvflow.kernels.woq_gemv_config import plan as woq_plan
             from kvflow.layers.quantization.gpu import gate_up_pairs
 
-            n, k = w.shape
-            plans = (woq_plan("fp8", n, k, w.device),
-                     woq_plan("fp8-silu", n // 2, k, w.device) if gate_up_pairs(layer, n)
+            n, k = layer.weight.shape
+            dev = layer.weight.device
+            plans = (woq_plan(fmt, n, k, dev),
+                     woq_plan(f"{fmt}-silu", n // 2, k, dev) if gate_up_pairs(layer, n)
                      else {})
-        layer._fp8_gemv = plans
+        setattr(layer, attr, plans)
     return plans[1] if silu else plans[0]
+
+
+def fp8_gemv_plan(layer: LinearBase, silu: bool = False) -> dict:
+    """{M: config} of the decode rows that take the FP8 weight-dequant GEMV
+    (``kvflow/kernels/gemv_w8.py``; ``silu``: its gate/up form with SiLU-and-multiply in
+    the epilogue; ``woq_gemv_config.plan``)."""
+    return _gemv_plans(layer, "_fp8_gemv", "fp8", silu, w8a8=False)
 
 
 def fp8a8_plan(layer: LinearBase, silu: bool = False) -> dict:
     """{M: config} of the decode rows that take the FP8 W8A8 GEMV on the FP8 tensor cores
     (``kvflow/kernels/gemv_fp8.py``: activations quantized per token, as at every other
-    M; ``silu``: its gate/up form with SiLU-and-multiply in the epilogue), planned once per
-    layer at its first call; ``KVFLOW_FP8_DECODE`` and the per-GPU table decide
-    (``woq_gemv_config.plan``). Rows it leaves out take ``fp8_gemv_plan``'s kernel. Not
-    for a checkpoint's static activation scale (its layers keep that scale's numbers)."""
-    plans = getattr(layer, "_fp8a8_gemv", None)
-    if plans is None:
-        plans = ({}, {})
-        w = layer.weight
-        if (use_fp8_kernels(w.device) and w.dim() == 2 and w.is_contiguous()
-                and layer.weight_scale.dim() == 1
-                and getattr(layer, "input_scale", None) is None):
-            from kvflow.kernels.woq_gemv_config import plan as woq_plan
-            from kvflow.layers.quantization.gpu import gate_up_pairs
-
-            n, k = w.shape
-            plans = (woq_plan("fp8a8", n, k, w.device),
-                     woq_plan("fp8a8-silu", n // 2, k, w.device) if gate_up_pairs(layer, n)
-                     else {})
-        layer._fp8a8_gemv = plans
-    return plans[1] if silu else plans[0]
+    M; ``silu``: its gate/up form with SiLU-and-multiply in the epilogue);
+    ``KVFLOW_FP8_DECODE`` and the per-GPU table decide (``woq_gemv_config.plan``). Rows
+    it leaves out take ``fp8_gemv_plan``'s kernel."""
+    return _gemv_plans(layer, "_fp8a8_gemv", "fp8a8", silu, w8a8=True)
 
 
 def _w8a8_gemv(layer: LinearBase, xq: torch.Tensor, sx: torch.Tensor, cfg, act,
@@ -190,13 +188,19 @@ def _w8a8_cfg(layer: LinearBase, x2: torch.Tensor, act) -> object | None:
     return cfg
 
 
+def _normed_rows(x: torch.Tensor, residual: torch.Tensor | None, norm) -> bool:
+    """Rows the FP8-output norm kernel (``rms_norm.rms_norm_fp8``) can take in place of
+    the layer's norm: 2-D, unit stride, a norm on its kernels, a residual of x's shape."""
+    return (x.dim() == 2 and x.stride(-1) == 1 and getattr(norm, "uses_kernels", False)
+            and (residual is None or residual.shape == x.shape))
+
+
 def _apply_normed(layer: LinearBase, x: torch.Tensor, residual: torch.Tensor | None,
                   norm, act) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Decode rows whose layer takes the W8A8 GEMV: the residual add, RMSNorm and the
     per-token FP8 quantization in one launch (``rms_norm.rms_norm_fp8``), then the GEMV;
     None where the layer's usual norm-then-linear path applies."""
-    if (x.dim() != 2 or x.stride(-1) != 1 or not getattr(norm, "uses_kernels", False)
-            or (residual is not None and residual.shape != x.shape)):
+    if not _normed_rows(x, residual, norm):
         return None
     cfg = _w8a8_cfg(layer, x, act)
     if cfg is None:
@@ -220,19 +224,16 @@ def fp8a8_chain_plan(layer: LinearBase, form: str) -> dict:
         plans = layer._fp8a8_chain = {}
     if form not in plans:
         plan = {}
-        w = layer.weight
         if (isinstance(layer.quant_method, (Fp8LinearMethod, Fp8CheckpointLinearMethod))
-                and use_fp8_kernels(w.device) and w.dim() == 2 and w.is_contiguous()
-                and layer.weight_scale.dim() == 1 and layer.bias is None
-                and getattr(layer, "input_scale", None) is None):
+                and layer.bias is None and _gemv_weights(layer, w8a8=True)):
             from kvflow.kernels.woq_gemv_config import plan as woq_plan
             from kvflow.layers.quantization.gpu import gate_up_pairs
 
-            n, k = w.shape
+            n, k = layer.weight.shape
             if form == "xg" and k % GROUP == 0:
-                plan = woq_plan("fp8a8-xg", n, k, w.device)
+                plan = woq_plan("fp8a8-xg", n, k, layer.weight.device)
             elif form == "siluq" and gate_up_pairs(layer, n) and (n // 2) % GROUP == 0:
-                plan = woq_plan("fp8a8-siluq", n // 2, k, w.device)
+                plan = woq_plan("fp8a8-siluq", n // 2, k, layer.weight.device)
             plan = {m: c for m, c in plan.items()  # the group is the tile
                     if (c.block_k if form == "xg" else c.block_n) == GROUP
                     and (form == "xg" or c.split_k == 1)}
@@ -247,9 +248,7 @@ def _apply_mlp(layer: LinearBase, x: torch.Tensor, residual: torch.Tensor | None
     writing its product in FP8 with one scale per row and 128 inputs, down reading
     those: three launches, no bf16 intermediate and no quantization launch between
     them. None where the layers' usual path applies."""
-    if (x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(-1) != 1
-            or not getattr(norm, "uses_kernels", False)
-            or (residual is not None and residual.shape != x.shape)):
+    if x.dtype != torch.bfloat16 or not _normed_rows(x, residual, norm):
         return None
     m = x.shape[0]
     gcfg = fp8a8_chain_plan(layer, "siluq").get(m)
