@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.kernels.fp8_quant import F8INV, F8MAX, interpreting, quantize_fp8, round_e4m3
+from kvflow.kernels.fp8_quant import fp8_scale, fp8_values, interpreting, quantize_fp8
 from kvflow.kernels.woq_config import _sms, split_buffers, store_output
 
 SMALL_M = 16  # up to here the kernel quantizes x itself and splits K
@@ -161,8 +161,8 @@ def _fp8_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M,
                 xx = tl.load(x_ptr + offs_p[:, None].to(tl.int64) * stride_xm + offs[None, :],
                              mask=(offs_p < M)[:, None] & (offs < K)[None, :], other=0.0)
                 amax = tl.maximum(amax, tl.abs(xx.to(tl.float32)))
-            sp = tl.max(amax, axis=1) * F8INV  # [PRO_M], as quantize_fp8_ref
-            # into the [BM] vector of the main loop (rows past PRO_M are padding)
+            sp = fp8_scale(tl.max(amax, axis=1))  # [PRO_M], as quantize_fp8_ref
+            # into the [BM] vector of the main loop (rows past PRO_M are padding: scale 1)
             sx = tl.max(tl.where(tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, PRO_M)[None, :],
                                  sp[None, :], 0.0), axis=1)
             sx = tl.where(sx > 0, sx, 1.0)
@@ -187,12 +187,8 @@ def _fp8_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M,
             x = tl.load(x_ptr + rows_x + offs_k[None, :], mask=x_mask, other=0.0)
             x = x.to(tl.float32)  # [BM, BK]
             if GROUP > 0:  # this tile is one group: its own scale per row
-                s_t = tl.max(tl.abs(x), axis=1) * F8INV
-                s_t = tl.where(s_t > 0, s_t, 1.0)
-            v = tl.clamp(tl.math.div_rn(x, s_t[:, None]), -F8MAX, F8MAX)
-            if EMULATE:
-                v = round_e4m3(v)
-            xq = v.to(tl.float8e4nv)
+                s_t = fp8_scale(tl.max(tl.abs(x), axis=1))
+            xq = fp8_values(x, s_t[:, None], EMULATE)
         else:
             xq = tl.load(x_ptr + rows_x + offs_k[None, :], mask=x_mask, other=0.0)
             if GROUP > 0:

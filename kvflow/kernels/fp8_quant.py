@@ -51,51 +51,53 @@ def round_e4m3(v):
 
 
 @triton.jit
+def fp8_scale(amax):
+    """max|x| of a token or group (float32) -> its scale: ``amax * (1 / 448)`` (the float32
+    multiplication torch does), 1 where the values are all zero."""
+    s = amax * F8INV
+    return tl.where(s > 0, s, 1.0)
+
+
+@triton.jit
+def fp8_values(x, s, EMULATE: tl.constexpr):
+    """x / s (float32, broadcast) saturated to +-448 and cast to E4M3, round to nearest
+    even: the bytes of ``quantize_fp8_ref`` (``EMULATE``: under the interpreter, whose
+    cast does not round so, rounded onto the e4m3 grid first)."""
+    v = tl.clamp(tl.math.div_rn(x, s), -F8MAX, F8MAX)
+    if EMULATE:
+        v = round_e4m3(v)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
                   GROUP: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
-    """Per token (GROUP 0): one program per row; a row of at most BLOCK inputs is read
-    once, a longer one in BLOCK-wide passes twice (the max, then the values; the row is
-    in L1/L2 the second time). Per group: one program per (row, group)."""
+    """One program per (row, group) with BLOCK = GROUP, or per token (GROUP 0, one group
+    of the whole row): a group of at most BLOCK inputs is read once; a longer token in
+    BLOCK-wide passes twice (the max, then the values; the row is in L1/L2 the second
+    time)."""
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     q_row = q_ptr + row.to(tl.int64) * stride_qm
-    if GROUP == 0 and BLOCK >= K:  # the whole row in registers: one pass
-        offs = tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        s = tl.max(tl.abs(x), axis=0) * F8INV
-        s = tl.where(s > 0, s, 1.0)
-        tl.store(s_ptr + row * stride_sm, s)
-        v = tl.clamp(tl.math.div_rn(x, s), -F8MAX, F8MAX)
-        if EMULATE:
-            v = round_e4m3(v)
-        tl.store(q_row + offs, v.to(tl.float8e4nv), mask=offs < K)
-    elif GROUP == 0:
+    if GROUP == 0 and BLOCK < K:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        s = tl.max(amax, axis=0) * F8INV
-        s = tl.where(s > 0, s, 1.0)
+        s = fp8_scale(tl.max(amax, axis=0))
         tl.store(s_ptr + row * stride_sm, s)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            v = tl.clamp(tl.math.div_rn(x, s), -F8MAX, F8MAX)
-            if EMULATE:
-                v = round_e4m3(v)
-            tl.store(q_row + offs, v.to(tl.float8e4nv), mask=offs < K)
-    else:
+            tl.store(q_row + offs, fp8_values(x, s, EMULATE), mask=offs < K)
+    else:  # the group (or the whole token) in registers: one pass
         g = tl.program_id(1)
-        offs = g * GROUP + tl.arange(0, GROUP)
+        offs = g * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        s = tl.max(tl.abs(x), axis=0) * F8INV
-        s = tl.where(s > 0, s, 1.0)
+        s = fp8_scale(tl.max(tl.abs(x), axis=0))
         tl.store(s_ptr + row * stride_sm + g, s)
-        v = tl.clamp(tl.math.div_rn(x, s), -F8MAX, F8MAX)
-        if EMULATE:
-            v = round_e4m3(v)
-        tl.store(q_row + offs, v.to(tl.float8e4nv), mask=offs < K)
+        tl.store(q_row + offs, fp8_values(x, s, EMULATE), mask=offs < K)
 
 
 def quantize_fp8_ref(x: torch.Tensor, group: int | None = None
@@ -130,7 +132,7 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None
     # Per token: a row of up to 16K inputs in one pass from registers (decode rows: the
     # input of an FP8 GEMV, where a 14336-wide row took 9.3 us in two 4096-wide passes on
     # the H200 against ~3 for a 4096-wide one); longer rows in two passes.
-    block = min(triton.next_power_of_2(k), _ONE_PASS_MAX if group is None else 4096)
+    block = group or min(triton.next_power_of_2(k), _ONE_PASS_MAX)
     warps = 1 if group is not None else max(4, min(16, block // 1024))
     _quant_kernel[(m, kg)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0),
                            GROUP=group or 0, BLOCK=block, EMULATE=interpreting(x.device),

@@ -171,13 +171,19 @@ def store_silu_pair(gate, up, out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, D, s
 
 
 @triton.jit
-def _store_silu_mul(gate, up, out_ptr, offs_m, offs_n, stride_om, o_mask):
-    dt = out_ptr.dtype.element_ty
-    g = gate.to(dt).to(tl.float32)  # as the unfused GEMM would have stored them
+def silu_mul_rounded(gate, up, dt: tl.constexpr):
+    """gate, up float32 sums -> silu(gate) * up in ``dt``, rounded where the unfused path
+    rounds: gate and up as the GEMM would store them, silu as F.silu returns it."""
+    g = gate.to(dt).to(tl.float32)
     u = up.to(dt).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu rounds to the dtype
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], (act * u).to(dt),
-             mask=o_mask)
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    return (act * u).to(dt)
+
+
+@triton.jit
+def _store_silu_mul(gate, up, out_ptr, offs_m, offs_n, stride_om, o_mask):
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+             silu_mul_rounded(gate, up, out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor,

@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.kernels.fp8_quant import F8INV, F8MAX, round_e4m3
-from kvflow.kernels.gemv import gemv_outputs, store_silu_pair
+from kvflow.kernels.fp8_quant import fp8_scale, fp8_values
+from kvflow.kernels.gemv import gemv_outputs, silu_mul_rounded, store_silu_pair
 from kvflow.kernels.woq_config import store_output
 
 MAX_M = 16
@@ -134,24 +134,16 @@ def _gemv_fp8_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M
 def _store_silu_mul_fp8(gate, up, out_ptr, oscale_ptr, offs_m, offs_n, M, N, stride_om,
                         group, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
     """gate, up [BM, BN] float32 -> h = silu(gate) * up rounded as the unfused path rounds
-    it (``gemv._store_silu_mul``), then quantized to FP8 per row over these BN columns
+    it (``gemv.silu_mul_rounded``), then quantized to FP8 per row over these BN columns
     as ``quantize_fp8(h, group=BN)`` does: the bytes into out [M, N] (float8) and the
     scale into oscale [M, N / BN] at column ``group``."""
     o_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    g = gate.to(tl.bfloat16).to(tl.float32)
-    u = up.to(tl.bfloat16).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(tl.bfloat16).to(tl.float32)
-    h = (act * u).to(tl.bfloat16).to(tl.float32)
-    h = tl.where(o_mask, h, 0.0)
-    s = tl.max(tl.abs(h), axis=1) * F8INV  # [BM]
-    s = tl.where(s > 0, s, 1.0)
+    h = tl.where(o_mask, silu_mul_rounded(gate, up, tl.bfloat16).to(tl.float32), 0.0)
+    s = fp8_scale(tl.max(tl.abs(h), axis=1))  # [BM]
     n_groups = tl.cdiv(N, BLOCK_N)
     tl.store(oscale_ptr + offs_m * n_groups + group, s, mask=offs_m < M)
-    v = tl.clamp(tl.math.div_rn(h, s[:, None]), -F8MAX, F8MAX)
-    if EMULATE:
-        v = round_e4m3(v)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], v.to(tl.float8e4nv),
-             mask=o_mask)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+             fp8_values(h, s[:, None], EMULATE), mask=o_mask)
 
 
 def gemv_fp8_ref(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.kernels.fp8_quant import F8INV, F8MAX, interpreting, round_e4m3
+from kvflow.kernels.fp8_quant import fp8_scale, fp8_values, interpreting
 from kvflow.kernels.pdl import launch_kw, pdl_enabled, pdl_enter
 
 _TILE_ELEMS = 4096  # elements a program holds; 16 per thread at 8 warps
@@ -59,13 +59,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inne
         # row to FP8 E4M3 as fp8_quant.quantize_fp8 does: the bytes and scales of that
         # kernel run on the stored norm output, one launch fewer.
         yf = y.to(x.dtype).to(tl.float32)
-        s = tl.max(tl.abs(yf), axis=1) * F8INV  # [ROWS]
-        s = tl.where(s > 0, s, 1.0)
+        s = fp8_scale(tl.max(tl.abs(yf), axis=1))  # [ROWS]
         tl.store(scale_ptr + rows64, s, mask=row_ok)
-        v = tl.clamp(tl.math.div_rn(yf, s[:, None]), -F8MAX, F8MAX)
-        if EMULATE:
-            v = round_e4m3(v)
-        tl.store(out_ptr + dense, v.to(tl.float8e4nv), mask=mask)
+        tl.store(out_ptr + dense, fp8_values(yf, s[:, None], EMULATE), mask=mask)
     else:
         tl.store(out_ptr + dense, y.to(out_ptr.dtype.element_ty), mask=mask)
 
