@@ -49,6 +49,26 @@ MAX_M = 16  # activation rows of the DOT path (one MMA N-tile)
 
 
 @triton.jit
+def load_tiles(w_ptr, rows_w, n_ok, x_ptr, offs_m, m_ok, stride_xm, offs_k, K,
+               EVEN_K: tl.constexpr):
+    """One K step's [BN, BK] weight tile (streamed once: evicted first) and [BM, BK]
+    activation tile, masked to the rows that exist and, unless ``EVEN_K``, to the inputs
+    that exist (zeros elsewhere): the loads of every decode GEMV's K loop."""
+    if EVEN_K:
+        w = tl.load(w_ptr + rows_w + offs_k[None, :], mask=n_ok[:, None], other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_ok[:, None], other=0.0)
+    else:
+        k_ok = offs_k < K
+        w = tl.load(w_ptr + rows_w + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    return w, x
+
+
+@triton.jit
 def _partial(x_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_xm, t_start, t_end,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              EVEN_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
@@ -62,17 +82,8 @@ def _partial(x_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_xm, t_start, t_end,
         acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for t in range(t_start, t_end):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
-        if EVEN_K:
-            w = tl.load(w_ptr + rows_w + offs_k[None, :], mask=n_ok[:, None], other=0.0,
-                        eviction_policy="evict_first")  # [BN, BK], streamed once
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_ok[:, None], other=0.0)  # [BM, BK]
-        else:
-            k_ok = offs_k < K
-            w = tl.load(w_ptr + rows_w + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w, x = load_tiles(w_ptr, rows_w, n_ok, x_ptr, offs_m, m_ok, stride_xm, offs_k, K,
+                          EVEN_K)  # [BN, BK], [BM, BK]
         if DOT and UPCAST:  # CPU interpreter: its tl.dot multiplies bf16 as raw uint16
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
         elif DOT:

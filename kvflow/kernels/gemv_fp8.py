@@ -11,19 +11,21 @@ the H200 where the dense bf16 GEMV (``gemv.py``) streams at 3.3-4.2. Here both o
 are FP8, so the loop is the dense GEMV's: the [BLOCK_N, BLOCK_K] weight tile is the
 wgmma's wide operand straight from the pipelined shared-memory stages, x^T [BLOCK_K, 16]
 (rows >= M zero) its narrow one, float32 accumulation; nothing is converted. The
-activations must arrive quantized: ``rms_norm.fused_add_rms_norm_fp8`` writes them from
-the norm that precedes qkv and gate/up (no extra launch), ``fp8_quant.quantize_fp8`` for
-the others (one small launch).
+activations must arrive quantized: ``rms_norm.rms_norm_fp8`` writes them from the norm
+that precedes qkv and gate/up (no extra launch), the SiLU form's FP8 output for down
+(``fp8_out``, read as per-group scales: ``XGROUP``), ``fp8_quant.quantize_fp8`` for the
+others (one small launch).
 
 Hopper's FP8 MMA sums in reduced precision (about 13-14 mantissa bits); ``promote``
 (``tl.dot``'s ``max_num_imprecise_acc``) sets how many inputs it sums before the partial
-goes into the float32 accumulator: 0 (the compiler's default) once per K step of
-BLOCK_K inputs, as ``torch._scaled_mm`` does about every 128.
+goes into the float32 accumulator; 0 (the compiler's default) never promotes in the
+chained K loop, so the whole K is summed in reduced precision (measured 0.12-0.35 % of
+the output's range on the H200); the tables use 128, as ``torch._scaled_mm`` does.
 
 Grid ``(cdiv(N, BLOCK_N), split_k)``; split-K partials are summed in the launch
 (``woq_config.store_output``); the SiLU form (``silu_and_mul``: a merged [gate; up]
 weight) writes ``silu(gate) * up`` through ``gemv.store_silu_pair``. Configurations:
-``woq_gemv_config`` (formats ``fp8a8`` / ``fp8a8-silu``). Reference: ``gemv_fp8_ref``
+``woq_gemv_config`` (formats ``fp8a8``, ``fp8a8-silu``, ``fp8a8-siluq``, ``fp8a8-xg``). Reference: ``gemv_fp8_ref``
 (float32 products of the FP8 values, exact). Traffic at M = 1: N K bytes of weight + K
 of activation + 4 (N + 1) of scales; gate_up of Llama-3.1-8B 117 MB, 28 us at 4.2 TB/s.
 """
@@ -35,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kvflow.kernels.fp8_quant import fp8_scale, fp8_values
-from kvflow.kernels.gemv import gemv_outputs, silu_mul_rounded, store_silu_pair
+from kvflow.kernels.gemv import gemv_outputs, load_tiles, silu_mul_rounded, store_silu_pair
 from kvflow.kernels.woq_config import store_output
 
 MAX_M = 16
@@ -54,17 +56,8 @@ def _fp8_partial(xq_ptr, w_ptr, rows, n_ok, offs_m, m_ok, K, stride_xm, t_start,
     acc = tl.zeros((BLOCK_N, BM), dtype=tl.float32)
     for t in range(t_start, t_end):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
-        if EVEN_K:
-            w = tl.load(w_ptr + rows_w + offs_k[None, :], mask=n_ok[:, None], other=0.0,
-                        eviction_policy="evict_first")  # [BN, BK], streamed once
-            x = tl.load(xq_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_ok[:, None], other=0.0)  # [BM, BK]
-        else:
-            k_ok = offs_k < K
-            w = tl.load(w_ptr + rows_w + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0, eviction_policy="evict_first")
-            x = tl.load(xq_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w, x = load_tiles(w_ptr, rows_w, n_ok, xq_ptr, offs_m, m_ok, stride_xm, offs_k, K,
+                          EVEN_K)  # [BN, BK], [BM, BK]
         if XGROUP:
             if UPCAST:
                 part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)),

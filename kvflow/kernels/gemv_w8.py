@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kvflow.kernels.woq_config import store_output
-from kvflow.kernels.gemv import gemv_outputs, store_silu_pair
+from kvflow.kernels.gemv import gemv_outputs, load_tiles, store_silu_pair
 
 MAX_M = 16
 # The PTX conversions below produce bf16 operands 2**-112 times the weight values (an
@@ -98,17 +98,8 @@ def _w8_partial(x_ptr, w_ptr, rows, n_ok, offs_m, m_ok, K, stride_xm, t_start, t
     acc_t = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     for t in range(t_start, t_end):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
-        if EVEN_K:
-            q = tl.load(w_ptr + rows_w + offs_k[None, :], mask=n_ok[:, None], other=0.0,
-                        eviction_policy="evict_first")  # [BN, BK], streamed once
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_ok[:, None], other=0.0)  # [BM, BK]
-        else:
-            k_ok = offs_k < K
-            q = tl.load(w_ptr + rows_w + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        q, x = load_tiles(w_ptr, rows_w, n_ok, x_ptr, offs_m, m_ok, stride_xm, offs_k, K,
+                          EVEN_K)  # [BN, BK], [BM, BK]
         if UPCAST:  # CPU interpreter: its tl.dot multiplies bf16 as raw uint16
             w = q.to(tl.float32)
             xf = x.to(tl.float32)
