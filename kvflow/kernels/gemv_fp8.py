@@ -26,8 +26,9 @@ Grid ``(cdiv(N, BLOCK_N), split_k)``; split-K partials are summed in the launch
 (``woq_config.store_output``); the SiLU form (``silu_and_mul``: a merged [gate; up]
 weight) writes ``silu(gate) * up`` through ``gemv.store_silu_pair``. Configurations:
 ``woq_gemv_config`` (formats ``fp8a8``, ``fp8a8-silu``, ``fp8a8-siluq``, ``fp8a8-xg``).
-Reference: ``gemv_fp8_ref`` (float32 products of the FP8 values, exact). Traffic at M = 1: N K bytes of weight + K
-of activation + 4 (N + 1) of scales; gate_up of Llama-3.1-8B 117 MB, 28 us at 4.2 TB/s.
+Reference: ``gemv_fp8_ref`` (float32 products of the FP8 values, exact). Traffic at
+M = 1: N K bytes of weight + K of activation + 4 (N + 1) of scales; gate_up of
+Llama-3.1-8B 117 MB, 28 us at 4.2 TB/s.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ M <= 8: table config where there is one, else the heuristic).
 Table keys: (format, N, K) with format ``w4g<G>`` (int4, G inputs per group), ``int8``,
 ``fp8`` (the weight-dequant GEMV) or ``fp8a8`` (FP8 W8A8, ``gemv_fp8.py``; chosen by
 ``KVFLOW_FP8_DECODE``, see ``plan``; ``fp8a8-siluq``: gate/up + SiLU writing FP8 in
-128-wide groups, ``fp8a8-xg``: down reading them), and ``<format>-silu`` for a merged [gate; up] layer with SiLU-and-multiply in
-the epilogue (N = d, the output width); values {M bucket (1, 2, 4, 8): config or None}.
+128-wide groups, ``fp8a8-xg``: down reading them), and ``<format>-silu`` for a merged
+[gate; up] layer with SiLU-and-multiply in the epilogue (N = d, the output width); values
+{M bucket (1, 2, 4, 8): config or None}.
 """
 
 from __future__ import annotations
