@@ -176,6 +176,15 @@ def _w8a8_gemv(layer: LinearBase, xq: torch.Tensor, sx: torch.Tensor, cfg, act,
     return y if act is None else act(y)
 
 
+def _w8a8_on_rows(layer: LinearBase, x2: torch.Tensor, cfg, act) -> torch.Tensor:
+    """Rows not quantized yet: per-token FP8 quantization (one launch), then the W8A8
+    GEMV (``_w8a8_gemv``)."""
+    from kvflow.kernels.fp8_quant import quantize_fp8
+
+    xq, sx = quantize_fp8(x2 if x2.stride(-1) == 1 else x2.contiguous())
+    return _w8a8_gemv(layer, xq, sx, cfg, act, x2.dtype)
+
+
 def _w8a8_cfg(layer: LinearBase, x2: torch.Tensor, act) -> object | None:
     """The W8A8 GEMV's config for these rows (with ``act``: the fused SiLU form's or the
     plain one's), or None."""
@@ -272,10 +281,7 @@ def _apply_silu_and_mul(layer: LinearBase, x: torch.Tensor, act) -> torch.Tensor
     x2, lead = flatten_tokens(x)
     a8 = _w8a8_cfg(layer, x2, act)
     if a8 is not None:
-        from kvflow.kernels.fp8_quant import quantize_fp8
-
-        xq, sx = quantize_fp8(x2 if x2.stride(-1) == 1 else x2.contiguous())
-        return _w8a8_gemv(layer, xq, sx, a8, act, x.dtype).view(*lead, -1)
+        return _w8a8_on_rows(layer, x2, a8, act).view(*lead, -1)
     cfg = (fp8_gemv_plan(layer, silu=True).get(x2.shape[0])
            if x2.dtype == torch.bfloat16 else None)
     if cfg is None:
@@ -291,14 +297,9 @@ def _apply(layer: LinearBase, x: torch.Tensor,
            input_scale: torch.Tensor | None = None) -> torch.Tensor:
     x2, lead = flatten_tokens(x)  # [M, K]
     a8 = _w8a8_cfg(layer, x2, None) if input_scale is None else None
+    if a8 is not None:  # decode rows on the FP8 tensor cores: the _scaled_mm path's numbers
+        return _w8a8_on_rows(layer, x2, a8, None).view(*lead, -1)
     cfg = fp8_gemv_plan(layer).get(x2.shape[0]) if x2.dtype == torch.bfloat16 else None
-    if a8 is not None:
-        # Decode rows on the FP8 tensor cores: per-token quantization (one launch) and
-        # the W8A8 GEMV, the numbers of the _scaled_mm path below.
-        from kvflow.kernels.fp8_quant import quantize_fp8
-
-        xq, sx = quantize_fp8(x2 if x2.stride(-1) == 1 else x2.contiguous())
-        return _w8a8_gemv(layer, xq, sx, a8, None, x.dtype).view(*lead, -1)
     if cfg is not None:
         # Decode rows (M <= 8): weight-dequant GEMV, x stays bf16 (no activation
         # quantization launch; the step is a weight stream).
