@@ -180,6 +180,12 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
 
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        """This layer's output from what its method computed on this rank: ``y`` itself; a
+        row-parallel layer sums the ranks' partials. Paths that compute a layer's product
+        outside ``forward`` (``apply_mlp``) finish with it."""
+        return y
+
     def forward_silu_and_mul(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """``act(self(x))`` where this layer is a merged [gate; up] projection and ``act``
         SiLU-and-multiply: the seam for the fused decode GEMV (no communication, so for

@@ -234,6 +234,9 @@ class RowParallelLinear(LinearBase):
         (so a per-channel quantization scale is the one of the whole row)."""
         return self.tp.all_reduce_max(local.contiguous())
 
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(y)  # partial [T, out] -> summed [T, out]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [T, in / tp] -> partial [T, out] -> summed [T, out]
-        return self.tp.all_reduce(self.quant_method.apply(self, x))
+        return self.reduce_output(self.quant_method.apply(self, x))

@@ -271,8 +271,7 @@ def _apply_mlp(layer: LinearBase, x: torch.Tensor, residual: torch.Tensor | None
     hq, hs = gemv_fp8(xq, sx, layer.weight, layer.weight_scale, gcfg, silu_and_mul=True,
                       fp8_out=True)
     y = gemv_fp8(hq, hs, down.weight, down.weight_scale, dcfg, x.dtype)
-    tp = getattr(down, "tp", None)  # a row-parallel down sums its ranks' partials
-    return (y if tp is None else tp.all_reduce(y)), r
+    return down.reduce_output(y), r  # a row-parallel down sums its ranks' partials
 
 
 def _apply_silu_and_mul(layer: LinearBase, x: torch.Tensor, act) -> torch.Tensor:
