@@ -266,14 +266,16 @@ def silu_buffers(config, m: int, d: int, device: torch.device
     return ws, split_buffers(config, m, d, device)[1]
 
 
-def gemv_outputs(x: torch.Tensor, config, n: int, silu_and_mul: bool
+def gemv_outputs(x: torch.Tensor, config, n: int, silu_and_mul: bool,
+                 dtype: torch.dtype | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(out [M, N] or, for a SiLU-fused [gate; up] weight of N rows, [M, N / 2]; split-K
-    workspace; arrival counters) of a low-bit GEMV launch (``gemv_w4``, ``gemv_w8``)."""
+    """(out [M, N] or, for a SiLU-fused [gate; up] weight of N rows, [M, N / 2], in
+    ``dtype`` (default x's); split-K workspace; arrival counters) of a low-bit GEMV launch
+    (``gemv_w4``, ``gemv_w8``, ``gemv_fp8``)."""
     m = x.shape[0]
     n_out = n // 2 if silu_and_mul else n
     assert not silu_and_mul or n == 2 * n_out, "gate and up halves of one size"
-    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n_out), dtype=dtype or x.dtype, device=x.device)
     if m == 0:  # nothing to launch
         return out, None, None
     if silu_and_mul:

@@ -176,7 +176,7 @@ def gemv_fp8(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Ten
         oscale = torch.empty((m, d // config.block_n), dtype=torch.float32, device=xq.device)
         ws = locks = None
     else:
-        out, ws, locks = gemv_outputs(_out_like(xq, out_dtype), config, n, silu_and_mul)
+        out, ws, locks = gemv_outputs(xq, config, n, silu_and_mul, out_dtype)
     if m == 0:
         return (out, oscale) if fp8_out else out
     n_out = out.shape[1]
@@ -190,9 +190,3 @@ def gemv_fp8(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Ten
         XGROUP=x_group, OUT_FP8=fp8_out,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return (out, oscale) if fp8_out else out
-
-
-def _out_like(xq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A [M, 0] stand-in with the output's dtype: ``gemv_outputs`` sizes its buffers from x's
-    rows and dtype, and x here is FP8."""
-    return torch.empty((xq.shape[0], 0), dtype=dtype, device=xq.device)
