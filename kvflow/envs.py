@@ -97,6 +97,20 @@ def attn_split_keys() -> int | None:
     return value
 
 
+def rope_in_attention() -> str:
+    """KVFLOW_ROPE_IN_ATTN: whether a decode-only step's rotary + KV-cache write runs inside
+    the decode attention launch (kvflow/kernels/paged_attention.py, ``DecodeRope``)
+    instead of as its own kernel: ``auto`` (default: where
+    kvflow/kernels/decode_defaults.py measured it faster on this GPU), ``on`` or ``off``."""
+    mode = os.environ.get("KVFLOW_ROPE_IN_ATTN", "auto").lower()
+    if mode not in ("auto", "on", "off"):
+        from kvflow.errors import InvalidParameterError
+
+        raise InvalidParameterError(
+            f"KVFLOW_ROPE_IN_ATTN must be auto, on or off, not {mode!r}")
+    return mode
+
+
 def gemv_norm_one_row() -> bool | None:
     """KVFLOW_GEMV_NORM_ROW: ``1``: the norm-folded GEMV (kvflow/kernels/gemv_norm.py)
     computes its x side (residual add, squares, norm weight) on the single row at M = 1

@@ -13,7 +13,8 @@ Variants (environment switches, kvflow/envs.py): ``base`` (every switch off), ``
 (none set: this GPU's measured defaults, kvflow/kernels/decode_defaults.py),
 ``fused`` (KVFLOW_ATTN_MERGE=fused), ``keysK`` (fused, KVFLOW_ATTN_SPLIT_KEYS=K), ``row`` (KVFLOW_GEMV_NORM_ROW=1), ``pdl``
 (KVFLOW_PDL=on), ``pdl0`` (PDL without the L2 weight prefetch), ``pdl8`` (8 tiles
-prefetched), ``down`` (down_proj at M = 1 on the GEMV instead of cuBLAS, so PDL chains
+prefetched), ``rope`` (KVFLOW_ROPE_IN_ATTN=on: rotary + cache write inside the decode
+attention launch), ``down`` (down_proj at M = 1 on the GEMV instead of cuBLAS, so PDL chains
 through it), ``table`` (KVFLOW_GEMV_TABLE=--table), joined with ``+`` (``pdl+fused+row``).
 """
 
@@ -43,12 +44,12 @@ from kvflow.sampling_params import SamplingParams  # noqa: E402
 DOWN_M1 = {"block_n": 64, "block_k": 256, "split_k": 2, "dot": True, "num_warps": 4,
            "num_stages": 4}
 SWITCHES = ("KVFLOW_PDL", "KVFLOW_PDL_PREFETCH", "KVFLOW_ATTN_MERGE", "KVFLOW_ATTN_SPLIT_KEYS",
-            "KVFLOW_GEMV_NORM_ROW", "KVFLOW_GEMV_TABLE")
+            "KVFLOW_GEMV_NORM_ROW", "KVFLOW_GEMV_TABLE", "KVFLOW_ROPE_IN_ATTN")
 
 
 # every switch off: main's behaviour before them, whatever the GPU's measured defaults
 OFF = {"KVFLOW_PDL": "off", "KVFLOW_ATTN_MERGE": "kernel", "KVFLOW_ATTN_SPLIT_KEYS": "0",
-       "KVFLOW_GEMV_NORM_ROW": "0"}
+       "KVFLOW_GEMV_NORM_ROW": "0", "KVFLOW_ROPE_IN_ATTN": "off"}
 
 
 def _env(variant: str, table: str | None, down_table: str) -> dict:
@@ -66,6 +67,8 @@ def _env(variant: str, table: str | None, down_table: str) -> dict:
             env["KVFLOW_ATTN_SPLIT_KEYS"] = part[4:]
         elif part == "row":
             env["KVFLOW_GEMV_NORM_ROW"] = "1"
+        elif part == "rope":
+            env["KVFLOW_ROPE_IN_ATTN"] = "on"
         elif part.startswith("pdl"):
             env["KVFLOW_PDL"] = "on"
             if part[3:]:
@@ -98,12 +101,14 @@ def _apply(engine, env: dict) -> None:
     """Set the switches, drop every cached decision, re-plan the GEMVs, recapture."""
     from kvflow.kernels import gemv_config, gemv_norm, paged_attention, pdl
     from kvflow.kernels.gemv_dispatch import plan_gemv
+    from kvflow.layers.attention import triton_backend
 
     for k in SWITCHES:
         os.environ.pop(k, None)
     os.environ.update(env)
     for fn in (pdl._enabled, pdl.prefetch_tiles_default, paged_attention.merge_mode,
-               paged_attention.split_keys, gemv_norm.one_row, gemv_config._device_table):
+               paged_attention.split_keys, gemv_norm.one_row, gemv_config._device_table,
+               triton_backend.rope_in_attention):
         fn.cache_clear()
     runner = engine.core.executor.runner
     for m in runner.model.modules():
@@ -147,6 +152,8 @@ def main() -> int:
                                           "pdl16+fused+row+table")
     ap.add_argument("--table", default=None, help="bench_gemv.py result for 'table'")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--quantization", default=None, help="e.g. fp8, int4 (default: bf16)")
+    ap.add_argument("--group-size", type=int, default=None, help="int4 group size")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--budget-s", type=float, default=150.0,
@@ -167,7 +174,9 @@ def main() -> int:
                 raise
             print(f"{exc}: skipped", flush=True)
     args = EngineArgs(model="llama-3.1-8b", load_format="dummy", max_model_len=4096,
-                      max_num_seqs=1, enable_prefix_caching=False)
+                      max_num_seqs=1, enable_prefix_caching=False,
+                      quantization=ns.quantization or "auto",
+                      **({"quantization_group_size": ns.group_size} if ns.group_size else {}))
     engine = LLMEngine.from_engine_args(args)
     prompt = [(7 * j) % 30000 + 100 for j in range(ns.input_len)]
     results = []
@@ -201,6 +210,7 @@ def _save(ns, results: list[dict], first: str, start: float) -> None:
                 r["over_first"] = (r["decode_tokens_per_s_per_seq"]
                                    / base["decode_tokens_per_s_per_seq"])
     save_result(ns.out, {"command": "python " + " ".join(sys.argv),
+                         "quantization": ns.quantization,
                          "workload": {"batch_size": 1, "input_len": ns.input_len,
                                       "output_len": ns.output_len, "iters": ns.iters},
                          "device": torch.cuda.get_device_name(), "variants": results,

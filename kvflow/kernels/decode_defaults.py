@@ -11,7 +11,9 @@ switch existed. So an unmeasured GPU is never slower than before. The switches:
   (the last split of each KV head merges, ``paged_attention.py``);
 - ``attn_split_keys``: with the fused merge, the fewest keys per split (0: all splits);
 - ``gemv_norm_one_row``: the M = 1 norm-folded GEMV computes its x side on one row
-  (``gemv_norm.py``).
+  (``gemv_norm.py``);
+- ``rope_in_attn``: a decode-only step rotates q / k and writes the new K/V inside the
+  decode attention launch instead of a ``rotary_kv`` launch (``paged_attention.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 # The behaviour before the switches; the prefetch (only read with PDL on) defaults to 0
 # tiles, the best PDL variant measured on the H200 (results/decode-levers-late-h200.json).
 OFF: dict = {"pdl": False, "pdl_prefetch": 0, "attn_merge": "kernel", "attn_split_keys": 0,
-             "gemv_norm_one_row": False}
+             "gemv_norm_one_row": False, "rope_in_attn": False}
 
 # device-name token -> the switches' measured best (each entry cites its result file).
 # H200: none is a win, so no entry: every lever measured slower or even in GPU-A

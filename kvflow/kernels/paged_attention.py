@@ -162,17 +162,83 @@ def _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos, offs_n,
     return acc, l_i, m_new
 
 
+@triton.jit
+def _rope_row(pos_ptr, cs_ptr, stride_cs, token, offs_d, HEAD_DIM: tl.constexpr):
+    """cos and signed sin [D_PAD] (float32) of ``token``'s position for the rotate-half
+    layout, and each element's partner: o[d] = x[d] cos + x[partner] sin_signed, with
+    partner d + D/2 and sin negated for the first half, d - D/2 for the second."""
+    half: tl.constexpr = HEAD_DIM // 2
+    first = offs_d < half
+    freq = tl.where(first, offs_d, offs_d - half)
+    d_ok = offs_d < HEAD_DIM
+    cs_row = cs_ptr + tl.load(pos_ptr + token).to(tl.int64) * stride_cs
+    cos = tl.load(cs_row + freq, mask=d_ok, other=0.0)
+    sin = tl.load(cs_row + half + freq, mask=d_ok, other=0.0)
+    partner = tl.where(first, offs_d + half, offs_d - half)
+    partner = tl.where(d_ok, partner, offs_d)  # padding lanes read themselves (masked)
+    return cos, tl.where(first, -sin, sin), partner
+
+
+@triton.jit
+def _rotate(x, x_pair, cos, sin_signed):
+    """Rotate-half rotary in float32 (as ``rotary_kv``: one rounding, by the caller)."""
+    return x.to(tl.float32) * cos + x_pair.to(tl.float32) * sin_signed
+
+
+@triton.jit
+def _new_kv(kn_ptr, vn_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots, token, kvh, stride_knt,
+            stride_knh, stride_vnt, stride_vnh, stride_kb, stride_kt, stride_kh, cos,
+            sin_signed, partner, offs_d, own, BLOCK_SIZE: tl.constexpr,
+            HEAD_DIM: tl.constexpr):
+    """The new token's rotated key and its value for KV head ``kvh`` ([D_PAD] in the
+    cache dtype), stored into the cache at its slot by the program that ``own``s it
+    (slot -1, or a token past ``n_slots``, is not cached: ``rotary_kv``'s rule)."""
+    d_ok = offs_d < HEAD_DIM
+    kn = kn_ptr + token.to(tl.int64) * stride_knt + kvh * stride_knh
+    k = tl.load(kn + offs_d, mask=d_ok, other=0.0)
+    k_pair = tl.load(kn + partner, mask=d_ok, other=0.0)
+    k = _rotate(k, k_pair, cos, sin_signed).to(kc_ptr.dtype.element_ty)
+    v = tl.load(vn_ptr + token.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d,
+                mask=d_ok, other=0.0).to(vc_ptr.dtype.element_ty)
+    slot = tl.load(slot_ptr + token, mask=token < n_slots, other=-1).to(tl.int64)
+    if own & (slot >= 0):
+        off = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt \
+            + kvh * stride_kh + offs_d
+        tl.store(kc_ptr + off, k, mask=d_ok)
+        tl.store(vc_ptr + off, v, mask=d_ok)
+    return k, v
+
+
+@triton.jit
+def _add_key(acc, l_i, m_i, q, k, v, qk_scale, rows):
+    """Online-softmax update with one key held in registers (k, v [D_PAD]) for ``rows``:
+    the score in float32 as the tiles' dot computes it, P rounded to the value dtype
+    before P @ V as in ``_attn_tile``."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * qk_scale
+    s = tl.where(rows, s, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe)
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + p
+    pv = p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
+    return acc * alpha[:, None] + pv, l_i, m_new
+
+
 @triton.jit(do_not_specialize=["req_offset", "num_splits", "split_keys"])
 def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
         req_offset, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
         stride_bt, stride_kb, stride_kt, stride_kh, ks_ptr, vs_ptr, out_scale,
         stride_sb, stride_st, stride_sh, tree_bits_ptr, tree_start_ptr, lock_ptr, split_keys,
+        pos_ptr, cs_ptr, stride_cs, kn_ptr, vn_ptr, stride_knt, stride_knh, stride_vnt,
+        stride_vnh, slot_ptr, n_slots,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr, QUANT: tl.constexpr, TREE: tl.constexpr,
-        FUSED_MERGE: tl.constexpr = False, PDL: tl.constexpr = False):
+        FUSED_MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
+        ROPE: tl.constexpr = False):
     pdl_wait(PDL)  # before the early returns: completion must imply the predecessor's
     num_qb = tl.num_programs(0)
     qb = num_qb - 1 - tl.program_id(0)  # longest causal range first
@@ -201,6 +267,12 @@ def _paged_attn_kernel(
         q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=q_mask, other=0.0)  # [BLOCK_M, D_PAD]
+    if ROPE:  # decode launch: rotate q here, and k / v of the new token below
+        cos, sin_signed, partner = _rope_row(pos_ptr, cs_ptr, stride_cs, q_start, offs_d,
+                                             HEAD_DIM)
+        q_pair = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh
+                         + partner[None, :], mask=q_mask, other=0.0)
+        q = _rotate(q, q_pair, cos, sin_signed).to(q_ptr.dtype.element_ty)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -220,6 +292,17 @@ def _paged_attn_kernel(
         chunk = tl.cdiv(tl.cdiv(hi, eff), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(hi, lo + chunk)
+    if ROPE:
+        # The new token's key (position seq_len - 1) arrives unrotated and not yet cached:
+        # the program whose key range holds it rotates it, writes k and v to the cache
+        # for later steps, and adds the key itself from registers after the loop (so no
+        # program reads a cache slot written in this launch).
+        own = (lo <= seq_len - 1) & (seq_len - 1 < hi)
+        k_new, v_new = _new_kv(kn_ptr, vn_ptr, k_ptr, v_ptr, slot_ptr, n_slots, q_start, kvh,
+                               stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kb,
+                               stride_kt, stride_kh, cos, sin_signed, partner, offs_d, own,
+                               BLOCK_SIZE, HEAD_DIM)
+        hi = tl.where(own, hi - 1, hi)
     # Keys <= the block's first query position are visible to every row: no masks.
     full_hi = tl.minimum(hi, ctx + qb * BLOCK_Q + 1)
     tree_bits = tl.full([BLOCK_Q * G_PAD], -1, tl.int64)
@@ -250,6 +333,8 @@ def _paged_attn_kernel(
                                    ks_base, vs_base, stride_sb, stride_st, tree_bits, tree_start,
                                    BLOCK_SIZE, HEAD_DIM, D_PAD, True, DOT_PREC, UPCAST, QUANT,
                                    TREE)
+    if ROPE:
+        acc, l_i, m_i = _add_key(acc, l_i, m_i, q, k_new, v_new, qk_scale, own & row_ok)
 
     pdl_trigger(PDL)  # the K/V loop is done: the next kernel may become resident
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty split or empty context -> zeros
@@ -330,6 +415,21 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits,
     res = tl.sum(o * w[:, None], axis=0) / denom
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
              res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class DecodeRope:
+    """The rotary + cache-write inputs of a decode-only step that ``paged_attention``
+    applies itself (``rotary_and_cache_write``'s arguments): positions [>= T], the
+    float32 [max_pos, D] = [cos | sin] table, the new tokens' unrotated k and their v
+    [T, KVH, D] (strided views of the qkv output are fine), slot_mapping [<= T] (-1
+    skips; tokens past its length are not cached)."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -420,7 +520,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     num_kv_splits: int = 1, out: torch.Tensor | None = None,
                     decode_config: TileConfig | None = None,
                     prefill_config: TileConfig | None = None, kv_quant=None,
-                    tree=None) -> torch.Tensor:
+                    tree=None, rope: "DecodeRope | None" = None) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each request's paged context -> [T, H, D].
 
     R = seq_lens.shape[0] requests; requests [0, num_decodes) have exactly one query
@@ -433,6 +533,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     [2, NB, BS, KVH]) or fp8 values (per-tensor scales), dequantized in registers.
     ``tree`` (a ``TreeAttention``): candidate trees among the prefill requests (Medusa
     verification), attended with their ancestor masks.
+    ``rope`` (a ``DecodeRope``; decode-only batches over an unquantized cache): q and the
+    new tokens' k / v arrive unrotated and uncached; the decode launch rotates them and
+    writes k / v to the cache (``rotary_and_cache_write``'s work, without its launch).
     """
     t, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -477,6 +580,20 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
     pdl = pdl_enabled(q.device)
     pdl_kw = {"PDL": True, **launch_kw(True)} if pdl else {}
+    # (pos, cos/sin, k, v, their strides, slots, n_slots) of the decode launch's rotary;
+    # placeholders (never read) without it and in the prefill launch
+    rope_args = (seq_lens, seq_lens, 0, q, q, 0, 0, 0, 0, seq_lens, 0)
+    if rope is not None:
+        assert num_decodes == num_reqs and tree is None and quant == 0, (
+            "rotary inside attention is for decode-only batches over an unquantized cache")
+        k_new, v_new, cs = rope.k, rope.v, rope.cos_sin_cache
+        assert k_new.shape == (t, num_kv_heads, head_dim) and v_new.shape == k_new.shape
+        assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1 and cs.stride(-1) == 1
+        assert cs.shape[-1] == head_dim and head_dim % 2 == 0
+        assert rope.positions.shape[0] >= t
+        rope_args = (rope.positions, cs, cs.stride(0), k_new, v_new, k_new.stride(0),
+                     k_new.stride(1), v_new.stride(0), v_new.stride(1), rope.slot_mapping,
+                     rope.slot_mapping.shape[0])
     if num_decodes > 0:
         splits = max(1, int(num_kv_splits))
         locks = None
@@ -493,10 +610,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
             part_o, part_lse, 0, splits, *common, seq_lens, seq_lens,
             out if locks is None else locks, 0 if locks is None else split_keys(),
+            *rope_args,
             G_PAD=max(g_pad, dec_cfg.block_m), BLOCK_Q=1, BLOCK_N=dec_cfg.block_n,
             SPLIT=splits > 1, num_warps=dec_cfg.num_warps, num_stages=dec_cfg.num_stages,
             TREE=False, **({"FUSED_MERGE": True} if locks is not None else {}), **pdl_kw,
-            **consts)
+            **({"ROPE": True} if rope is not None else {}), **consts)
         if splits > 1 and locks is None:
             _merge_splits_kernel[(num_decodes, num_heads)](
                 part_o, part_lse, out, query_start_loc, splits, out.stride(0), out.stride(1),
@@ -510,6 +628,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         _paged_attn_kernel[grid](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
             out, out, num_decodes, 1, *common, *tree_args, out, 0,
+            seq_lens, seq_lens, 0, q, q, 0, 0, 0, 0, seq_lens, 0,
             G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=pre_cfg.block_n, SPLIT=False,
             num_warps=pre_cfg.num_warps, num_stages=pre_cfg.num_stages,
             TREE=tree is not None, **pdl_kw, **consts)
@@ -567,5 +686,5 @@ def attention_bytes_flops(q_lens: list[int], seq_lens: list[int], num_heads: int
     return kv_bytes + qo_bytes, 4 * num_heads * head_dim * visible
 
 
-__all__ = ["TileConfig", "attention_bytes_flops", "choose_num_kv_splits", "default_tile_configs",
-           "paged_attention"]
+__all__ = ["DecodeRope", "TileConfig", "attention_bytes_flops", "choose_num_kv_splits",
+           "default_tile_configs", "paged_attention"]

@@ -304,3 +304,144 @@ def test_decode_cuda_graph_capture_gpu():
 
 def _num_sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def _rope_inputs(batch: Batch, h: int, kvh: int, d: int, dtype, device, seed: int,
+                 pad: int = 0):
+    """Unrotated q, k, v of the batch's decodes as strided views of one qkv output (plus
+    ``pad`` CUDA-graph padding rows), the rotary table, positions (each decode's last
+    position) and slots (where its block table puts that position)."""
+    from kvflow.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n = batch.num_decodes
+    t = n + pad
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g).to(dtype).to(device)
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    q, k, v = q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
+    rotary = RotaryEmbedding(d, 1024, 10000.0, None).to(device)
+    bs = batch.kv_cache.shape[2]
+    lens = batch.seq_lens[:n] + [1] * pad
+    positions = torch.tensor([s - 1 for s in lens], device=device)
+    tables = batch.block_tables.cpu()
+    slots = torch.tensor([int(tables[i, (s - 1) // bs]) * bs + (s - 1) % bs if s else -1
+                          for i, s in enumerate(batch.seq_lens[:n])], device=device)
+    return q, k, v, rotary, positions, slots
+
+
+@pytest.mark.parametrize("dtype,heads,num_kv_splits", [
+    (torch.float32, (2, 2, 64), 1), (torch.float32, (8, 2, 64), 16),
+    (torch.float16, (8, 1, 128), 3), (torch.bfloat16, (8, 2, 64), 1),
+    (torch.bfloat16, (8, 1, 128), 16), (torch.float32, (4, 2, 48), 3)],
+    ids=lambda x: str(x).replace("torch.", "") if not isinstance(x, tuple) else
+    f"H{x[0]}-KVH{x[1]}-D{x[2]}")
+def test_decode_rope_in_attention(device, dtype, heads, num_kv_splits):
+    """Rotary + cache write inside the decode launch (``DecodeRope``) gives the result of
+    ``rotary_and_cache_write`` followed by the plain decode launch, and leaves the cache
+    identical: the new key written by the program whose split holds it (a 1-key context,
+    contexts ending on a block edge and inside one, empty splits), nothing else touched
+    (the NaN-poisoned slots past each context stay unread and unwritten)."""
+    from kvflow.kernels.paged_attention import DecodeRope
+    from kvflow.kernels.rotary_kv import rotary_and_cache_write
+
+    h, kvh, d = heads
+    seq_lens = [1, 16, 45, 200]
+    batch = Batch([1] * 4, seq_lens, 4, h, kvh, d, 16, dtype, device, 7)
+    q, k, v, rotary, positions, slots = _rope_inputs(batch, h, kvh, d, dtype, device, 7)
+    cache = batch.kv_cache.clone()
+    q_rot, _ = rotary_and_cache_write(positions, q, k, v, rotary.cos_sin_cache, cache, slots)
+    batch.q, batch.kv_cache = q_rot, cache  # what the separate launch left
+    want = batch.run(num_kv_splits)
+    _check(batch, want, dtype)
+
+    fresh = Batch([1] * 4, seq_lens, 4, h, kvh, d, 16, dtype, device, 7)  # same cache
+    got = paged_attention(q, fresh.kv_cache, fresh.block_tables, fresh.query_start_loc,
+                          fresh.seq_lens_t, fresh.scale, num_decodes=4, max_query_len=1,
+                          max_seq_len=max(seq_lens), num_kv_splits=num_kv_splits,
+                          rope=DecodeRope(positions, rotary.cos_sin_cache, k, v, slots))
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(fresh.kv_cache.nan_to_num(123.0), cache.nan_to_num(123.0))
+
+
+def test_decode_rope_in_attention_padding(device):
+    """CUDA-graph padding rows (q_len 0, no slot) are neither attended nor cached, and
+    rows past query_start_loc[R] of ``out`` stay untouched."""
+    from kvflow.kernels.paged_attention import DecodeRope
+    from kvflow.kernels.rotary_kv import rotary_and_cache_write
+
+    batch = Batch([1, 1, 0, 0], [40, 90, 0, 0], 2, 8, 2, 64, 16, torch.float16, device, 2)
+    q, k, v, rotary, positions, slots = _rope_inputs(batch, 8, 2, 64, torch.float16, device,
+                                                     2, pad=3)
+    cache = batch.kv_cache.clone()
+    q_rot, _ = rotary_and_cache_write(positions, q, k, v, rotary.cos_sin_cache, cache, slots)
+    out = torch.full((5, 8, 64), 7.0, dtype=torch.float16, device=device)
+    for splits in (1, 4):
+        res = paged_attention(q, batch.kv_cache, batch.block_tables, batch.query_start_loc,
+                              batch.seq_lens_t, batch.scale, num_decodes=4, max_query_len=1,
+                              max_seq_len=90, num_kv_splits=splits, out=out,
+                              rope=DecodeRope(positions, rotary.cos_sin_cache, k, v, slots))
+        assert res is out and bool((out[2:] == 7.0).all())
+        assert torch.equal(batch.kv_cache.nan_to_num(123.0), cache.nan_to_num(123.0))
+        batch.q, batch.kv_cache = q_rot[:2], cache.clone()
+        _check(batch, out[:2], torch.float16)
+
+
+def test_decode_rope_in_attention_refuses_prefills(device):
+    from kvflow.kernels.paged_attention import DecodeRope
+
+    q_lens, seq_lens = _mixed_lens(1)
+    batch = Batch(q_lens, seq_lens, 3, 8, 2, 64, 16, torch.float16, device, 1)
+    t = batch.q.shape[0]
+    k = torch.zeros(t, 2, 64, dtype=torch.float16, device=device)
+    rope = DecodeRope(torch.zeros(t, dtype=torch.long, device=device),
+                      torch.zeros(8, 64, device=device), k, k,
+                      torch.zeros(t, dtype=torch.long, device=device))
+    with pytest.raises(AssertionError, match="decode-only"):
+        batch.run(2, rope=rope)
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_triton_backend_rope_switch(device, monkeypatch, mode):
+    """The Triton backend takes the in-attention rotary for decode-only steps when
+    ``KVFLOW_ROPE_IN_ATTN`` says so (and keeps the rotary launch for mixed steps); either
+    way the output and the cache are those of the separate rotary launch."""
+    from kvflow import envs
+    from kvflow.errors import InvalidParameterError
+    from kvflow.kernels import paged_attention as pa
+    from kvflow.kernels.rotary_kv import rotary_and_cache_write
+    from kvflow.layers.attention import triton_backend as tb
+    from kvflow.layers.attention.metadata import AttentionMetadata
+
+    monkeypatch.setenv("KVFLOW_ROPE_IN_ATTN", mode)
+    tb.rope_in_attention.cache_clear()
+    calls = []
+    monkeypatch.setattr(tb, "paged_attention",
+                        lambda *a, **kw: calls.append(kw.get("rope")) or pa.paged_attention(
+                            *a, **kw))
+    try:
+        seq_lens = [30, 77]
+        batch = Batch([1, 1], seq_lens, 2, 8, 2, 64, 16, torch.bfloat16, device, 4)
+        q, k, v, rotary, positions, slots = _rope_inputs(batch, 8, 2, 64, torch.bfloat16,
+                                                         device, 4)
+        meta = AttentionMetadata(
+            num_actual_tokens=2, num_reqs=2, num_decodes=2, max_query_len=1,
+            max_seq_len=max(seq_lens), slot_mapping=slots,
+            query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens_t,
+            block_tables=batch.block_tables, query_start_loc_cpu=batch.qsl,
+            seq_lens_cpu=seq_lens, backend=tb.TritonAttentionMetadata(num_kv_splits=4))
+        cache = batch.kv_cache.clone()
+        out = tb.TritonAttentionBackend().forward(positions, q, k, v, cache, rotary,
+                                                  batch.scale, meta)
+        assert (calls[0] is not None) == (mode == "on")
+        want_cache = batch.kv_cache.clone()
+        q_rot, _ = rotary_and_cache_write(positions, q, k, v, rotary.cos_sin_cache,
+                                          want_cache, slots)
+        batch.q, batch.kv_cache = q_rot, want_cache
+        _check(batch, out, torch.bfloat16)
+        assert torch.equal(cache.nan_to_num(1.0), want_cache.nan_to_num(1.0))
+    finally:
+        tb.rope_in_attention.cache_clear()
+    monkeypatch.setenv("KVFLOW_ROPE_IN_ATTN", "sometimes")
+    with pytest.raises(InvalidParameterError, match="KVFLOW_ROPE_IN_ATTN"):
+        envs.rope_in_attention()
+

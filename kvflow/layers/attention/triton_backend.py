@@ -1,14 +1,17 @@
 """Triton attention backend (GPU): fused rotary + KV cache write, then one paged
 flash-attention call for the whole mixed batch (decodes, optionally split-KV, then
-prefill chunks)."""
+prefill chunks). A decode-only step can instead hand the rotary and the cache write to
+the decode attention launch itself (``KVFLOW_ROPE_IN_ATTN``), one launch fewer per
+layer."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from kvflow.kernels.paged_attention import choose_num_kv_splits, paged_attention
+from kvflow.kernels.paged_attention import DecodeRope, choose_num_kv_splits, paged_attention
 from kvflow.kernels.rotary_kv import rotary_and_cache_write
 from kvflow.layers.attention.kv_quant import KVQuant
 from kvflow.layers.attention.metadata import AttentionMetadata, AttentionSpec
@@ -45,6 +48,14 @@ class TritonAttentionBackend:
                 v: torch.Tensor, kv_cache: torch.Tensor, rotary: RotaryEmbedding,
                 scale: float, meta: AttentionMetadata, *,
                 kv_quant: KVQuant | None = None) -> torch.Tensor:
+        if (meta.num_decodes and not meta.num_prefills and meta.tree is None
+                and kv_quant is None and rope_in_attention(q.device)):
+            # decode-only step: the attention launch rotates and caches the new K/V
+            return paged_attention(
+                q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+                num_decodes=meta.num_decodes, max_query_len=meta.max_query_len,
+                max_seq_len=meta.max_seq_len, num_kv_splits=meta.backend.num_kv_splits,
+                rope=DecodeRope(positions, rotary.cos_sin_cache, k, v, meta.slot_mapping))
         q, _ = rotary_and_cache_write(positions, q, k, v, rotary.cos_sin_cache, kv_cache,
                                       meta.slot_mapping, kv_quant=kv_quant)
         return paged_attention(
@@ -52,3 +63,15 @@ class TritonAttentionBackend:
             num_decodes=meta.num_decodes, max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len, num_kv_splits=meta.backend.num_kv_splits,
             kv_quant=kv_quant, tree=meta.tree)
+
+
+@functools.lru_cache(maxsize=8)
+def rope_in_attention(device: torch.device) -> bool:
+    """``KVFLOW_ROPE_IN_ATTN`` (``kvflow.envs.rope_in_attention``; ``auto``: the GPU's
+    measured default in ``kvflow/kernels/decode_defaults.py``, off elsewhere), read once
+    per process and device."""
+    from kvflow import envs
+    from kvflow.kernels.decode_defaults import measured
+
+    mode = envs.rope_in_attention()
+    return measured(device)["rope_in_attn"] if mode == "auto" else mode == "on"
