@@ -111,6 +111,19 @@ def rope_in_attention() -> str:
     return mode
 
 
+def greedy_argmax_mode() -> str:
+    """KVFLOW_GREEDY_ARGMAX: the sampler's greedy argmax on CUDA: ``auto`` (default: the
+    split-row Triton kernel, kvflow/kernels/argmax.py, for vocabularies >= 8192) or
+    ``torch`` (torch.argmax, one thread block per row)."""
+    mode = os.environ.get("KVFLOW_GREEDY_ARGMAX", "auto").lower()
+    if mode not in ("auto", "torch"):
+        from kvflow.errors import InvalidParameterError
+
+        raise InvalidParameterError(
+            f"KVFLOW_GREEDY_ARGMAX must be auto or torch, not {mode!r}")
+    return mode
+
+
 def gemv_norm_one_row() -> bool | None:
     """KVFLOW_GEMV_NORM_ROW: ``1``: the norm-folded GEMV (kvflow/kernels/gemv_norm.py)
     computes its x side (residual add, squares, norm weight) on the single row at M = 1

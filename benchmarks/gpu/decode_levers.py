@@ -14,7 +14,8 @@ Variants (environment switches, kvflow/envs.py): ``base`` (every switch off), ``
 ``fused`` (KVFLOW_ATTN_MERGE=fused), ``keysK`` (fused, KVFLOW_ATTN_SPLIT_KEYS=K), ``row`` (KVFLOW_GEMV_NORM_ROW=1), ``pdl``
 (KVFLOW_PDL=on), ``pdl0`` (PDL without the L2 weight prefetch), ``pdl8`` (8 tiles
 prefetched), ``rope`` (KVFLOW_ROPE_IN_ATTN=on: rotary + cache write inside the decode
-attention launch), ``down`` (down_proj at M = 1 on the GEMV instead of cuBLAS, so PDL chains
+attention launch), ``argmax`` (KVFLOW_GREEDY_ARGMAX=auto: the split-row argmax kernel;
+``base`` keeps torch's), ``down`` (down_proj at M = 1 on the GEMV instead of cuBLAS, so PDL chains
 through it), ``table`` (KVFLOW_GEMV_TABLE=--table), joined with ``+`` (``pdl+fused+row``).
 """
 
@@ -44,12 +45,14 @@ from kvflow.sampling_params import SamplingParams  # noqa: E402
 DOWN_M1 = {"block_n": 64, "block_k": 256, "split_k": 2, "dot": True, "num_warps": 4,
            "num_stages": 4}
 SWITCHES = ("KVFLOW_PDL", "KVFLOW_PDL_PREFETCH", "KVFLOW_ATTN_MERGE", "KVFLOW_ATTN_SPLIT_KEYS",
-            "KVFLOW_GEMV_NORM_ROW", "KVFLOW_GEMV_TABLE", "KVFLOW_ROPE_IN_ATTN")
+            "KVFLOW_GEMV_NORM_ROW", "KVFLOW_GEMV_TABLE", "KVFLOW_ROPE_IN_ATTN",
+            "KVFLOW_GREEDY_ARGMAX")
 
 
 # every switch off: main's behaviour before them, whatever the GPU's measured defaults
 OFF = {"KVFLOW_PDL": "off", "KVFLOW_ATTN_MERGE": "kernel", "KVFLOW_ATTN_SPLIT_KEYS": "0",
-       "KVFLOW_GEMV_NORM_ROW": "0", "KVFLOW_ROPE_IN_ATTN": "off"}
+       "KVFLOW_GEMV_NORM_ROW": "0", "KVFLOW_ROPE_IN_ATTN": "off",
+       "KVFLOW_GREEDY_ARGMAX": "torch"}
 
 
 def _env(variant: str, table: str | None, down_table: str) -> dict:
@@ -69,6 +72,8 @@ def _env(variant: str, table: str | None, down_table: str) -> dict:
             env["KVFLOW_GEMV_NORM_ROW"] = "1"
         elif part == "rope":
             env["KVFLOW_ROPE_IN_ATTN"] = "on"
+        elif part == "argmax":
+            env["KVFLOW_GREEDY_ARGMAX"] = "auto"
         elif part.startswith("pdl"):
             env["KVFLOW_PDL"] = "on"
             if part[3:]:
@@ -99,7 +104,7 @@ def _merge_tables(paths: list[str]) -> str:
 
 def _apply(engine, env: dict) -> None:
     """Set the switches, drop every cached decision, re-plan the GEMVs, recapture."""
-    from kvflow.kernels import gemv_config, gemv_norm, paged_attention, pdl
+    from kvflow.kernels import argmax, gemv_config, gemv_norm, paged_attention, pdl
     from kvflow.kernels.gemv_dispatch import plan_gemv
     from kvflow.layers.attention import triton_backend
 
@@ -108,7 +113,7 @@ def _apply(engine, env: dict) -> None:
     os.environ.update(env)
     for fn in (pdl._enabled, pdl.prefetch_tiles_default, paged_attention.merge_mode,
                paged_attention.split_keys, gemv_norm.one_row, gemv_config._device_table,
-               triton_backend.rope_in_attention):
+               triton_backend.rope_in_attention, argmax._use_kernel):
         fn.cache_clear()
     runner = engine.core.executor.runner
     for m in runner.model.modules():

@@ -3,8 +3,10 @@
 Each module holds one fused operation and names the pure-torch reference it matches
 (the references live beside the layers that use them, in ``kvflow.layers``):
 
+- ``argmax``: the greedy sampler's row argmax, each row split over many programs.
 - ``paged_attention``: flash-attention over the paged KV cache for mixed prefill/decode
-  batches, with a split-KV (flash-decoding) path for long contexts at small batch.
+  batches, with a split-KV (flash-decoding) path for long contexts at small batch; on
+  decode-only steps it can also apply the rotary and write the new K/V itself.
 - ``rms_norm``: RMSNorm and residual-add + RMSNorm over ``[..., hidden]``.
 - ``rotary_kv``: rotary embedding of q and k fused with the KV-cache write.
 - ``silu_and_mul``: ``silu(gate) * up`` on the merged gate/up projection.

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.layers.sampler import SamplingMetadata, apply_top_k_top_p_min_p, process_logits
+from kvflow.layers.sampler import (SamplingMetadata, apply_top_k_top_p_min_p, greedy_argmax,
+                                   process_logits)
 
 # Padding of output rows past each request's emitted tokens.
 INVALID_TOKEN = -1
@@ -146,8 +147,7 @@ def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 def processed_argmax(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Greedy choice per row after bias, bans and penalties (what ``Sampler`` picks at
     T=0)."""
-    logits = process_logits(logits, meta)
-    return logits.argmax(dim=-1)
+    return greedy_argmax(process_logits(logits, meta))
 
 
 class RejectionSampler(torch.nn.Module):

@@ -105,12 +105,24 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     return probs.div(q).argmax(dim=-1)
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of [B, V] logits: torch on the CPU; on CUDA
+    ``kvflow.kernels.argmax.greedy_argmax`` (the row split over many programs where the
+    vocabulary is large; torch reduces a row with one block). The kernel module is imported
+    only there, so this module stays pure torch off the GPU (architecture rule 7)."""
+    if not logits.is_cuda:
+        return logits.argmax(dim=-1)
+    from kvflow.kernels.argmax import greedy_argmax as kernel_argmax
+
+    return kernel_argmax(logits)
+
+
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] float32 -> sampled ids [B] (and logprobs when asked)."""
         raw = logits
         logits = process_logits(logits, meta)
-        greedy = logits.argmax(dim=-1)
+        greedy = greedy_argmax(logits)
         if meta.all_greedy:
             sampled = greedy
         else:
