@@ -69,6 +69,11 @@
 #             in PROFILE_QUANTS (default "none int4 fp8"; profile-decode1-graph-Q.json)
 #   spec-graphs  GPU tests: greedy speculative output equals plain with verification graphs
 #             on and off (tests/test_spec_graphs_gpu.py, <= 2.5 min)
+#   decode-rope  GPU-A with the greedy argmax kernel and the rotary inside decode attention
+#             on/off (decode_levers.py, ROPE_QUANTS then ROPE_QUANTS2 weight formats;
+#             decode-rope-Q.json), their GPU tests + the FP8 decode tests, the argmax
+#             micro-benchmark (argmax-bench.json), the batch-1 graph profile with the
+#             rotary in attention (profile-decode1-graph-rope.json)
 #   fp8-decode  FP8 W8A8 decode GEMV: its GPU tests, the MLP chain's sweep
 #             (fp8-chain-bench.json), GPU-A batch 1 in bf16 and with FP8 weights for each
 #             mode in FP8_DECODE_MODES (default "dequant auto chain": KVFLOW_FP8_DECODE
@@ -193,6 +198,20 @@ for stage in "$@"; do
         echo "gpu-a-fp8-$mode exit ${PIPESTATUS[0]}"
       done
       KVFLOW_WOQ_GEMV_TABLE=$([ -f "$OUT/fp8-chain-bench.json" ] && echo "$OUT/fp8-chain-bench.json") timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization fp8 --out "$OUT/profile-decode1-graph-fp8.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
+    decode-rope)
+      # rotary + cache write inside decode attention, the split-row greedy argmax: GPU-A with
+      # each on and off in one process per weight format (decode-rope-Q.json), their GPU
+      # tests and the FP8 decode tests, the argmax micro-benchmark, the batch-1 graph's
+      # kernel profile with both on (profile-decode1-graph-rope.json)
+      for q in ${ROPE_QUANTS:-none}; do
+        timeout ${ROPE_LEVERS_TIMEOUT:-200} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-rope-$q.json" --variants ${ROPE_VARIANTS:-base,argmax,rope+argmax} --iters ${ROPE_ITERS:-5} --budget-s ${ROPE_BUDGET:-170} $([ $q != none ] && echo --quantization $q) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8
+      done
+      timeout ${ROPE_TEST_TIMEOUT:-150} python -m pytest -q tests/kernels/test_paged_attention_kernel.py -k "rope or decode" tests/kernels/test_argmax_kernel.py ${ROPE_MORE_TESTS:-tests/kernels/test_gemv_fp8_kernel.py tests/test_fp8_decode_gpu.py} 2>&1 | tail -5
+      timeout 60 python benchmarks/gpu/bench_argmax.py --out "$OUT/argmax-bench.json" --eager-calls 500 2>&1 | tail -4
+      for q in ${ROPE_QUANTS2:-fp8}; do
+        timeout ${ROPE_LEVERS_TIMEOUT:-200} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-rope-$q.json" --variants ${ROPE_VARIANTS:-base,argmax,rope+argmax} --iters ${ROPE_ITERS:-5} --budget-s ${ROPE_BUDGET:-170} $([ $q != none ] && echo --quantization $q) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8
+      done
+      [ "${ROPE_PROFILE:-1}" = 1 ] && KVFLOW_ROPE_IN_ATTN=on timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization none --out "$OUT/profile-decode1-graph-rope.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     *) echo "unknown stage $stage"; exit 2;;
   esac
