@@ -28,7 +28,7 @@ import torch
 from kvflow.config import EngineConfig, GiB, torch_dtype
 from kvflow.layers.attention import AttentionMetadata, AttentionSpec, model_rotary
 from kvflow.layers.custom_op import use_kernels
-from kvflow.layers.sampler import SamplingMetadata, apply_top_k_top_p_min_p
+from kvflow.layers.sampler import SamplingMetadata, apply_top_k_top_p_min_p, greedy_argmax
 from kvflow.logger import init_logger
 from kvflow.models.loader import load_model
 from kvflow.sampling_params import SamplingParams
@@ -201,7 +201,7 @@ class DraftModelProposer(Proposer):
         ones (q returned [R, V], None when every request is greedy)."""
         greedy = [t[5].greedy for t in reqs]
         if all(greedy):
-            return logits.argmax(dim=-1), None
+            return greedy_argmax(logits), None
         params = [t[5] for t in reqs]
         dev, vocab = logits.device, logits.shape[-1]
         meta = SamplingMetadata(
@@ -226,7 +226,7 @@ class DraftModelProposer(Proposer):
                     self._generators[t[1]] = gen
                 noise[r].exponential_(generator=gen)
         sampled = q.div(noise).argmax(dim=-1)
-        tok = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), sampled)
+        tok = torch.where(torch.tensor(greedy, device=dev), greedy_argmax(logits), sampled)
         return tok, q
 
     @torch.inference_mode()
