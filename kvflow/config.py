@@ -178,6 +178,10 @@ class ModelConfig:
     llm_int8_threshold: float = 6.0
     """llm-int8: input columns whose absolute maximum in a step exceeds this are
     multiplied in the model dtype, the rest in int8."""
+    lm_head_quantization: str = "auto"
+    """The lm_head of a model quantized at load: auto (the method's choice: int8 for int8
+    / int4 weight-only, the model dtype for fp8 and int8 W8A8), none (the model dtype) or
+    int8 (per output channel, weight-only)."""
     dtype_forced: bool = False
     """The user named ``dtype`` (so auto quantization keeps GGUF weights dense in it)."""
 
@@ -188,6 +192,8 @@ class ModelConfig:
                 f"w8a8-int8 or llm-int8, got {self.quantization!r}")
         require(self.llm_int8_threshold > 0, "llm_int8_threshold",
                 f"must be > 0, got {self.llm_int8_threshold}")
+        require(self.lm_head_quantization in ("auto", "none", "int8"), "lm_head_quantization",
+                f"must be auto, none or int8, got {self.lm_head_quantization!r}")
         require(self.quantization_group_size in (32, 64, 128), "quantization_group_size",
                 f"must be 32, 64 or 128, got {self.quantization_group_size}")
         require(self.load_format in ("hf", "gguf", "dummy"), "load_format",

@@ -148,6 +148,31 @@ def test_config_resolution_and_prefixes():
                    quantization="fp3").create_engine_config()
 
 
+def test_lm_head_quantization_option():
+    """--lm-head-quantization: auto keeps each method's choice; none / int8 override it
+    for weights quantized at load; a dense model, GGUF blocks and pre-quantized
+    checkpoints refuse int8 by name."""
+    res = resolve_quantization
+    assert res("int4", "hf", None, "cpu", False).method_for("lm_head") == "int8"
+    assert res("fp8", "hf", None, "cpu", False).method_for("lm_head") == "none"
+    assert res("fp8", "hf", None, "cpu", False, lm_head="int8").method_for("lm_head") == "int8"
+    assert res("int4", "hf", None, "cpu", False, lm_head="none").method_for("lm_head") == "none"
+    w8 = res("w8a8-int8", "hf", None, "cpu", False, lm_head="int8")
+    assert (w8.method_for("lm_head"), w8.method_for("model.layers.0.mlp.down_proj")) == (
+        "int8", "w8a8-int8")
+    assert "lm_head int8" in w8.describe()
+    assert res("none", "hf", None, "cpu", False, lm_head="none") is None
+    with pytest.raises(ModelLoadError, match="--lm-head-quantization int8 applies to"):
+        res("none", "hf", None, "cpu", False, lm_head="int8")
+    with pytest.raises(ModelLoadError, match="GGUF weights keep"):
+        res("auto", "gguf", None, "cpu", False, lm_head="int8")
+    with pytest.raises(ModelLoadError, match="pre-quantized checkpoint keeps"):
+        res("auto", "hf", {"quant_method": "fp8"}, "cpu", False, lm_head="int8")
+    with pytest.raises(InvalidParameterError, match="lm_head_quantization"):
+        EngineArgs(model="tiny-llama", load_format="dummy", quantization="fp8",
+                   lm_head_quantization="fp4").create_engine_config()
+
+
 # --- a tiny GGUF model written here, loaded dense and kept quantized -------------------
 
 from tiny_gguf import V, write_tiny_gguf  # noqa: E402
@@ -175,6 +200,19 @@ def test_tiny_gguf_quantized_close_to_dense(tiny_gguf, method):
     assert float(kl.mean()) < {"gguf": 2e-4, "int8": 2e-3, "int4": 5e-2}[method]
     layer = quant.model.model.layers[0].self_attn.qkv_proj
     assert not hasattr(layer, "weight") and hasattr(layer, "qweight")
+
+
+def test_fp8_model_with_int8_lm_head(tiny_gguf):
+    """An FP8 W8A8 model with its lm_head asked for in int8 (weight-only, per output
+    channel): the head is quantized, the logits stay close to the bf16-head FP8 model's."""
+    ids = list(np.random.default_rng(5).integers(0, V, 40))
+    fp8 = _scorer(tiny_gguf, "fp8")
+    head8 = _scorer(tiny_gguf, "fp8", lm_head_quantization="int8")
+    ref, got = fp8.logprobs(ids), head8.logprobs(ids)
+    assert head8.weight_bytes < fp8.weight_bytes
+    assert hasattr(head8.model.lm_head, "qweight") and hasattr(fp8.model.lm_head, "weight")
+    kl = (ref.exp() * (ref - got)).sum(-1)
+    assert 0 < float(kl.mean()) < 2e-3
 
 
 def test_tiny_gguf_corrupt_file_is_refused(tiny_gguf, tmp_path):

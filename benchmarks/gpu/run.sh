@@ -72,8 +72,9 @@
 #   decode-rope  GPU-A with the greedy argmax kernel and the rotary inside decode attention
 #             on/off (decode_levers.py, ROPE_QUANTS then ROPE_QUANTS2 weight formats;
 #             decode-rope-Q.json), their GPU tests + the FP8 decode tests, the argmax
-#             micro-benchmark (argmax-bench.json), the batch-1 graph profile with the
-#             rotary in attention (profile-decode1-graph-rope.json)
+#             micro-benchmark (ROPE_ARGMAX_BENCH=1; argmax-bench.json), GPU-A with FP8
+#             weights and the lm_head in int8 (gpu-a-fp8-lmhead-int8.json), the batch-1
+#             graph profile with the rotary in attention (profile-decode1-graph-rope.json)
 #   fp8-decode  FP8 W8A8 decode GEMV: its GPU tests, the MLP chain's sweep
 #             (fp8-chain-bench.json), GPU-A batch 1 in bf16 and with FP8 weights for each
 #             mode in FP8_DECODE_MODES (default "dequant auto chain": KVFLOW_FP8_DECODE
@@ -207,10 +208,12 @@ for stage in "$@"; do
         timeout ${ROPE_LEVERS_TIMEOUT:-200} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-rope-$q.json" --variants ${ROPE_VARIANTS:-base,argmax,rope+argmax} --iters ${ROPE_ITERS:-5} --budget-s ${ROPE_BUDGET:-170} $([ $q != none ] && echo --quantization $q) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8
       done
       timeout ${ROPE_TEST_TIMEOUT:-150} python -m pytest -q tests/kernels/test_paged_attention_kernel.py -k "rope or decode" tests/kernels/test_argmax_kernel.py ${ROPE_MORE_TESTS:-tests/kernels/test_gemv_fp8_kernel.py tests/test_fp8_decode_gpu.py} 2>&1 | tail -5
-      timeout 60 python benchmarks/gpu/bench_argmax.py --out "$OUT/argmax-bench.json" --eager-calls 500 2>&1 | tail -4
+      [ "${ROPE_ARGMAX_BENCH:-0}" = 1 ] && timeout 60 python benchmarks/gpu/bench_argmax.py --out "$OUT/argmax-bench.json" --eager-calls 500 2>&1 | tail -4
       for q in ${ROPE_QUANTS2:-fp8}; do
         timeout ${ROPE_LEVERS_TIMEOUT:-200} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-rope-$q.json" --variants ${ROPE_VARIANTS:-base,argmax,rope+argmax} --iters ${ROPE_ITERS:-5} --budget-s ${ROPE_BUDGET:-170} $([ $q != none ] && echo --quantization $q) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8
       done
+      # FP8 with the lm_head in int8 (weight-only) on request, both levers on
+      [ "${ROPE_LMHEAD:-1}" = 1 ] && KVFLOW_ROPE_IN_ATTN=on timeout ${FP8_DECODE_RUN_TIMEOUT:-90} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters ${ROPE_ITERS:-5} --backend kvflow --quantization fp8 --lm-head-quantization int8 --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-fp8-lmhead-int8.json" 2>&1 | grep -E "weights:|tokens/s|rror|Traceback" | tail -4
       [ "${ROPE_PROFILE:-1}" = 1 ] && KVFLOW_ROPE_IN_ATTN=on timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization none --out "$OUT/profile-decode1-graph-rope.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     *) echo "unknown stage $stage"; exit 2;;

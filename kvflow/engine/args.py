@@ -67,6 +67,12 @@ class EngineArgs:
                                         "zero point per group")
     llm_int8_threshold: float = _arg(6.0, "llm-int8: activation columns whose absolute "
                                      "maximum in a step exceeds this run in the model dtype")
+    lm_head_quantization: str = _arg("auto", "lm_head of a model quantized at load: auto "
+                                     "(int8 for int8/int4, the model dtype for fp8, "
+                                     "fp8-block, w8a8-int8, llm-int8), none (model dtype) "
+                                     "or int8 (per output channel, weight-only: at batch 1 "
+                                     "on 8B about 0.1 ms less per token than bf16)",
+                                     choices=["auto", "none", "int8"])
     device: str = _arg("auto", "cpu, cuda or cuda:N; auto picks cuda when available")
     max_model_len: int | None = _arg(None, "longest prompt + output per request (default: "
                                      "the model's context length)")
@@ -195,6 +201,7 @@ class EngineArgs:
             quantization_group_size=self.quantization_group_size,
             quantization_symmetric=self.quantization_symmetric,
             llm_int8_threshold=self.llm_int8_threshold,
+            lm_head_quantization=self.lm_head_quantization,
             dtype_forced=self.dtype != "auto")
         cache = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,

@@ -83,7 +83,7 @@ def quantization_config(config: ModelConfig, device: torch.device
                                 torch.device(device).type, config.dtype_forced,
                                 config.quantization_group_size,
                                 config.quantization_symmetric,
-                                config.llm_int8_threshold)
+                                config.llm_int8_threshold, config.lm_head_quantization)
 
 
 def load_model(config: ModelConfig, device: torch.device, backend: AttentionBackend,

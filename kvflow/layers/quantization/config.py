@@ -10,6 +10,7 @@ embeddings or listed layers can stay unquantized without the model knowing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvflow.errors import ModelLoadError, require
@@ -140,10 +141,30 @@ class QuantizationConfig:
 
 def resolve_quantization(requested: str, load_format: str, hf_quant_config: dict | None,
                          device: str, dtype_forced: bool, group_size: int = 32,
-                         symmetric: bool = False, llm_int8_threshold: float = 6.0
-                         ) -> QuantizationConfig | None:
+                         symmetric: bool = False, llm_int8_threshold: float = 6.0,
+                         lm_head: str = "auto") -> QuantizationConfig | None:
     """The model's QuantizationConfig from what the user asked and what the checkpoint is;
-    None means dense weights in the model dtype."""
+    None means dense weights in the model dtype. ``lm_head`` (auto, none, int8): the
+    head's storage when the weights are quantized at load (auto: the method's default)."""
+    config = _resolve(requested, load_format, hf_quant_config, device, dtype_forced,
+                      group_size, symmetric, llm_int8_threshold)
+    if lm_head == "auto" or (lm_head == "none" and config is None):
+        return config
+    what = f"--lm-head-quantization {lm_head}"
+    if config is None:
+        raise ModelLoadError(f"{what} applies to a model quantized at load; this one is "
+                             f"dense (add --quantization int8|int4|fp8|...)")
+    if config.method == "gguf":
+        raise ModelLoadError(f"{what}: GGUF weights keep the file's own lm_head")
+    if config.method in PREQUANTIZED or config.prequantized:
+        raise ModelLoadError(f"{what}: a pre-quantized checkpoint keeps its lm_head in the "
+                             f"model dtype")
+    return dataclasses.replace(config, lm_head=lm_head)
+
+
+def _resolve(requested: str, load_format: str, hf_quant_config: dict | None, device: str,
+             dtype_forced: bool, group_size: int, symmetric: bool,
+             llm_int8_threshold: float) -> QuantizationConfig | None:
     require(requested in USER_METHODS, "quantization",
             f"must be one of {', '.join(USER_METHODS)}, got {requested!r}")
     on_cpu = device == "cpu"
