@@ -200,21 +200,20 @@ for stage in "$@"; do
       done
       KVFLOW_WOQ_GEMV_TABLE=$([ -f "$OUT/fp8-chain-bench.json" ] && echo "$OUT/fp8-chain-bench.json") timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization fp8 --out "$OUT/profile-decode1-graph-fp8.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
     decode-rope)
-      # rotary + cache write inside decode attention, the split-row greedy argmax: GPU-A with
-      # each on and off in one process per weight format (decode-rope-Q.json), their GPU
-      # tests and the FP8 decode tests, the argmax micro-benchmark, the batch-1 graph's
-      # kernel profile with both on (profile-decode1-graph-rope.json)
-      for q in ${ROPE_QUANTS:-none}; do
-        timeout ${ROPE_LEVERS_TIMEOUT:-200} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-rope-$q.json" --variants ${ROPE_VARIANTS:-base,argmax,rope+argmax} --iters ${ROPE_ITERS:-5} --budget-s ${ROPE_BUDGET:-170} $([ $q != none ] && echo --quantization $q) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8
+      # rotary + cache write inside decode attention, the split-row greedy argmax: their GPU
+      # tests and the FP8 decode tests (rope-tests.log), GPU-A with each lever on and off in
+      # one process per weight format (decode_levers.py, variants alternated so drift shows;
+      # decode-rope-Q.json; Q from ROPE_QUANTS: none, fp8, int4:G), GPU-A with FP8 weights
+      # and the lm_head in int8, the batch-1 graph's kernel profile with both levers on
+      timeout ${ROPE_TEST_TIMEOUT:-150} python -m pytest -q -rf --tb=short tests/kernels/test_paged_attention_kernel.py -k "rope or decode" tests/kernels/test_argmax_kernel.py ${ROPE_MORE_TESTS:-tests/kernels/test_gemv_fp8_kernel.py tests/test_fp8_decode_gpu.py} > "$OUT/rope-tests.log" 2>&1; tail -12 "$OUT/rope-tests.log"
+      for qg in ${ROPE_QUANTS:-none fp8}; do
+        q=${qg%%:*}; g=$([ "$qg" != "$q" ] && echo "--group-size ${qg#*:}")
+        timeout ${ROPE_LEVERS_TIMEOUT:-200} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-rope-${qg/:/-g}.json" --variants ${ROPE_VARIANTS:-base,rope+argmax,argmax,rope,base,rope+argmax} --iters ${ROPE_ITERS:-6} --budget-s ${ROPE_BUDGET:-170} $([ $q != none ] && echo --quantization $q) $g 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8
       done
-      timeout ${ROPE_TEST_TIMEOUT:-150} python -m pytest -q tests/kernels/test_paged_attention_kernel.py -k "rope or decode" tests/kernels/test_argmax_kernel.py ${ROPE_MORE_TESTS:-tests/kernels/test_gemv_fp8_kernel.py tests/test_fp8_decode_gpu.py} 2>&1 | tail -5
       [ "${ROPE_ARGMAX_BENCH:-0}" = 1 ] && timeout 60 python benchmarks/gpu/bench_argmax.py --out "$OUT/argmax-bench.json" --eager-calls 500 2>&1 | tail -4
-      for q in ${ROPE_QUANTS2:-fp8}; do
-        timeout ${ROPE_LEVERS_TIMEOUT:-200} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-rope-$q.json" --variants ${ROPE_VARIANTS:-base,argmax,rope+argmax} --iters ${ROPE_ITERS:-5} --budget-s ${ROPE_BUDGET:-170} $([ $q != none ] && echo --quantization $q) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8
-      done
       # FP8 with the lm_head in int8 (weight-only) on request, both levers on
-      [ "${ROPE_LMHEAD:-1}" = 1 ] && KVFLOW_ROPE_IN_ATTN=on timeout ${FP8_DECODE_RUN_TIMEOUT:-90} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters ${ROPE_ITERS:-5} --backend kvflow --quantization fp8 --lm-head-quantization int8 --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-fp8-lmhead-int8.json" 2>&1 | grep -E "weights:|tokens/s|rror|Traceback" | tail -4
-      [ "${ROPE_PROFILE:-1}" = 1 ] && KVFLOW_ROPE_IN_ATTN=on timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization none --out "$OUT/profile-decode1-graph-rope.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
+      [ "${ROPE_LMHEAD:-1}" = 1 ] && KVFLOW_ROPE_IN_ATTN=on timeout ${FP8_DECODE_RUN_TIMEOUT:-90} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters ${ROPE_ITERS:-6} --backend kvflow --quantization fp8 --lm-head-quantization int8 --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-fp8-lmhead-int8.json" 2>&1 | grep -E "weights:|tokens/s|rror|Traceback" | tail -4
+      [ "${ROPE_PROFILE:-1}" = 1 ] && KVFLOW_ROPE_IN_ATTN=on timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization ${ROPE_PROFILE_QUANT:-none} --out "$OUT/profile-decode1-graph-rope.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     *) echo "unknown stage $stage"; exit 2;;
   esac

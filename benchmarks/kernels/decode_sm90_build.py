@@ -116,7 +116,7 @@ def main() -> int:
             "stride_kt": "i32", "stride_kh": "i32", "ks_ptr": "*bf16", "vs_ptr": "*bf16",
             "out_scale": "fp32", "stride_sb": "i32", "stride_st": "i32", "stride_sh": "i32",
             "tree_bits_ptr": "*i32", "tree_start_ptr": "*i32", "lock_ptr": "*i32",
-            "split_keys": "i32", "pos_ptr": "*i64", "cs_ptr": "*fp32", "stride_cs": "i32",
+            "split_keys": "i32", "cs_ptr": "*fp32", "stride_cs": "i32",
             "kn_ptr": "*bf16", "vn_ptr": "*bf16", "stride_knt": "i32", "stride_knh": "i32",
             "stride_vnt": "i32", "stride_vnh": "i32", "slot_ptr": "*i64", "n_slots": "i32"}
     for fused, rope in ((False, False), (True, False), (False, True)):

@@ -163,15 +163,15 @@ def _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos, offs_n,
 
 
 @triton.jit
-def _rope_row(pos_ptr, cs_ptr, stride_cs, token, offs_d, HEAD_DIM: tl.constexpr):
-    """cos and signed sin [D_PAD] (float32) of ``token``'s position for the rotate-half
-    layout, and each element's partner: o[d] = x[d] cos + x[partner] sin_signed, with
-    partner d + D/2 and sin negated for the first half, d - D/2 for the second."""
+def _rope_row(cs_ptr, stride_cs, position, offs_d, HEAD_DIM: tl.constexpr):
+    """cos and signed sin [D_PAD] (float32) of ``position`` for the rotate-half layout, and
+    each element's partner: o[d] = x[d] cos + x[partner] sin_signed, with partner d + D/2
+    and sin negated for the first half, d - D/2 for the second."""
     half: tl.constexpr = HEAD_DIM // 2
     first = offs_d < half
     freq = tl.where(first, offs_d, offs_d - half)
     d_ok = offs_d < HEAD_DIM
-    cs_row = cs_ptr + tl.load(pos_ptr + token).to(tl.int64) * stride_cs
+    cs_row = cs_ptr + position.to(tl.int64) * stride_cs
     cos = tl.load(cs_row + freq, mask=d_ok, other=0.0)
     sin = tl.load(cs_row + half + freq, mask=d_ok, other=0.0)
     partner = tl.where(first, offs_d + half, offs_d - half)
@@ -231,7 +231,7 @@ def _paged_attn_kernel(
         req_offset, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
         stride_bt, stride_kb, stride_kt, stride_kh, ks_ptr, vs_ptr, out_scale,
         stride_sb, stride_st, stride_sh, tree_bits_ptr, tree_start_ptr, lock_ptr, split_keys,
-        pos_ptr, cs_ptr, stride_cs, kn_ptr, vn_ptr, stride_knt, stride_knh, stride_vnt,
+        cs_ptr, stride_cs, kn_ptr, vn_ptr, stride_knt, stride_knh, stride_vnt,
         stride_vnh, slot_ptr, n_slots,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -268,8 +268,9 @@ def _paged_attn_kernel(
     q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=q_mask, other=0.0)  # [BLOCK_M, D_PAD]
     if ROPE:  # decode launch: rotate q here, and k / v of the new token below
-        cos, sin_signed, partner = _rope_row(pos_ptr, cs_ptr, stride_cs, q_start, offs_d,
-                                             HEAD_DIM)
+        # a decode's position is seq_len - 1 (already loaded: no dependent load before
+        # the cos/sin rows, which the first QK dot waits for)
+        cos, sin_signed, partner = _rope_row(cs_ptr, stride_cs, seq_len - 1, offs_d, HEAD_DIM)
         q_pair = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh
                          + partner[None, :], mask=q_mask, other=0.0)
         q = _rotate(q, q_pair, cos, sin_signed).to(q_ptr.dtype.element_ty)
@@ -420,12 +421,12 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits,
 @dataclass(frozen=True)
 class DecodeRope:
     """The rotary + cache-write inputs of a decode-only step that ``paged_attention``
-    applies itself (``rotary_and_cache_write``'s arguments): positions [>= T], the
-    float32 [max_pos, D] = [cos | sin] table, the new tokens' unrotated k and their v
+    applies itself (``rotary_and_cache_write``'s arguments, positions implied: a decode
+    token sits at seq_len - 1, ``AttentionMetadata``'s rule): the float32 [max_pos, D] =
+    [cos | sin] table, the new tokens' unrotated k and their v
     [T, KVH, D] (strided views of the qkv output are fine), slot_mapping [<= T] (-1
     skips; tokens past its length are not cached)."""
 
-    positions: torch.Tensor
     cos_sin_cache: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -580,9 +581,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
     pdl = pdl_enabled(q.device)
     pdl_kw = {"PDL": True, **launch_kw(True)} if pdl else {}
-    # (pos, cos/sin, k, v, their strides, slots, n_slots) of the decode launch's rotary;
+    # (cos/sin, k, v, their strides, slots, n_slots) of the decode launch's rotary;
     # placeholders (never read) without it and in the prefill launch
-    rope_args = (seq_lens, seq_lens, 0, q, q, 0, 0, 0, 0, seq_lens, 0)
+    rope_args = (seq_lens, 0, q, q, 0, 0, 0, 0, seq_lens, 0)
     if rope is not None:
         assert num_decodes == num_reqs and tree is None and quant == 0, (
             "rotary inside attention is for decode-only batches over an unquantized cache")
@@ -590,8 +591,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         assert k_new.shape == (t, num_kv_heads, head_dim) and v_new.shape == k_new.shape
         assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1 and cs.stride(-1) == 1
         assert cs.shape[-1] == head_dim and head_dim % 2 == 0
-        assert rope.positions.shape[0] >= t
-        rope_args = (rope.positions, cs, cs.stride(0), k_new, v_new, k_new.stride(0),
+        rope_args = (cs, cs.stride(0), k_new, v_new, k_new.stride(0),
                      k_new.stride(1), v_new.stride(0), v_new.stride(1), rope.slot_mapping,
                      rope.slot_mapping.shape[0])
     if num_decodes > 0:
@@ -628,7 +628,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         _paged_attn_kernel[grid](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
             out, out, num_decodes, 1, *common, *tree_args, out, 0,
-            seq_lens, seq_lens, 0, q, q, 0, 0, 0, 0, seq_lens, 0,
+            seq_lens, 0, q, q, 0, 0, 0, 0, seq_lens, 0,
             G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=pre_cfg.block_n, SPLIT=False,
             num_warps=pre_cfg.num_warps, num_stages=pre_cfg.num_stages,
             TREE=tree is not None, **pdl_kw, **consts)

@@ -358,9 +358,22 @@ def test_decode_rope_in_attention(device, dtype, heads, num_kv_splits):
     got = paged_attention(q, fresh.kv_cache, fresh.block_tables, fresh.query_start_loc,
                           fresh.seq_lens_t, fresh.scale, num_decodes=4, max_query_len=1,
                           max_seq_len=max(seq_lens), num_kv_splits=num_kv_splits,
-                          rope=DecodeRope(positions, rotary.cos_sin_cache, k, v, slots))
+                          rope=DecodeRope(rotary.cos_sin_cache, k, v, slots))
     torch.testing.assert_close(got, want, **TOL[dtype])
-    assert torch.equal(fresh.kv_cache.nan_to_num(123.0), cache.nan_to_num(123.0))
+    _same_cache(fresh.kv_cache, cache, slots, dtype)
+
+
+def _same_cache(got: torch.Tensor, want: torch.Tensor, slots: torch.Tensor, dtype) -> None:
+    """The caches agree: exactly outside the written slots (NaN poison included), and at
+    them within the dtype's rounding (the two kernels may contract the rotation's
+    multiply-adds differently on the GPU: one float32 ulp before the final rounding)."""
+    flat_got = got.flatten(1, 2)  # [2, NB * BS, KVH, D]
+    flat_want = want.flatten(1, 2)
+    written = torch.zeros(flat_got.shape[1], dtype=torch.bool, device=got.device)
+    written[slots[slots >= 0]] = True
+    assert torch.equal(flat_got[:, ~written].nan_to_num(123.0),
+                       flat_want[:, ~written].nan_to_num(123.0))
+    torch.testing.assert_close(flat_got[:, written], flat_want[:, written], **TOL[dtype])
 
 
 def test_decode_rope_in_attention_padding(device):
@@ -379,9 +392,9 @@ def test_decode_rope_in_attention_padding(device):
         res = paged_attention(q, batch.kv_cache, batch.block_tables, batch.query_start_loc,
                               batch.seq_lens_t, batch.scale, num_decodes=4, max_query_len=1,
                               max_seq_len=90, num_kv_splits=splits, out=out,
-                              rope=DecodeRope(positions, rotary.cos_sin_cache, k, v, slots))
+                              rope=DecodeRope(rotary.cos_sin_cache, k, v, slots))
         assert res is out and bool((out[2:] == 7.0).all())
-        assert torch.equal(batch.kv_cache.nan_to_num(123.0), cache.nan_to_num(123.0))
+        _same_cache(batch.kv_cache, cache, slots, torch.float16)
         batch.q, batch.kv_cache = q_rot[:2], cache.clone()
         _check(batch, out[:2], torch.float16)
 
@@ -393,8 +406,7 @@ def test_decode_rope_in_attention_refuses_prefills(device):
     batch = Batch(q_lens, seq_lens, 3, 8, 2, 64, 16, torch.float16, device, 1)
     t = batch.q.shape[0]
     k = torch.zeros(t, 2, 64, dtype=torch.float16, device=device)
-    rope = DecodeRope(torch.zeros(t, dtype=torch.long, device=device),
-                      torch.zeros(8, 64, device=device), k, k,
+    rope = DecodeRope(torch.zeros(8, 64, device=device), k, k,
                       torch.zeros(t, dtype=torch.long, device=device))
     with pytest.raises(AssertionError, match="decode-only"):
         batch.run(2, rope=rope)
@@ -438,7 +450,7 @@ def test_triton_backend_rope_switch(device, monkeypatch, mode):
                                           want_cache, slots)
         batch.q, batch.kv_cache = q_rot, want_cache
         _check(batch, out, torch.bfloat16)
-        assert torch.equal(cache.nan_to_num(1.0), want_cache.nan_to_num(1.0))
+        _same_cache(cache, want_cache, slots, torch.bfloat16)
     finally:
         tb.rope_in_attention.cache_clear()
     monkeypatch.setenv("KVFLOW_ROPE_IN_ATTN", "sometimes")

@@ -55,7 +55,7 @@ class TritonAttentionBackend:
                 q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
                 num_decodes=meta.num_decodes, max_query_len=meta.max_query_len,
                 max_seq_len=meta.max_seq_len, num_kv_splits=meta.backend.num_kv_splits,
-                rope=DecodeRope(positions, rotary.cos_sin_cache, k, v, meta.slot_mapping))
+                rope=DecodeRope(rotary.cos_sin_cache, k, v, meta.slot_mapping))
         q, _ = rotary_and_cache_write(positions, q, k, v, rotary.cos_sin_cache, kv_cache,
                                       meta.slot_mapping, kv_quant=kv_quant)
         return paged_attention(
