@@ -158,7 +158,7 @@ def test_decode_fused_merge(device, fused_merge, num_kv_splits, split_keys):
     batch = Batch([1] * 4, seq_lens, 4, 8, 2, 64, 16, torch.bfloat16, device, 3)
     for _ in range(2):  # twice: the counters must have been reset
         _check(batch, batch.run(num_kv_splits), torch.bfloat16)
-    assert int(pa._merge_lock_bufs[torch.device(device)].abs().sum()) == 0
+    assert int(pa._merge_lock_bufs[batch.q.device].abs().sum()) == 0  # cuda:0, not cuda
 
 
 def test_padded_decodes_fused_merge(device, fused_merge):
