@@ -31,6 +31,13 @@ Algorithm (one kernel body, two launches):
   S partials of its G heads (same online combine, split order) and resets the counter;
   ``KVFLOW_ATTN_SPLIT_KEYS=K`` then also lowers S per request on device to
   ``cdiv(seq_len, K)`` (one split: the output directly, no partials).
+* Decode-only steps may pass ``rope`` (``DecodeRope``): q and the new token's k / v
+  arrive unrotated and uncached. Every decode program rotates its q rows (rotate-half,
+  cos/sin row ``seq_len - 1``); the program whose key range holds the new token rotates
+  its k, stores k and v at the token's cache slot for later steps, keeps that key out of
+  its K/V loop and adds it from registers after the loop (one more online-softmax
+  update), so nothing reads a slot written in the same launch. This replaces the
+  ``rotary_kv`` launch of such steps (measured on the H200: docs/decode-gemv.md).
 * Prefill launch: requests [num_decodes, R), grid ``(cdiv(max_query_len, BLOCK_Q),
   R - num_decodes, KVH)``; q-blocks past a request's q_len exit at once. The q-block axis
   is walked from the last block (longest causal range) first, and sits on the fastest
