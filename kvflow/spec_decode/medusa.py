@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from kvflow.errors import InvalidParameterError, ModelLoadError
+from kvflow.layers.sampler import greedy_argmax
 from kvflow.spec_decode.heads_config import HEADS_FILE, MedusaHeadsConfig
 from kvflow.spec_decode.proposer import Proposer
 
@@ -147,5 +148,6 @@ class MedusaProposer(Proposer):
             return [row if m else [] for row, m in zip(nodes, max_drafts)]
         k = self.num_speculative_tokens
         logits = self.heads.logits(hidden, self.lm_head, k)  # [k, R, V]
-        top = logits.argmax(dim=-1).t().tolist()  # [R, k]
+        top = greedy_argmax(logits.reshape(-1, logits.shape[-1])).view(
+            logits.shape[:-1]).t().tolist()  # [R, k]
         return [row[: min(m, k)] for row, m in zip(top, max_drafts)]
