@@ -56,7 +56,25 @@ def _build(kernel, sig: dict, consts: dict, cfg: WoqConfig) -> dict:
     imprecise = sorted({int(v) for v in re.findall(r"maxNumImpreciseAcc = (\d+)", k.asm["ttgir"])})
     return {"registers": int(fields["REG"]), "spill_bytes": int(fields["STACK"]),
             "shared_bytes": k.metadata.shared, "fits": int(fields["STACK"]) == 0
-            and k.metadata.shared <= SMEM_LIMIT, "max_num_imprecise_acc": imprecise}
+            and k.metadata.shared <= SMEM_LIMIT, "max_num_imprecise_acc": imprecise,
+            **_sass_counts(k.asm["cubin"])}
+
+
+def _sass_counts(cubin: bytes) -> dict:
+    """Tensor-core instructions in the machine code (the whole kernel, prologue included):
+    wgmma (HGMMA) and the waits for their results (WARPGROUP.DEPBAR: a wait after every
+    wgmma group serializes the K loop), mma.sync (HMMA), CTA memory barriers."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)
+    return {"sass_instructions": len(ops),
+            "sass_hgmma": sum(o.startswith("HGMMA") for o in ops),
+            "sass_wgmma_waits": sum(o.startswith("WARPGROUP.DEPBAR") for o in ops),
+            "sass_hmma": sum(o.startswith("HMMA") for o in ops),
+            "sass_membar": sum(o.startswith("MEMBAR") for o in ops)}
 
 
 def build_w4(cfg: WoqConfig, bias: bool = True, group: int = 128) -> dict:
