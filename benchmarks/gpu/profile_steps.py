@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="none",
                     help="weight storage (none, int4, int8, fp8, ...): the low-bit kernels' "
                     "share of the step; int4 uses groups of 128 as GPU-A's int4 runs do")
+    ap.add_argument("--lm-head-quantization", default="auto", choices=["auto", "none", "int8"])
     ns = ap.parse_args()
     cases = dict(zip(("decode1", "decode256", "prefill", "decode1-graph"), range(4)))
     wanted = {cases[c] for c in ns.cases.split(",")}
@@ -126,6 +127,9 @@ def main() -> None:
             if ns.quantization == "int4":
                 extra["quantization_group_size"] = 128
             label = f"{label}, {ns.quantization} weights"
+            if ns.lm_head_quantization != "auto":
+                extra["lm_head_quantization"] = ns.lm_head_quantization
+                label = f"{label}, lm_head {ns.lm_head_quantization}"
         args = EngineArgs(model=ns.model, load_format="dummy", enforce_eager=eager, **extra)
         engine = LLMEngine.from_engine_args(args)
         arch = engine.config.model.arch
