@@ -30,7 +30,7 @@ OFF: dict = {"pdl": False, "pdl_prefetch": 0, "attn_merge": "kernel", "attn_spli
 # device-name token -> the switches' measured best (each entry cites its result file).
 # H200: PDL, the fused merge, the split-keys and the one-row norm GEMV measured slower or
 # even in GPU-A (results/decode-levers-run1-h200.json, decode-levers-late-h200.json);
-# the rotary inside decode attention, with the argmax kernel, +1.7-2.7 % in bf16, FP8
+# the rotary inside decode attention, with the argmax kernel, +1.7-2.9 % in bf16, FP8
 # and int4, each against the base runs beside it (results/decode-rope-*-h200.json;
 # docs/decode-gemv.md).
 MEASURED: dict[str, dict] = {"H200": {"rope_in_attn": True}}
