@@ -7,6 +7,18 @@ import contextlib
 import os
 
 
+def _choice(var: str, choices: tuple[str, ...]) -> str:
+    """The lower-cased value of ``var`` (unset: ``choices[0]``), refused by name unless it
+    is one of ``choices``."""
+    mode = os.environ.get(var, choices[0]).lower()
+    if mode not in choices:
+        from kvflow.errors import InvalidParameterError
+
+        allowed = ", ".join(choices[:-1]) + " or " + choices[-1]
+        raise InvalidParameterError(f"{var} must be {allowed}, not {mode!r}")
+    return mode
+
+
 def log_level() -> str:
     """KVFLOW_LOG_LEVEL: DEBUG, INFO (default), WARNING or ERROR."""
     return os.environ.get("KVFLOW_LOG_LEVEL", "INFO").upper()
@@ -27,12 +39,7 @@ def gemv_mode() -> str:
     Triton GEMV instead of cuBLAS: ``auto`` (default: where the per-GPU table in
     kvflow/kernels/gemv_config.py measured it faster), ``off`` (cuBLAS everywhere) or
     ``force`` (every shape, heuristic tiles; benchmarks and tests)."""
-    mode = os.environ.get("KVFLOW_GEMV", "auto").lower()
-    if mode not in ("auto", "off", "force"):
-        from kvflow.errors import InvalidParameterError
-
-        raise InvalidParameterError(f"KVFLOW_GEMV must be auto, off or force, not {mode!r}")
-    return mode
+    return _choice("KVFLOW_GEMV", ("auto", "off", "force"))
 
 
 def gemv_table() -> str | None:
@@ -45,12 +52,7 @@ def pdl_mode() -> str:
     """KVFLOW_PDL: programmatic dependent launch of the decode Triton kernels
     (kvflow/kernels/pdl.py): ``auto`` (default: where kvflow/kernels/decode_defaults.py
     measured it faster on this GPU), ``on`` (compute capability >= 9) or ``off``."""
-    mode = os.environ.get("KVFLOW_PDL", "auto").lower()
-    if mode not in ("auto", "on", "off"):
-        from kvflow.errors import InvalidParameterError
-
-        raise InvalidParameterError(f"KVFLOW_PDL must be auto, on or off, not {mode!r}")
-    return mode
+    return _choice("KVFLOW_PDL", ("auto", "on", "off"))
 
 
 def pdl_prefetch_tiles() -> int | None:
@@ -72,13 +74,7 @@ def attn_merge_mode() -> str:
     second launch), ``fused`` (the last split of each KV head merges,
     kvflow/kernels/paged_attention.py) or ``auto`` (default: the GPU's measured best,
     else ``kernel``)."""
-    mode = os.environ.get("KVFLOW_ATTN_MERGE", "auto").lower()
-    if mode not in ("auto", "kernel", "fused"):
-        from kvflow.errors import InvalidParameterError
-
-        raise InvalidParameterError(
-            f"KVFLOW_ATTN_MERGE must be auto, kernel or fused, not {mode!r}")
-    return mode
+    return _choice("KVFLOW_ATTN_MERGE", ("auto", "kernel", "fused"))
 
 
 def attn_split_keys() -> int | None:
@@ -102,26 +98,14 @@ def rope_in_attention() -> str:
     the decode attention launch (kvflow/kernels/paged_attention.py, ``DecodeRope``)
     instead of as its own kernel: ``auto`` (default: where
     kvflow/kernels/decode_defaults.py measured it faster on this GPU), ``on`` or ``off``."""
-    mode = os.environ.get("KVFLOW_ROPE_IN_ATTN", "auto").lower()
-    if mode not in ("auto", "on", "off"):
-        from kvflow.errors import InvalidParameterError
-
-        raise InvalidParameterError(
-            f"KVFLOW_ROPE_IN_ATTN must be auto, on or off, not {mode!r}")
-    return mode
+    return _choice("KVFLOW_ROPE_IN_ATTN", ("auto", "on", "off"))
 
 
 def greedy_argmax_mode() -> str:
     """KVFLOW_GREEDY_ARGMAX: the sampler's greedy argmax on CUDA: ``auto`` (default: the
     split-row Triton kernel, kvflow/kernels/argmax.py, for vocabularies >= 8192) or
     ``torch`` (torch.argmax, one thread block per row)."""
-    mode = os.environ.get("KVFLOW_GREEDY_ARGMAX", "auto").lower()
-    if mode not in ("auto", "torch"):
-        from kvflow.errors import InvalidParameterError
-
-        raise InvalidParameterError(
-            f"KVFLOW_GREEDY_ARGMAX must be auto or torch, not {mode!r}")
-    return mode
+    return _choice("KVFLOW_GREEDY_ARGMAX", ("auto", "torch"))
 
 
 def gemv_norm_one_row() -> bool | None:
@@ -139,12 +123,7 @@ def woq_gemv_mode() -> str:
     gemv_w8.py): ``auto`` (default: the per-GPU table in woq_gemv_config.py, heuristic
     tiles for shapes it lacks), ``off`` (the previous kernels: the register GEMV /
     w8a16 tiles, and W8A8 ``_scaled_mm`` for FP8) or ``force`` (every M <= 8)."""
-    mode = os.environ.get("KVFLOW_WOQ_GEMV", "auto").lower()
-    if mode not in ("auto", "off", "force"):
-        from kvflow.errors import InvalidParameterError
-
-        raise InvalidParameterError(f"KVFLOW_WOQ_GEMV must be auto, off or force, not {mode!r}")
-    return mode
+    return _choice("KVFLOW_WOQ_GEMV", ("auto", "off", "force"))
 
 
 def fp8_decode_mode() -> str:
@@ -154,13 +133,7 @@ def fp8_decode_mode() -> str:
     ``w8a8`` (the FP8 x FP8 GEMV at every M <= 8, heuristic tiles where the table has
     none) or ``dequant`` (bf16 activations times the FP8 weights widened: the path before
     the W8A8 GEMV existed)."""
-    mode = os.environ.get("KVFLOW_FP8_DECODE", "auto").lower()
-    if mode not in ("auto", "w8a8", "dequant"):
-        from kvflow.errors import InvalidParameterError
-
-        raise InvalidParameterError(
-            f"KVFLOW_FP8_DECODE must be auto, w8a8 or dequant, not {mode!r}")
-    return mode
+    return _choice("KVFLOW_FP8_DECODE", ("auto", "w8a8", "dequant"))
 
 
 def woq_gemv_table() -> str | None:

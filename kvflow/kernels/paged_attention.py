@@ -590,7 +590,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     pdl_kw = {"PDL": True, **launch_kw(True)} if pdl else {}
     # (cos/sin, k, v, their strides, slots, n_slots) of the decode launch's rotary;
     # placeholders (never read) without it and in the prefill launch
-    rope_args = (seq_lens, 0, q, q, 0, 0, 0, 0, seq_lens, 0)
+    no_rope = (seq_lens, 0, q, q, 0, 0, 0, 0, seq_lens, 0)
+    rope_args = no_rope
     if rope is not None:
         assert num_decodes == num_reqs and tree is None and quant == 0, (
             "rotary inside attention is for decode-only batches over an unquantized cache")
@@ -635,7 +636,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         _paged_attn_kernel[grid](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
             out, out, num_decodes, 1, *common, *tree_args, out, 0,
-            seq_lens, 0, q, q, 0, 0, 0, 0, seq_lens, 0,
+            *no_rope,
             G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=pre_cfg.block_n, SPLIT=False,
             num_warps=pre_cfg.num_warps, num_stages=pre_cfg.num_stages,
             TREE=tree is not None, **pdl_kw, **consts)
