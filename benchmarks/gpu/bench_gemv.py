@@ -60,7 +60,7 @@ def _tile(c: GemvConfig) -> tuple:
 
 
 def _programs(c: GemvConfig, n: int, k: int) -> int:
-    return -(-n // c.block_n) * c.split_k
+    return -(-n // c.tile_rows) * c.split_k
 
 
 def _grid(kind: str, m: int, n: int, k: int, sms: int) -> list[GemvConfig]:
@@ -211,6 +211,12 @@ def bench(sweep: bool, budget_s: float, sweep_kinds: set[str] | None = None,
     return {"rows": rows, "sweep": sweeps, "table": table}
 
 
+def _parse_config(text: str) -> GemvConfig:
+    """BN:BK:SPLIT:WARPS:STAGES[:ROWS] -> a tensor-core GemvConfig."""
+    f = [int(v) for v in text.split(":")]
+    return GemvConfig(f[0], f[1], f[2], True, f[3], f[4], *f[5:6])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -223,7 +229,8 @@ def main() -> int:
                    help="only these shapes (comma-separated: qkv, o, gate_up, down, lm_head)")
     p.add_argument("--configs", default="",
                    help="with --sweep: time exactly these configurations (and the table's) "
-                        "instead of the grid: BN:BK:SPLIT:WARPS:STAGES,...")
+                        "instead of the grid: BN:BK:SPLIT:WARPS:STAGES[:ROWS],... (ROWS: "
+                        "output rows per program, GemvConfig.rows)")
     p.add_argument("--budget-s", type=float, default=150.0,
                    help="seconds of sweeping in all; later cases get the heuristic only")
     ns = p.parse_args()
@@ -232,8 +239,7 @@ def main() -> int:
                    set(ns.sweep_kinds.split(",")) if ns.sweep_kinds else None,
                    tuple(int(m) for m in ns.ms.split(",")),
                    set(ns.shapes.split(",")) if ns.shapes else None,
-                   [GemvConfig(*map(int, c.split(":")[:3]), True, *map(int, c.split(":")[3:]))
-                    for c in ns.configs.split(",") if c] or None)
+                   [_parse_config(c) for c in ns.configs.split(",") if c] or None)
     result.update({"command": "python " + " ".join(sys.argv),
                    "device": torch.cuda.get_device_name(), "hbm_bytes_per_s": HBM,
                    "seconds": time.time() - start,

@@ -16,7 +16,9 @@ Variants (environment switches, kvflow/envs.py): ``base`` (every switch off), ``
 prefetched), ``rope`` (KVFLOW_ROPE_IN_ATTN=on: rotary + cache write inside the decode
 attention launch), ``argmax`` (KVFLOW_GREEDY_ARGMAX=auto: the split-row argmax kernel;
 ``base`` keeps torch's), ``down`` (down_proj at M = 1 on the GEMV instead of cuBLAS, so PDL chains
-through it), ``table`` (KVFLOW_GEMV_TABLE=--table), joined with ``+`` (``pdl+fused+row``).
+through it), ``table`` (KVFLOW_GEMV_TABLE=--table; several files comma-separated: their measured wins
+merged), joined with ``+`` (``pdl+fused+row``). A variant starting ``auto+`` adds its
+levers to the defaults instead of to every switch off (``auto+table``).
 """
 
 from __future__ import annotations
@@ -58,10 +60,11 @@ OFF = {"KVFLOW_PDL": "off", "KVFLOW_ATTN_MERGE": "kernel", "KVFLOW_ATTN_SPLIT_KE
 def _env(variant: str, table: str | None, down_table: str) -> dict:
     if variant == "auto":  # nothing set: the defaults (decode_defaults.MEASURED)
         return {}
-    env: dict[str, str] = dict(OFF)
+    # "auto+...": the defaults plus the levers named; otherwise every switch off plus them
+    env: dict[str, str] = {} if variant.startswith("auto+") else dict(OFF)
     tables = []
     for part in variant.split("+"):
-        if part == "base":
+        if part in ("base", "auto"):
             continue
         elif part == "fused":
             env["KVFLOW_ATTN_MERGE"] = "fused"
@@ -81,9 +84,10 @@ def _env(variant: str, table: str | None, down_table: str) -> dict:
         elif part == "down":
             tables.append(down_table)
         elif part == "table":
-            if not table or not os.path.exists(table):
+            paths = [t for t in (table or "").split(",") if t]
+            if not paths or not all(os.path.exists(t) for t in paths):
                 raise SystemExit(f"variant {variant}: no --table file")
-            tables.append(table)
+            tables += paths
         else:
             raise SystemExit(f"unknown lever {part!r}")
     if tables:
@@ -168,7 +172,8 @@ def main() -> int:
                                           "pdl+fused+row+table,pdl+keys256+row+table,"
                                           "pdl+fused+row+table+down,pdl0+fused+row+table,"
                                           "pdl16+fused+row+table")
-    ap.add_argument("--table", default=None, help="bench_gemv.py result for 'table'")
+    ap.add_argument("--table", default=None,
+                    help="bench_gemv.py result(s) for 'table', comma-separated")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--quantization", default=None, help="e.g. fp8, int4 (default: bf16)")
     ap.add_argument("--group-size", type=int, default=None, help="int4 group size")

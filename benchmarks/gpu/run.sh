@@ -80,6 +80,11 @@
 #             mode in FP8_DECODE_MODES (default "dequant auto chain": KVFLOW_FP8_DECODE
 #             values, chain = auto with the sweep's table; gpu-a-fp8-MODE.json), the batch-1
 #             graph's kernel profile with the default (profile-decode1-graph-fp8.json)
+#   rows      balanced grids for the dense decode GEMVs (GemvConfig.rows): GPU tests, the M = 1
+#             micro-benchmark per shape vs the table (gemv-rows-SHAPE.json; ROWS_QKV, ROWS_GU,
+#             ROWS_O, ROWS_DOWN list the configs), the wins merged (gemv-rows-table.json),
+#             GPU-A with the defaults with/without it alternated (decode-rows.json);
+#             ROWS_PROFILE=1 adds the batch-1 graph profile with it
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/env.sh  # OUT, PYTHONPATH, KVFLOW_GIT_COMMIT, KV
@@ -214,6 +219,30 @@ for stage in "$@"; do
       # FP8 with the lm_head in int8 (weight-only) on request, both levers on
       [ "${ROPE_LMHEAD:-1}" = 1 ] && KVFLOW_ROPE_IN_ATTN=on timeout ${FP8_DECODE_RUN_TIMEOUT:-90} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters ${ROPE_ITERS:-6} --backend kvflow --quantization fp8 --lm-head-quantization int8 --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-fp8-lmhead-int8.json" 2>&1 | grep -E "weights:|tokens/s|rror|Traceback" | tail -4
       [ "${ROPE_PROFILE:-1}" = 1 ] && KVFLOW_ROPE_IN_ATTN=on timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization ${ROPE_PROFILE_QUANT:-none} --out "$OUT/profile-decode1-graph-rope.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
+    rows)
+      # balanced grids for the dense decode GEMVs (GemvConfig.rows): their GPU tests, the M = 1
+      # micro-benchmark of each shape's table config against balanced ones (gemv-rows-SHAPE.json),
+      # the measured wins merged (gemv-rows-table.json), then GPU-A with the defaults with and
+      # without that table, alternated in one process (decode-rows.json)
+      timeout ${ROWS_TEST_TIMEOUT:-90} python -m pytest -q -x tests/kernels/test_gemv_kernel.py -k "configs or norm or graph" 2>&1 | tail -2
+      for spec in "qkv linear,norm_linear ${ROWS_QKV:-64:256:1:4:4:47,64:256:1:4:5:47,64:256:1:4:3:47,64:128:1:4:5:47,32:256:1:4:4:24,32:256:1:4:5:24}" \
+                  "gate_up silu_mul,norm_silu_mul ${ROWS_GU:-64:128:1:4:3:55,64:128:1:4:2:55,64:256:1:4:2:55,128:128:1:4:3:109,128:128:1:8:3:109,64:128:1:4:2:37}" \
+                  "o linear ${ROWS_O:-64:256:2:4:4:63,64:256:2:4:3:63,128:256:4:4:3:125,32:256:1:4:6,16:256:1:4:5}" \
+                  "down linear ${ROWS_DOWN:-32:256:1:4:4,32:256:1:4:5,64:256:2:4:4:63,64:256:2:4:5:63,128:256:4:4:3:125,16:256:1:4:5}"; do
+        set -- $spec
+        timeout ${ROWS_BENCH_TIMEOUT:-100} python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv-rows-$1.json" --ms 1 --shapes $1 --sweep --sweep-kinds $2 --configs $3 2>&1 | grep -E "M=1|rror" | tail -4 || echo "gemv-rows-$1 failed"
+      done
+      python - "$OUT" <<'PY'
+import glob, json, os, sys
+rows = []
+for p in sorted(glob.glob(os.path.join(sys.argv[1], "gemv-rows-*.json"))):
+    if not p.endswith("-table.json"):
+        rows += [r for r in json.load(open(p))["table"] if r.get("config") is not None]
+json.dump({"table": rows}, open(os.path.join(sys.argv[1], "gemv-rows-table.json"), "w"), indent=1)
+print("gemv-rows-table:", [(r["shape"], r["kind"], r["config"]) for r in rows])
+PY
+      timeout ${ROWS_LEVERS_TIMEOUT:-220} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-rows.json" --table "$OUT/gemv-rows-table.json" --variants ${ROWS_VARIANTS:-auto,auto+table,auto,auto+table} --iters ${ROWS_ITERS:-6} --budget-s $(( ${ROWS_LEVERS_TIMEOUT:-220} - 40 )) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8
+      [ "${ROWS_PROFILE:-0}" = 1 ] && KVFLOW_GEMV_TABLE="$OUT/gemv-rows-table.json" timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --out "$OUT/profile-decode1-graph-rows.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     *) echo "unknown stage $stage"; exit 2;;
   esac

@@ -78,17 +78,17 @@ def main() -> int:
     rows = []
     common = dict(BLOCK_M=16, EVEN_K=True, DOT=True, UPCAST=False, PDL=pdl, PREFETCH=4)
     rows.append(_build("gemv qkv", gemv._gemv_kernel, _gemv_sig(),
-                       dict(HAS_BIAS=False, BLOCK_N=64, BLOCK_K=256, SPLIT=False, **common),
-                       4, 4))
+                       dict(HAS_BIAS=False, BLOCK_N=64, BLOCK_K=256, SPLIT=False, ROWS=64,
+                            **common), 4, 4))
     rows.append(_build("gemv down split2", gemv._gemv_kernel, _gemv_sig(),
-                       dict(HAS_BIAS=False, BLOCK_N=64, BLOCK_K=256, SPLIT=True, **common),
-                       4, 4))
+                       dict(HAS_BIAS=False, BLOCK_N=64, BLOCK_K=256, SPLIT=True, ROWS=64,
+                            **common), 4, 4))
     sig = _gemv_sig()
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "wu_ptr": "*bf16", "out_ptr": "*bf16",
            "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "D": "i32", "K": "i32",
            "stride_xm": "i32", "stride_om": "i32", "split_k": "i32"}
     rows.append(_build("gemv silu_mul", gemv._gemv_silu_mul_kernel, sig,
-                       dict(BLOCK_N=64, BLOCK_K=128, SPLIT=False, **common), 4, 3))
+                       dict(BLOCK_N=64, BLOCK_K=128, SPLIT=False, ROWS=64, **common), 4, 3))
     nsig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16",
             "wu_ptr": "*bf16", "out_ptr": "*bf16", "r_out_ptr": "*bf16", "ws_ptr": "*fp32",
             "ssq_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
@@ -98,16 +98,26 @@ def main() -> int:
                    PDL=True, PREFETCH=4)
     for bn in (64, 32, 16):
         rows.append(_build(f"gemv_norm qkv bn{bn}", gemv_norm._gemv_norm_kernel, nsig,
-                           dict(ACT=False, BLOCK_N=bn, BLOCK_K=256, X_ROWS=16, **ncommon),
-                           4, 4))
+                           dict(ACT=False, BLOCK_N=bn, BLOCK_K=256, X_ROWS=16, ROWS=bn,
+                                **ncommon), 4, 4))
+    # balanced grids (GemvConfig.rows): qkv's 6144 rows as 131 programs of 47, gate_up's
+    # 14336 as 261 of 55, in 64-row tiles
+    rows.append(_build("gemv_norm qkv bn64 rows47", gemv_norm._gemv_norm_kernel, nsig,
+                       dict(ACT=False, BLOCK_N=64, BLOCK_K=256, X_ROWS=16, ROWS=47,
+                            **ncommon), 4, 4))
+    rows.append(_build("gemv_norm gate_up rows55", gemv_norm._gemv_norm_kernel, nsig,
+                       dict(ACT=True, BLOCK_N=64, BLOCK_K=128, X_ROWS=16, ROWS=55,
+                            **ncommon), 4, 3))
     for bn in (64, 16):  # the M = 1 form (KVFLOW_GEMV_NORM_ROW): x side on one row
         rows.append(_build(f"gemv_norm qkv bn{bn} one-row", gemv_norm._gemv_norm_kernel,
-                           nsig, dict(ACT=False, BLOCK_N=bn, BLOCK_K=256, X_ROWS=1,
+                           nsig, dict(ACT=False, BLOCK_N=bn, BLOCK_K=256, X_ROWS=1, ROWS=bn,
                                       **ncommon), 4, 4))
     rows.append(_build("gemv_norm gate_up", gemv_norm._gemv_norm_kernel, nsig,
-                       dict(ACT=True, BLOCK_N=64, BLOCK_K=128, X_ROWS=16, **ncommon), 4, 3))
+                       dict(ACT=True, BLOCK_N=64, BLOCK_K=128, X_ROWS=16, ROWS=64, **ncommon),
+                       4, 3))
     rows.append(_build("gemv_norm gate_up one-row", gemv_norm._gemv_norm_kernel, nsig,
-                       dict(ACT=True, BLOCK_N=64, BLOCK_K=128, X_ROWS=1, **ncommon), 4, 3))
+                       dict(ACT=True, BLOCK_N=64, BLOCK_K=128, X_ROWS=1, ROWS=64, **ncommon),
+                       4, 3))
     asig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
             "bt_ptr": "*i32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "req_offset": "i32",

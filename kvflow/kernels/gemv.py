@@ -69,6 +69,18 @@ def load_tiles(w_ptr, rows_w, n_ok, x_ptr, offs_m, m_ok, stride_xm, offs_k, K,
 
 
 @triton.jit
+def tile_rows(pid_n, N, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """[BLOCK_N] output rows of program ``pid_n``: ROWS consecutive rows from pid_n * ROWS.
+    With ROWS < BLOCK_N (``GemvConfig.rows``: a grid balanced over the SMs) the lanes
+    past ROWS name row N, which every row mask (``offs_n < N``) treats as absent: they
+    load nothing and store nothing."""
+    ar = tl.arange(0, BLOCK_N)
+    if ROWS < BLOCK_N:
+        return tl.where(ar < ROWS, pid_n * ROWS + ar, N)
+    return pid_n * BLOCK_N + ar
+
+
+@triton.jit
 def _partial(x_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_xm, t_start, t_end,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              EVEN_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr):
@@ -102,11 +114,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride
                  stride_om, split_k, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  SPLIT: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
-                 PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                 ROWS: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tile_rows(pid_n, N, BLOCK_N, ROWS)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, split_k)
     t_start = pid_k * per_split
@@ -129,12 +141,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride
 def _gemv_silu_mul_kernel(x_ptr, w_ptr, wu_ptr, out_ptr, ws_ptr, lock_ptr, M, D, K, stride_xm,
                           stride_om, split_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-                          DOT: tl.constexpr, UPCAST: tl.constexpr,
+                          DOT: tl.constexpr, UPCAST: tl.constexpr, ROWS: tl.constexpr,
                           PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tile_rows(pid_n, D, BLOCK_N, ROWS)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, split_k)
     t_start = pid_k * per_split
@@ -236,14 +248,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if m == 0:
         return out
     ws, locks = split_buffers(cfg, m, n, x.device)
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    grid = (triton.cdiv(n, cfg.tile_rows), cfg.split_k)
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
         out if ws is None else ws, out if locks is None else locks, m, n, k, x.stride(0), n,
         cfg.split_k, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SPLIT=ws is not None,
-        DOT=cfg.dot, UPCAST=_interp(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_pdl_args(x.device))
+        DOT=cfg.dot, UPCAST=_interp(x), ROWS=cfg.tile_rows, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **_pdl_args(x.device))
     return out
 
 
@@ -260,7 +272,7 @@ def silu_buffers(config, m: int, d: int, device: torch.device
     or (None, None)."""
     if config.split_k == 1:
         return None, None
-    tiles = triton.cdiv(d, config.block_n)
+    tiles = triton.cdiv(d, getattr(config, "rows", 0) or config.block_n)
     assert tiles <= LOCK_SLOTS, f"{tiles} output tiles for split-K (at most {LOCK_SLOTS})"
     ws = torch.empty((config.split_k, 2, m, d), dtype=torch.float32, device=device)
     return ws, split_buffers(config, m, d, device)[1]
@@ -293,13 +305,13 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
     out = torch.empty((m, d), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    tiles = triton.cdiv(d, cfg.block_n)
+    tiles = triton.cdiv(d, cfg.tile_rows)
     ws, locks = silu_buffers(cfg, m, d, x.device)
     _gemv_silu_mul_kernel[(tiles, cfg.split_k)](
         x, weight, weight[d:], out, out if ws is None else ws,
         out if locks is None else locks, m, d, k,
         x.stride(0), d, cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SPLIT=ws is not None,
-        DOT=cfg.dot, UPCAST=_interp(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_pdl_args(x.device))
+        DOT=cfg.dot, UPCAST=_interp(x), ROWS=cfg.tile_rows, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **_pdl_args(x.device))
     return out

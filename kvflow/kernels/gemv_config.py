@@ -43,9 +43,22 @@ class GemvConfig:
     register form (float32 multiply and tl.sum), for M = 1 only."""
     num_warps: int = 4
     num_stages: int = 4
+    rows: int = 0
+    """Output rows a program owns, when fewer than ``block_n`` (0: ``block_n``). The grid
+    is cdiv(N, rows): a count that fills the SMs evenly where N / block_n would leave
+    some idle or a ragged last wave (qkv's 6144 rows: 96 tiles of 64 on 132 SMs, or 131
+    programs of 47 rows in 64-row tiles). The tile's lanes past ``rows`` load and store
+    nothing."""
 
     def __post_init__(self) -> None:
         check_tile(self)
+        if not 0 <= self.rows <= self.block_n:
+            raise ValueError(f"rows must be in 0..block_n: {self}")
+
+    @property
+    def tile_rows(self) -> int:
+        """Output rows per program (``rows`` or the whole tile)."""
+        return self.rows or self.block_n
 
     @property
     def block_m(self) -> int:
@@ -98,8 +111,15 @@ def default_config(m: int, n: int, k: int, device: torch.device, pairs: bool = F
     return GemvConfig(bn, bk, split, True, 4, 3 if pairs else 4)
 
 
-def _c(bn: int, bk: int, split: int, warps: int, stages: int, dot: bool = True) -> GemvConfig:
-    return GemvConfig(bn, bk, split, dot, warps, stages)
+def _c(bn: int, bk: int, split: int, warps: int, stages: int, dot: bool = True,
+       rows: int = 0) -> GemvConfig:
+    return GemvConfig(bn, bk, split, dot, warps, stages, rows)
+
+
+def balanced_rows(n: int, programs: int) -> int:
+    """Rows per program that spread n rows over at most ``programs`` programs as evenly
+    as whole rows allow (``GemvConfig.rows``)."""
+    return -(-n // programs)
 
 
 # Measured tables: device-name token -> {(kind, N, K): {M bucket: config, or None for

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kvflow.kernels.gemv import MAX_M, _pdl_args
+from kvflow.kernels.gemv import MAX_M, _pdl_args, tile_rows
 from kvflow.kernels.gemv_config import GemvConfig
 from kvflow.kernels.pdl import pdl_trigger, pdl_wait, prefetch_tiles
 from kvflow.kernels.woq_config import LOCK_SLOTS, split_buffers
@@ -42,12 +42,13 @@ def _gemv_norm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, wu_ptr, out_ptr, r_out_ptr,
                       ssq_ptr, lock_ptr, M, N, K, stride_xm, stride_rm, stride_om, split_k,
                       eps, HAS_RES: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      SPLIT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
+                      SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+                      ROWS: tl.constexpr, PDL: tl.constexpr = False,
                       PREFETCH: tl.constexpr = 0, X_ROWS: tl.constexpr = 16):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tile_rows(pid_n, N, BLOCK_N, ROWS)  # ROWS <= BLOCK_N
     m_ok = offs_m < M
     n_ok = offs_n < N
     rows_w = offs_n.to(tl.int64)[:, None] * K  # [BN, 1]
@@ -222,7 +223,7 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     if m == 0:
         return out, r_out
     cfg = config
-    tiles = triton.cdiv(n, cfg.block_n)
+    tiles = triton.cdiv(n, cfg.tile_rows)
     ws = ssq = locks = None
     if cfg.split_k > 1:
         assert tiles <= LOCK_SLOTS, f"{tiles} output tiles for split-K (at most {LOCK_SLOTS})"
@@ -240,6 +241,6 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
         HAS_RES=residual is not None, ACT=silu_and_mul, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         SPLIT=ws is not None, UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
-        X_ROWS=1 if m == 1 and one_row() else cfg.block_m,
+        X_ROWS=1 if m == 1 and one_row() else cfg.block_m, ROWS=cfg.tile_rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_args(x.device))
     return out, r_out

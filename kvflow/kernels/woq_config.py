@@ -145,7 +145,8 @@ def split_buffers(cfg: WoqConfig, m: int, n: int, device: torch.device
     a CUDA graph (the counters are allocated by the first, uncaptured, warm-up call)."""
     if cfg.split_k == 1:
         return None, None
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    rows = getattr(cfg, "rows", 0) or cfg.block_n  # the dense GEMV's balanced rows
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, rows)
     assert tiles <= LOCK_SLOTS, f"{tiles} output tiles for split-K (at most {LOCK_SLOTS})"
     locks = _locks.get(device)
     if locks is None:

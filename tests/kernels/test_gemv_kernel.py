@@ -8,8 +8,8 @@ import torch
 
 from kvflow.kernels.gemv import (gemv, gemv_ref, gemv_silu_and_mul,
                                  gemv_silu_and_mul_ref)
-from kvflow.kernels.gemv_config import (GemvConfig, MEASURED, default_config,
-                                        dispatch_configs)
+from kvflow.kernels.gemv_config import (GemvConfig, MEASURED, balanced_rows,
+                                        default_config, dispatch_configs)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,12 +36,15 @@ def _check_silu(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
 
 
+# the last two: balanced grids (GemvConfig.rows), programs owning fewer rows than a tile
+# (40 rows as 13 + 13 + 13 + 1, and as 9 * 4 + 4 split three ways)
 CONFIGS = [GemvConfig(32, 32, 1), GemvConfig(16, 32, 3, num_stages=2),
-           GemvConfig(32, 64, 2, dot=False, num_stages=1)]
+           GemvConfig(32, 64, 2, dot=False, num_stages=1), GemvConfig(32, 32, 1, rows=13),
+           GemvConfig(16, 32, 3, num_stages=2, rows=9)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bn{c.block_n}k{c.block_k}s{c.split_k}"
-                         f"{'dot' if c.dot else 'reg'}")
+                         f"{'dot' if c.dot else 'reg'}" + (f"r{c.rows}" if c.rows else ""))
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_gemv_configs(device, cfg, m):
     if not cfg.dot and m > 1:
@@ -77,6 +80,10 @@ def test_config_validation_and_defaults():
         GemvConfig(48, 64)
     with pytest.raises(ValueError):
         GemvConfig(64, 64, split_k=0)
+    with pytest.raises(ValueError):
+        GemvConfig(32, 64, rows=33)  # more rows than the tile holds
+    assert GemvConfig(64, 64).tile_rows == 64 and GemvConfig(64, 64, rows=47).tile_rows == 47
+    assert balanced_rows(6144, 132) == 47 and -(-6144 // 47) == 131  # qkv on 132 SMs
     cfg = default_config(1, 4096, 4096, torch.device("cpu"), sms=132)
     assert cfg.dot and cfg.block_m == 16
     # 32-row tiles fill 132 SMs (128 programs) where 64-row ones leave half idle
@@ -189,8 +196,9 @@ def _check_normed(y, r, x, residual, nw, w, act: bool) -> None:
     assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
 
 
-@pytest.mark.parametrize("cfg", [GemvConfig(32, 32, 3), GemvConfig(16, 64, 1)],
-                         ids=["split3", "nosplit"])
+@pytest.mark.parametrize("cfg", [GemvConfig(32, 32, 3), GemvConfig(16, 64, 1),
+                                 GemvConfig(32, 32, 3, rows=11), GemvConfig(16, 64, 1, rows=7)],
+                         ids=["split3", "nosplit", "split3-rows11", "nosplit-rows7"])
 @pytest.mark.parametrize("m,res,act", [(1, True, False), (3, False, True), (2, True, True)])
 def test_gemv_rms_norm(device, cfg, m, res, act):
     from kvflow.kernels.gemv_norm import gemv_rms_norm
