@@ -85,6 +85,9 @@
 #             ROWS_O, ROWS_DOWN list the configs), the wins merged (gemv-rows-table.json),
 #             GPU-A with the defaults with/without it alternated (decode-rows.json);
 #             ROWS_PROFILE=1 adds the batch-1 graph profile with it
+#   rows-confirm  with the table that moved down_proj to the GEMV: 8B-shape GEMV tests, GPU-A
+#             defaults (gpu-a-rows-none.json), PDL on/off alternated (decode-pdl.json), the
+#             batch-1 graph profile (profile-decode1-graph-rows.json)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/env.sh  # OUT, PYTHONPATH, KVFLOW_GIT_COMMIT, KV
@@ -243,6 +246,14 @@ print("gemv-rows-table:", [(r["shape"], r["kind"], r["config"]) for r in rows])
 PY
       timeout ${ROWS_LEVERS_TIMEOUT:-220} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-rows.json" --table "$OUT/gemv-rows-table.json" --variants ${ROWS_VARIANTS:-auto,auto+table,auto,auto+table} --iters ${ROWS_ITERS:-6} --budget-s $(( ${ROWS_LEVERS_TIMEOUT:-220} - 40 )) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8
       [ "${ROWS_PROFILE:-0}" = 1 ] && KVFLOW_GEMV_TABLE="$OUT/gemv-rows-table.json" timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --out "$OUT/profile-decode1-graph-rows.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
+    rows-confirm)
+      # the table with down_proj on the GEMV at M = 1: the 8B-shape GEMV tests, GPU-A with the
+      # defaults by `kvflow bench latency` (gpu-a-rows-none.json), PDL on/off alternated now that
+      # no cuBLAS launch breaks a layer's chain (decode-pdl.json), the batch-1 graph profile
+      timeout ${ROWS_TEST_TIMEOUT:-90} python -m pytest -q -x tests/kernels/test_gemv_kernel.py -k "llama8b or graph" 2>&1 | tail -2
+      timeout 120 $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters ${ROWS_ITERS:-6} --backend kvflow --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-rows-none.json" 2>&1 | grep -E "tokens/s|rror|Traceback" | tail -3
+      timeout ${ROWS_LEVERS_TIMEOUT:-200} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-pdl.json" --variants ${ROWS_PDL_VARIANTS:-auto,auto+pdl0,auto,auto+pdl0} --iters ${ROWS_ITERS:-6} --budget-s $(( ${ROWS_LEVERS_TIMEOUT:-200} - 40 )) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8
+      timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --out "$OUT/profile-decode1-graph-rows.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     *) echo "unknown stage $stage"; exit 2;;
   esac

@@ -138,7 +138,13 @@ def balanced_rows(n: int, programs: int) -> int:
 # gate_up lost then (its x side was not pipelined). The M = 1 buckets are overlaid from
 # the later bench at e3b684715 (results/gemv-bench-m1-h200.json: every table config per
 # shape re-timed, a 20 s sweep of the norm-folded gate_up, which now wins 1.15x with its
-# x side prefetched; down at M = 1 fell under 2 % and keeps cuBLAS).
+# x side prefetched; down at M = 1 fell under 2 % and kept cuBLAS). The M = 1 buckets of
+# qkv, o, gate_up and down are then overlaid from the balanced-grid bench at 44f39f6
+# (results/gemv-rows-*-h200.json: each table config against configs with
+# GemvConfig.rows): no balanced grid won anywhere; the table configs won again, down's
+# 32 x 256 GEMV now by 3 % over cuBLAS + its split-K reduce (so it leaves cuBLAS: +1.7-1.9 %
+# GPU-A decode in alternation, results/decode-rows-h200.json), and the unfused gate_up
+# GEMV lost (x0.92; the model takes the SiLU-fused forms there anyway).
 MEASURED: dict[str, dict[tuple[str, int, int], dict[int, GemvConfig | None]]] = {
     "H200": {
         # qkv
@@ -155,9 +161,9 @@ MEASURED: dict[str, dict[tuple[str, int, int], dict[int, GemvConfig | None]]] = 
             4: _c(32, 256, 1, 4, 5),
             8: _c(32, 256, 1, 4, 5),
         },
-        # gate_up
+        # gate_up (unfused: the gated MLP takes the silu_mul forms)
         ("linear", 28672, 4096): {
-            1: _c(64, 128, 1, 4, 4),
+            1: None,
             2: None,
             4: _c(128, 256, 1, 8, 3),
             8: _c(64, 128, 1, 4, 4),
@@ -171,7 +177,7 @@ MEASURED: dict[str, dict[tuple[str, int, int], dict[int, GemvConfig | None]]] = 
         },
         # down
         ("linear", 4096, 14336): {
-            1: None,
+            1: _c(32, 256, 1, 4, 5),
             2: None,
             4: _c(32, 256, 1, 4, 5),
             8: _c(32, 128, 3, 4, 4),

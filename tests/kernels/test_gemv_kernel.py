@@ -271,16 +271,19 @@ def test_normed_seam(device):
 
 def test_h200_table_is_the_recorded_benches():
     """The built-in H200 entries are exactly the tables of the recorded GPU runs: the
-    sweep at M = 1..8, its M = 1 buckets replaced by the later M = 1 bench (no
-    hand-picked or assumed configs)."""
+    sweep at M = 1..8, its M = 1 buckets replaced by the later M = 1 bench and then by
+    the balanced-grid benches (no hand-picked or assumed configs)."""
     from pathlib import Path
 
     from kvflow.kernels.gemv_config import table_from_bench
 
     results = Path(__file__).parents[2] / "benchmarks/results"
     table = table_from_bench(str(results / "gemv-bench-sweep-h200.json"))
-    for key, buckets in table_from_bench(str(results / "gemv-bench-m1-h200.json")).items():
-        table[key] = {**table[key], **buckets}
+    later = ["gemv-bench-m1-h200.json"] + [f"gemv-rows-{s}-h200.json"
+                                           for s in ("qkv", "o", "gate_up", "down")]
+    for name in later:
+        for key, buckets in table_from_bench(str(results / name)).items():
+            table[key] = {**table[key], **buckets}
     assert table == MEASURED["H200"]
 
 
