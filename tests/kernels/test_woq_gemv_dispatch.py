@@ -168,6 +168,15 @@ def test_table_from_bench_round_trip(tmp_path):
     path.write_text(json.dumps({"table": rows}))
     table = woq_gemv_config.table_from_bench(str(path))
     assert table[("w4g128", 4096, 4096)] == {1: cfg, 2: None}
+    # balanced rows travel with the config; a file written before the field has none
+    rows_cfg = woq_gemv_config.WoqGemvConfig(64, 256, 4, 4, 3, rows=47)
+    old = {k: v for k, v in cfg.as_dict().items() if k != "rows"}
+    path.write_text(json.dumps({"table": [
+        {"format": "w4g128", "n": 6144, "k": 4096, "m": 1, "config": rows_cfg.as_dict()},
+        {"format": "w4g128", "n": 6144, "k": 4096, "m": 2, "config": old}]}))
+    table = woq_gemv_config.table_from_bench(str(path))
+    assert table[("w4g128", 6144, 4096)] == {1: rows_cfg, 2: cfg}
+    assert table[("w4g128", 6144, 4096)][1].tile_rows == 47
 
 
 @pytest.fixture
