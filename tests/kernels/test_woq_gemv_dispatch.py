@@ -179,6 +179,24 @@ def test_table_from_bench_round_trip(tmp_path):
     assert table[("w4g128", 6144, 4096)][1].tile_rows == 47
 
 
+def test_fp8_chain_plan_keeps_whole_tiles_for_the_fp8_output(monkeypatch):
+    """The gate/up + SiLU launch with FP8 output quantizes each program's block_n columns
+    as one 128-wide group: a planned config with balanced rows (or split-K) cannot make
+    those groups, so that row count keeps the unchained path; down's (xg) groups are its
+    K steps, where balanced rows are fine."""
+    whole = woq_gemv_config.WoqGemvConfig(128, 128, 1, promote=128)
+    plans = {"fp8a8-siluq": {1: whole, 2: woq_gemv_config.WoqGemvConfig(128, 128, 1, rows=100),
+                             3: woq_gemv_config.WoqGemvConfig(128, 128, 1, rows=128),
+                             4: woq_gemv_config.WoqGemvConfig(128, 128, 2)},
+             "fp8a8-xg": {1: woq_gemv_config.WoqGemvConfig(64, 128, 2, rows=47)}}
+    monkeypatch.setattr(woq_gemv_config, "plan", lambda fmt, n, k, device: plans[fmt])
+    monkeypatch.setattr(fp8, "use_fp8_kernels", lambda device: True)
+    gate_up = _gate_up(QuantizationConfig("fp8"), torch.randn(256, 256) * 0.05)
+    assert set(fp8.fp8a8_chain_plan(gate_up, "siluq")) == {1, 3}
+    down = _layer(QuantizationConfig("fp8"), torch.randn(64, 128) * 0.05)
+    assert fp8.fp8a8_chain_plan(down, "xg") == plans["fp8a8-xg"]
+
+
 @pytest.fixture
 def w8a8_planned(monkeypatch):
     """FP8 layers' decode rows take the W8A8 GEMV (as ``fp8a8_plan`` answers on an H200
