@@ -15,11 +15,19 @@ comes from no norm pays); the best config's error against ``gemv_fp8_ref`` and, 
 per launch over one CUDA graph of launches over weight copies > 4x the L2.
 ``table``: per case the best W8A8 config (the form ``woq_gemv_config.MEASURED`` reads,
 format ``fp8a8`` / ``fp8a8-silu``).
+
+``--configs`` replaces the W8A8 sweep (not ``--chain``'s): each case times the table's
+config in force for it and exactly the configs given, with no budget cut:
+``BN:BK:SPLIT:WARPS:STAGES[:PROMOTE[:ROWS]]`` (PROMOTE: inputs per float32 promotion, 0
+or a power of two from 16 to BK, default 0 as the sweep's; ROWS: output rows per
+program, ``WoqGemvConfig.rows``, a grid balanced over the SMs); ``--shapes`` picks the
+shapes (a ROWS suits one N).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -37,7 +45,8 @@ from kvflow.kernels.gemv_fp8 import gemv_fp8, gemv_fp8_ref  # noqa: E402
 from kvflow.kernels.gemv_w8 import gemv_w8  # noqa: E402
 from kvflow.kernels.rms_norm import fused_add_rms_norm, rms_norm_fp8  # noqa: E402
 from kvflow.kernels.silu_and_mul import silu_and_mul  # noqa: E402
-from kvflow.kernels.woq_gemv_config import WoqGemvConfig, default_config, plan  # noqa: E402
+from kvflow.kernels.woq_gemv_config import (WoqGemvConfig, _bucket,  # noqa: E402
+                                            _device_table, default_config, plan)
 from graph_timing import graph_ms  # noqa: E402  (this folder)
 
 L2_BYTES = 50 * 2**20
@@ -65,10 +74,33 @@ def _grid(n: int, k: int, sms: int, silu: bool) -> list[WoqGemvConfig]:
     return out
 
 
-def bench(budget_s: float, ms: tuple[int, ...]) -> dict:
+def _parse_config(text: str) -> WoqGemvConfig:
+    """BN:BK:SPLIT:WARPS:STAGES[:PROMOTE[:ROWS]] -> a WoqGemvConfig for ``gemv_fp8``
+    (PROMOTE 0 or a power of two from 16 to BK, so a ROWS written after STAGES alone is
+    an error, not a PROMOTE)."""
+    f = [int(v) for v in text.split(":")]
+    promote = f[5] if len(f) > 5 else 0
+    if len(f) not in (5, 6, 7) or (promote and (promote & (promote - 1)
+                                                or not 16 <= promote <= f[1])):
+        raise ValueError(f"config {text!r}: BN:BK:SPLIT:WARPS:STAGES[:PROMOTE[:ROWS]] "
+                         "(PROMOTE: 0 or a power of two from 16 to BK)")
+    return WoqGemvConfig(*f[:5], promote=promote, rows=f[6] if len(f) > 6 else 0)
+
+
+def _table_config(fmt: str, n: int, k: int, m: int) -> WoqGemvConfig | None:
+    """The config the table in force (built-in, ``KVFLOW_WOQ_GEMV_TABLE``) has for this
+    case, or None (not measured, or measured slower than the weight-dequant GEMV)."""
+    from kvflow import envs
+
+    table = _device_table(torch.cuda.get_device_name(), envs.woq_gemv_table())
+    return table.get((fmt, n, k), {}).get(_bucket(m))
+
+
+def bench(budget_s: float, ms: tuple[int, ...], shapes: set[str] | None = None,
+          configs: list[WoqGemvConfig] | None = None) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, table, errors = [], [], []
-    cases = [(s, m) for m in ms for s in SHAPES]
+    cases = [(s, m) for m in ms for s in SHAPES if not shapes or s[0] in shapes]
     end = time.time() + budget_s
     for i, ((name, k, n_w), m) in enumerate(cases):
         silu = name.endswith("_silu")
@@ -96,11 +128,16 @@ def bench(budget_s: float, ms: tuple[int, ...]) -> dict:
                           for wt in wts])
         rows.append({**case, "impl": "w8-dequant", "config": wcfg.as_dict(), "ms": w8_ms,
                      "gb_per_s": wbytes / w8_ms / 1e6, "speedup_vs_bf16": bf16_ms / w8_ms})
-        grid = _grid(n, k, sms, silu)
+        own = None
+        if configs:  # a given list: the table's and these, all timed
+            own = _table_config("fp8a8-silu" if silu else "fp8a8", n, k, m)
+            grid = list(dict.fromkeys(c for c in [own, *configs] if c is not None))
+        else:
+            grid = _grid(n, k, sms, silu)
         deadline = time.time() + max(0.0, end - time.time()) / (len(cases) - i)
         best = None
         for j, cfg in enumerate(grid):
-            if j and time.time() > deadline:
+            if j and time.time() > deadline and not configs:
                 break
             try:
                 t = graph_ms([lambda wt=wt: gemv_fp8(xq, sx, wt[0], wt[1], cfg,
@@ -110,7 +147,8 @@ def bench(budget_s: float, ms: tuple[int, ...]) -> dict:
                              "error": repr(exc)[:160]})
                 continue
             rows.append({**case, "impl": "w8a8", "config": cfg.as_dict(), "ms": t,
-                         "gb_per_s": wbytes / t / 1e6})
+                         "gb_per_s": wbytes / t / 1e6,
+                         **({"table": True} if own is not None and cfg == own else {})})
             if best is None or t < best[1]:
                 best = (cfg, t)
         cfg, t = best
@@ -124,8 +162,7 @@ def bench(budget_s: float, ms: tuple[int, ...]) -> dict:
         prec = {}
         if not silu:
             for p in (0, 128, 64, 32):
-                c = WoqGemvConfig(cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
-                                  cfg.num_stages, promote=min(p, cfg.block_k) if p else 0)
+                c = dataclasses.replace(cfg, promote=min(p, cfg.block_k) if p else 0)
                 yy = gemv_fp8(xq, sx, wts[0][0], wts[0][1], c, out_dtype=torch.float32)
                 tp = graph_ms([lambda wt=wt: gemv_fp8(xq, sx, wt[0], wt[1], c)
                                for wt in wts])
@@ -244,9 +281,25 @@ def main() -> int:
     ap.add_argument("--ms", default="1,8")
     ap.add_argument("--chain", action="store_true",
                     help="only the gated MLP's FP8 chain (bench_chain)")
+    ap.add_argument("--shapes", default="",
+                    help="only these shapes (comma-separated: " + ", ".join(
+                        s[0] for s in SHAPES) + ")")
+    ap.add_argument("--configs", default="",
+                    help="time exactly these W8A8 configurations (and the table's) instead "
+                         "of the sweep: BN:BK:SPLIT:WARPS:STAGES[:PROMOTE[:ROWS]],... "
+                         "(PROMOTE: 0 or a power of two <= BK; ROWS: output rows per "
+                         "program, WoqGemvConfig.rows); not with --chain")
     args = ap.parse_args()
+    try:
+        configs = [_parse_config(c) for c in args.configs.split(",") if c] or None
+    except ValueError as exc:  # a malformed field or rows > BN
+        ap.error(str(exc))
+    if args.chain and (configs or args.shapes):
+        ap.error("--configs and --shapes are for the per-shape sweep, not --chain")
     ms = tuple(int(v) for v in args.ms.split(","))
-    res = bench_chain(args.budget_s, ms) if args.chain else bench(args.budget_s, ms)
+    res = (bench_chain(args.budget_s, ms) if args.chain else
+           bench(args.budget_s, ms, set(args.shapes.split(",")) if args.shapes else None,
+                 configs))
     save_result(args.out, {"command": "python benchmarks/gpu/bench_fp8_gemv.py " + " ".join(
         sys.argv[1:]), **res, "timing": "one CUDA graph over weight copies > 4x L2, "
         "median per launch"})

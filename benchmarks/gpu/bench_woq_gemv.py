@@ -14,6 +14,12 @@ as GB/s of the bytes the launch must move and as a fraction of the H200's 4.8 TB
 measured by a read). ``table`` has per case the best config when it beat the previous
 path by >= 2 % (else None): the form ``KVFLOW_WOQ_GEMV_TABLE`` and
 ``woq_gemv_config.MEASURED`` read.
+
+``--configs`` replaces the sweep: each case times the heuristic, the table's config in
+force for it (``woq_gemv_config``'s, with ``KVFLOW_WOQ_GEMV_TABLE``) and exactly the
+configs given, with no budget cut: ``BN:BK:SPLIT:WARPS:STAGES[:DEQ:XA[:ROWS]]`` (DEQ,
+XA 0 or 1; ROWS: output rows per program, ``WoqGemvConfig.rows``, a grid balanced over
+the SMs); ``--shapes`` picks the shapes (a ROWS suits one N).
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from kvflow.kernels.gemv_w4 import gemv_w4, gemv_w4_ref  # noqa: E402
 from kvflow.kernels.gemv_w8 import gemv_w8, gemv_w8_ref  # noqa: E402
 from kvflow.kernels.w4a16_gemm import pack_int4, w4a16_gemm  # noqa: E402
 from kvflow.kernels.w8a16_gemm import w8a16_gemm  # noqa: E402
-from kvflow.kernels.woq_gemv_config import WoqGemvConfig, default_config  # noqa: E402
+from kvflow.kernels.woq_gemv_config import (WoqGemvConfig, _bucket,  # noqa: E402
+                                            _device_table, default_config)
 from graph_timing import graph_ms  # noqa: E402  (this folder)
 
 HBM = 4.8e12
@@ -132,13 +139,34 @@ def _grid(fmt: str, m: int, n: int, k: int, sms: int) -> list[WoqGemvConfig]:
     return list(dict.fromkeys(out))
 
 
+def _parse_config(text: str) -> WoqGemvConfig:
+    """BN:BK:SPLIT:WARPS:STAGES[:DEQ:XA[:ROWS]] -> a WoqGemvConfig (DEQ, XA: 0 or 1, so
+    a ROWS written after STAGES alone is an error, not a DEQ)."""
+    f = [int(v) for v in text.split(":")]
+    if len(f) not in (5, 7, 8) or any(v not in (0, 1) for v in f[5:7]):
+        raise ValueError(f"config {text!r}: BN:BK:SPLIT:WARPS:STAGES[:DEQ:XA[:ROWS]] "
+                         "(DEQ, XA: 0 or 1)")
+    return WoqGemvConfig(*f[:5], deq=len(f) > 5 and bool(f[5]), xa=len(f) > 6 and bool(f[6]),
+                         rows=f[7] if len(f) > 7 else 0)
+
+
+def _table_config(kfmt: str, n: int, k: int, m: int) -> WoqGemvConfig | None:
+    """The config the table in force (built-in, ``KVFLOW_WOQ_GEMV_TABLE``) has for this
+    case, or None."""
+    from kvflow import envs
+
+    table = _device_table(torch.cuda.get_device_name(), envs.woq_gemv_table())
+    return table.get((kfmt, n, k), {}).get(_bucket(m))
+
+
 def bench(budget_s: float, ms: tuple[int, ...], formats: tuple[str, ...],
-          other: float = 1 / 6) -> dict:
+          other: float = 1 / 6, shapes: set[str] | None = None,
+          configs: list[WoqGemvConfig] | None = None) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, sweeps, table = [], [], []
     # lm_head: int4 and int8 models keep it int8 per channel, fp8 ones in bf16
     cases = [(shape, m, fmt) for m in ms for shape in SHAPES for fmt in formats
-             if shape[0] != "lm_head" or fmt == "int8"]
+             if (shape[0] != "lm_head" or fmt == "int8") and (not shapes or shape[0] in shapes)]
     # batch 1 is the target: an M > 1 case gets ``other`` times an M = 1 case's share of
     # the sweep (0: its heuristic config alone)
     weight = lambda m: 1.0 if m == 1 else other  # noqa: E731
@@ -190,17 +218,21 @@ def bench(budget_s: float, ms: tuple[int, ...], formats: tuple[str, ...],
         best = None
         grid = _grid(kfmt, m, n, k, sms)
         base = grid[0]
+        own = None
+        if configs:  # a given list: the heuristic, the table's and these, all timed
+            own = _table_config(kfmt, n, k, m)
+            grid = list(dict.fromkeys(c for c in [base, own, *configs] if c is not None))
         # the heuristic's tile at every split, then the rest by program count near the best
         tile = lambda c: (c.block_n, c.block_k, c.num_warps, c.num_stages, c.deq, c.xa)  # noqa
-        first = [c for c in grid if tile(c) == tile(base)]
+        first = grid if configs else [c for c in grid if tile(c) == tile(base)]
         rest = [c for c in grid if c not in first]
         i = 0
         tiered = False
         while first or rest:
             if not first:
-                bp = (-(-n // best[1].block_n) * best[1].split_k if best is not None
-                      else -(-n // base.block_n) * base.split_k)
-                near = lambda c: abs(math.log(-(-n // c.block_n) * c.split_k / bp))  # noqa
+                bp = (-(-n // best[1].tile_rows) * best[1].split_k if best is not None
+                      else -(-n // base.tile_rows) * base.split_k)
+                near = lambda c: abs(math.log(-(-n // c.tile_rows) * c.split_k / bp))  # noqa
                 if not tiered:  # each other tile once, at the split nearest the best's
                     tiered = True  # program count, in the grid's tile order
                     seen: dict = {}
@@ -213,7 +245,7 @@ def bench(budget_s: float, ms: tuple[int, ...], formats: tuple[str, ...],
                 rest.sort(key=near)
                 first, rest = rest, []
             cfg = first.pop(0)
-            if i > 0 and time.time() > deadline:
+            if i > 0 and time.time() > deadline and not configs:
                 break
             i += 1
             try:
@@ -232,6 +264,8 @@ def bench(budget_s: float, ms: tuple[int, ...], formats: tuple[str, ...],
             sweeps.append(r)
             if cfg == base:
                 rows.append({**r, "impl": "gemv-default"})
+            if own is not None and cfg == own:
+                rows.append({**r, "impl": "gemv-table"})
             if best is None or t < best[0]["ms"]:
                 best = (r, cfg)
         tcase = {**case, "format": kfmt}  # the table's key (n: the output width)
@@ -262,10 +296,23 @@ def main() -> int:
     p.add_argument("--other-m-share", type=float, default=1 / 6,
                    help="sweep share of an M > 1 case relative to an M = 1 case (0: the "
                         "heuristic config only)")
+    p.add_argument("--shapes", default="",
+                   help="only these shapes (comma-separated: " + ", ".join(
+                       s[0] for s in SHAPES) + ")")
+    p.add_argument("--configs", default="",
+                   help="time exactly these configurations (and the heuristic's and the "
+                        "table's) instead of the sweep: BN:BK:SPLIT:WARPS:STAGES"
+                        "[:DEQ:XA[:ROWS]],... (DEQ, XA: 0 or 1; ROWS: output rows per "
+                        "program, WoqGemvConfig.rows)")
     ns = p.parse_args()
+    try:
+        configs = [_parse_config(c) for c in ns.configs.split(",") if c] or None
+    except ValueError as exc:  # a malformed field or rows > BN
+        p.error(str(exc))
     start = time.time()
     result = bench(ns.budget_s, tuple(int(m) for m in ns.ms.split(",")),
-                   tuple(ns.formats.split(",")), ns.other_m_share)
+                   tuple(ns.formats.split(",")), ns.other_m_share,
+                   set(ns.shapes.split(",")) if ns.shapes else None, configs)
     result.update({"command": "python " + " ".join(sys.argv),
                    "device": torch.cuda.get_device_name(), "hbm_bytes_per_s": HBM,
                    "seconds": time.time() - start,

@@ -22,7 +22,9 @@ goes into the float32 accumulator; 0 (the compiler's default) never promotes in 
 chained K loop, so the whole K is summed in reduced precision (measured 0.12-0.35 % of
 the output's range on the H200); the tables use 128, as ``torch._scaled_mm`` does.
 
-Grid ``(cdiv(N, BLOCK_N), split_k)``; split-K partials are summed in the launch
+Grid ``(cdiv(N, ROWS), split_k)`` (ROWS: ``config.tile_rows``, BLOCK_N or fewer for a
+grid balanced over the SMs, ``gemv.tile_rows``; not with ``fp8_out``, whose quantization
+groups are whole BLOCK_N-wide tiles); split-K partials are summed in the launch
 (``woq_config.store_output``); the SiLU form (``silu_and_mul``: a merged [gate; up]
 weight) writes ``silu(gate) * up`` through ``gemv.store_silu_pair``. Configurations:
 ``woq_gemv_config`` (formats ``fp8a8``, ``fp8a8-silu``, ``fp8a8-siluq``, ``fp8a8-xg``).
@@ -38,7 +40,8 @@ import triton
 import triton.language as tl
 
 from kvflow.kernels.fp8_quant import fp8_scale, fp8_values
-from kvflow.kernels.gemv import gemv_outputs, load_tiles, silu_mul_rounded, store_silu_pair
+from kvflow.kernels.gemv import (gemv_outputs, load_tiles, silu_mul_rounded, store_silu_pair,
+                                 tile_rows)
 from kvflow.kernels.woq_config import store_output
 
 MAX_M = 16
@@ -82,16 +85,20 @@ def _gemv_fp8_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M
                      BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
                      SILU: tl.constexpr, PROMOTE: tl.constexpr, UPCAST: tl.constexpr,
-                     XGROUP: tl.constexpr = False, OUT_FP8: tl.constexpr = False):
+                     ROWS: tl.constexpr, XGROUP: tl.constexpr = False,
+                     OUT_FP8: tl.constexpr = False):
     """N: the output width (SILU: the gate rows; the up rows follow them in the weight).
-    ``XGROUP``: per-(row, K tile) activation scales ``sx [M, K / BLOCK_K]``. ``OUT_FP8``
-    (SILU, no split-K): ``silu(gate) * up`` quantized to FP8 per row and BLOCK_N-wide
-    group, scales into ``oscale [M, N / BLOCK_N]`` (the next GEMV's XGROUP input)."""
+    ROWS <= BLOCK_N: the output rows this program owns (``gemv.tile_rows``; the lanes past
+    them name row N, which every ``n_ok`` mask drops: weight, scale and output alike).
+    ``XGROUP``: per-(row, K tile) activation scales ``sx [M, K / BLOCK_K]`` (K-indexed:
+    any ROWS). ``OUT_FP8`` (SILU, no split-K, ROWS = BLOCK_N): ``silu(gate) * up``
+    quantized to FP8 per row and BLOCK_N-wide group, scales into ``oscale [M, N /
+    BLOCK_N]`` (the next GEMV's XGROUP input)."""
     BM: tl.constexpr = 16
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BM)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_n = tile_rows(pid_n, N, BLOCK_N, ROWS)  # [BN]
     m_ok = offs_m < M
     n_ok = offs_n < N
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -114,6 +121,8 @@ def _gemv_fp8_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, lock_ptr, M
         su = tl.load(sw_ptr + N + offs_n, mask=n_ok, other=0.0)
         u = tl.trans(up * su[:, None]) * sx[:, None]
         if OUT_FP8:
+            # program pid_n's columns are scale group pid_n: only whole tiles are groups
+            tl.static_assert(ROWS == BLOCK_N, "OUT_FP8 quantizes whole BLOCK_N tiles")
             _store_silu_mul_fp8(y, u, out_ptr, oscale_ptr, offs_m, offs_n, M, N, stride_om,
                                 pid_n, BLOCK_N, UPCAST)
         else:
@@ -157,8 +166,9 @@ def gemv_fp8(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Ten
     float8_e4m3fn with per-channel scales sw [N] -> [M, N] in ``out_dtype``.
     ``silu_and_mul``: wq = [gate; up] (N = 2d rows) -> silu(gate) * up [M, d];
     with ``fp8_out`` (no split-K) that product quantized per row and ``block_n``-wide
-    group -> (float8 [M, d], float32 scales [M, d / block_n]).
-    ``config``: a ``woq_gemv_config.WoqGemvConfig`` (``promote`` included)."""
+    group -> (float8 [M, d], float32 scales [M, d / block_n]); each program's tile is one
+    group there, so balanced rows (``config.rows`` < ``block_n``) are refused with it.
+    ``config``: a ``woq_gemv_config.WoqGemvConfig`` (``promote`` and ``rows`` included)."""
     m, k = xq.shape
     n = wq.shape[0]
     assert m <= MAX_M and wq.shape == (n, k) and wq.is_contiguous() and xq.stride(1) == 1
@@ -171,6 +181,12 @@ def gemv_fp8(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Ten
     if fp8_out:
         d = n // 2
         assert silu_and_mul and config.split_k == 1 and d % config.block_n == 0
+        # oscale [m, d / block_n]: scale group g = program g's block_n columns; a program
+        # owning fewer rows would quantize groups of another width at other offsets than
+        # the XGROUP reader's K steps
+        assert config.tile_rows == config.block_n, (
+            f"fp8_out quantizes whole {config.block_n}-row tiles: no balanced rows "
+            f"(rows={config.rows}) with it")
         assert out_dtype == torch.bfloat16, "the SiLU product is rounded to bf16 first"
         out = torch.empty((m, d), dtype=torch.float8_e4m3fn, device=xq.device)
         oscale = torch.empty((m, d // config.block_n), dtype=torch.float32, device=xq.device)
@@ -180,13 +196,13 @@ def gemv_fp8(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Ten
     if m == 0:
         return (out, oscale) if fp8_out else out
     n_out = out.shape[1]
-    grid = (triton.cdiv(n_out, config.block_n), config.split_k)
+    grid = (triton.cdiv(n_out, config.tile_rows), config.split_k)
     _gemv_fp8_kernel[grid](
         xq, sx, wq, sw, out, out if ws is None else ws, out if locks is None else locks,
         m, n_out, k, xq.stride(0), n_out, config.split_k, sx.stride(0),
         sx if oscale is None else oscale, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SPLIT=ws is not None,
         SILU=silu_and_mul, PROMOTE=config.promote, UPCAST=xq.device.type == "cpu",
-        XGROUP=x_group, OUT_FP8=fp8_out,
+        ROWS=config.tile_rows, XGROUP=x_group, OUT_FP8=fp8_out,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return (out, oscale) if fp8_out else out

@@ -22,10 +22,11 @@ tensor cores; the 128 costs at most a few float32 ulps of the group sum), and th
 group's scale and bias are applied to that [BN, 16] partial: ``s * acc + (b - 128 s) *
 sum(x)`` (symmetric weights: b = -8 s). No weight is rounded.
 
-Grid ``(cdiv(N, BLOCK_N), split_k)``; each program walks its share of the 256-input
-tiles (one [BN, 32] word load per tile, ``num_stages`` in flight). Split-K partials are
-summed in the launch by the tile's last program (``woq_config.store_output``), as in
-``gemv``. Configurations: ``woq_gemv_config``. Reference: ``gemv_w4_ref`` (=
+Grid ``(cdiv(N, ROWS), split_k)`` (ROWS: ``config.tile_rows``, BLOCK_N or fewer for a
+grid balanced over the SMs, ``gemv.tile_rows``); each program walks its share of the
+256-input tiles (one [BN, 32] word load per tile, ``num_stages`` in flight). Split-K
+partials are summed in the launch by the tile's last program (``woq_config.store_output``),
+as in ``gemv``. Configurations: ``woq_gemv_config``. Reference: ``gemv_w4_ref`` (=
 ``w4a16_ref``: dequantize in float32, float32 matmul).
 
 Traffic: N K / 2 bytes of weight + 2 N K / G elem of scale and bias; Llama-3.1-8B gate_up
@@ -41,7 +42,7 @@ import triton.language as tl
 from kvflow.kernels.woq_gemv_config import WoqGemvConfig
 from kvflow.kernels.w4a16_gemm import PACK_K, PLANE, w4a16_ref
 from kvflow.kernels.woq_config import store_output
-from kvflow.kernels.gemv import gemv_outputs, store_silu_pair
+from kvflow.kernels.gemv import gemv_outputs, store_silu_pair, tile_rows
 
 MAX_M = 16  # x rows of one MMA tile
 
@@ -308,14 +309,16 @@ def _gemv_w4_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N
                     GROUP: tl.constexpr, SPAN: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                     DEQ: tl.constexpr, SILU: tl.constexpr,
-                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
-    """N: the output width (SILU: the gate rows; the up rows follow them in the weight)."""
+                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, ROWS: tl.constexpr):
+    """N: the output width (SILU: the gate rows; the up rows follow them in the weight).
+    ROWS <= BLOCK_N: the output rows this program owns (``gemv.tile_rows``; the lanes past
+    them name row N, which every ``n_ok`` mask drops, the up rows' 2N included)."""
     PL: tl.constexpr = 32
     BM: tl.constexpr = 16
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BM)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_n = tile_rows(pid_n, N, BLOCK_N, ROWS)  # [BN]
     offs_w = tl.arange(0, PL)  # [32]
     n_ok = offs_n < N
     m_ok = offs_m < M
@@ -372,7 +375,7 @@ def gemv_w4(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if m == 0:
         return out
     n_out = out.shape[1]
-    grid = (triton.cdiv(n_out, config.block_n), config.split_k)
+    grid = (triton.cdiv(n_out, config.tile_rows), config.split_k)
     asm = use_asm(x) if asm is None else asm
     _gemv_w4_kernel[grid](
         x, qweight, scale, bias if bias is not None else scale, out,
@@ -384,6 +387,6 @@ def gemv_w4(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         GROUP=group, SPAN=min(group, PACK_K) // PLANE, HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n, SPLIT=ws is not None, ASM=asm, DEQ=config.deq,
         SILU=silu_and_mul, EVEN_K=k % PACK_K == 0,
-        UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
+        UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16, ROWS=config.tile_rows,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out

@@ -9,10 +9,11 @@ W8A8 ``torch._scaled_mm`` path keeps every larger M. Both give float32 sums of e
 products up to the activations' rounding: the FP8 weight values are exact in bf16, the
 int8 integers too.
 
-As in the dense ``gemv``: grid ``(cdiv(N, BLOCK_N), split_k)``, the [BN, BK] weight tile
-(BK bytes per row, 16 per thread) converted to x's dtype in registers and used as the
-MMA's wide operand (``tl.dot(w, x^T)``, x padded to 16 rows), float32 accumulation,
-the scale applied once to the [BN, 16] sums, split-K summed in the launch
+As in the dense ``gemv``: grid ``(cdiv(N, ROWS), split_k)`` (ROWS: ``config.tile_rows``,
+BLOCK_N or fewer for a grid balanced over the SMs, ``gemv.tile_rows``), the [BN, BK]
+weight tile (BK bytes per row, 16 per thread) converted to x's dtype in registers and
+used as the MMA's wide operand (``tl.dot(w, x^T)``, x padded to 16 rows), float32
+accumulation, the scale applied once to the [BN, 16] sums, split-K summed in the launch
 (``woq_config.store_output``). Configurations: ``woq_gemv_config``. Reference:
 ``gemv_w8_ref``.
 
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kvflow.kernels.woq_config import store_output
-from kvflow.kernels.gemv import gemv_outputs, load_tiles, store_silu_pair
+from kvflow.kernels.gemv import gemv_outputs, load_tiles, store_silu_pair, tile_rows
 
 MAX_M = 16
 # The PTX conversions below produce bf16 operands 2**-112 times the weight values (an
@@ -128,13 +129,15 @@ def _gemv_w8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, str
                     stride_om, split_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
                     FP8: tl.constexpr, SILU: tl.constexpr, XA: tl.constexpr,
-                    UPCAST: tl.constexpr):
-    """N: the output width (SILU: the gate rows; the up rows follow them in the weight)."""
+                    UPCAST: tl.constexpr, ROWS: tl.constexpr):
+    """N: the output width (SILU: the gate rows; the up rows follow them in the weight).
+    ROWS <= BLOCK_N: the output rows this program owns (``gemv.tile_rows``; the lanes past
+    them name row N, which every ``n_ok`` mask drops: weight, scale and output alike)."""
     BM: tl.constexpr = 16
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BM)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_n = tile_rows(pid_n, N, BLOCK_N, ROWS)  # [BN]
     m_ok = offs_m < M
     n_ok = offs_n < N
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -186,12 +189,12 @@ def gemv_w8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, config,
     if m == 0:
         return out
     n_out = out.shape[1]
-    grid = (triton.cdiv(n_out, config.block_n), config.split_k)
+    grid = (triton.cdiv(n_out, config.tile_rows), config.split_k)
     _gemv_w8_kernel[grid](
         x, qweight, scale, out, out if ws is None else ws, out if locks is None else locks,
         m, n_out, k, x.stride(0), n_out, config.split_k, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SPLIT=ws is not None,
         ASM=use_asm(x) if asm is None else asm, FP8=qweight.dtype == torch.float8_e4m3fn,
         SILU=silu_and_mul, XA=config.xa, UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        ROWS=config.tile_rows, num_warps=config.num_warps, num_stages=config.num_stages)
     return out

@@ -145,7 +145,9 @@ def split_buffers(cfg: WoqConfig, m: int, n: int, device: torch.device
     a CUDA graph (the counters are allocated by the first, uncaptured, warm-up call)."""
     if cfg.split_k == 1:
         return None, None
-    rows = getattr(cfg, "rows", 0) or cfg.block_n  # the dense GEMV's balanced rows
+    # a decode GEMV's balanced rows (GemvConfig.rows, WoqGemvConfig.rows): a program
+    # (and its arrival counter) per that many output rows; the GEMMs' WoqConfig has none
+    rows = getattr(cfg, "rows", 0) or cfg.block_n
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, rows)
     assert tiles <= LOCK_SLOTS, f"{tiles} output tiles for split-K (at most {LOCK_SLOTS})"
     locks = _locks.get(device)

@@ -25,7 +25,7 @@ Table keys: (format, N, K) with format ``w4g<G>`` (int4, G inputs per group), ``
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -58,9 +58,24 @@ class WoqGemvConfig:
     """``fp8a8`` (FP8 x FP8 on the tensor cores, ``gemv_fp8.py``): inputs the MMA sums in
     its reduced precision before a float32 promotion (``max_num_imprecise_acc``); 0: once
     per K step of ``block_k``."""
+    rows: int = 0
+    """Output rows a program owns, when fewer than ``block_n`` (0: ``block_n``), as
+    ``GemvConfig.rows``: a grid of cdiv(N, rows) programs that fills the SMs evenly where
+    N / block_n would leave some idle or a ragged last wave (qkv's 6144 rows: 96 tiles of
+    64 on 132 SMs, or 131 programs of 47 rows in 64-row tiles); the tile's lanes past
+    ``rows`` load and store nothing. Last field, so positional configs keep their
+    meaning. Not for ``fp8a8-siluq``: its FP8 output is quantized per ``block_n``-wide
+    group of the tile (``gemv_fp8`` refuses it)."""
 
     def __post_init__(self) -> None:
         check_tile(self)
+        if not 0 <= self.rows <= self.block_n:
+            raise ValueError(f"rows must be in 0..block_n: {self}")
+
+    @property
+    def tile_rows(self) -> int:
+        """Output rows per program (``rows`` or the whole tile)."""
+        return self.rows or self.block_n
 
     @property
     def block_m(self) -> int:
@@ -81,16 +96,13 @@ def default_config(fmt: str, m: int, n: int, k: int, device: torch.device,
     if fmt.endswith("-silu"):
         cfg = default_config(fmt.removesuffix("-silu"), m, n, k, device, sms)
         if not fmt.startswith("w4"):  # two 8-bit tiles of 256 spill on sm_90: 128
-            cfg = WoqGemvConfig(cfg.block_n, min(cfg.block_k, 128), cfg.split_k,
-                                cfg.num_warps, cfg.num_stages, cfg.deq, cfg.xa,
-                                min(cfg.promote, 128))
+            cfg = replace(cfg, block_k=min(cfg.block_k, 128), promote=min(cfg.promote, 128))
         return cfg
     if fmt == "fp8a8-siluq":  # gate/up + SiLU with FP8 output: 128-wide groups, no split
         return WoqGemvConfig(128, 128, 1, 4, 4, promote=128)
     cfg = _default(fmt, m, n, k, device, sms)
     if fmt == "fp8a8":  # FP8 x FP8: a float32 promotion per 128 inputs (as _scaled_mm)
-        cfg = WoqGemvConfig(cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
-                            cfg.num_stages, promote=min(128, cfg.block_k))
+        cfg = replace(cfg, promote=min(128, cfg.block_k))
     return cfg
 
 
@@ -121,8 +133,8 @@ def _default(fmt: str, m: int, n: int, k: int, device: torch.device,
 
 
 def _c(bn: int, bk: int, split: int, warps: int, stages: int, deq: bool = False,
-       xa: bool = False, promote: int = 0) -> WoqGemvConfig:
-    return WoqGemvConfig(bn, bk, split, warps, stages, deq, xa, promote)
+       xa: bool = False, promote: int = 0, rows: int = 0) -> WoqGemvConfig:
+    return WoqGemvConfig(bn, bk, split, warps, stages, deq, xa, promote, rows)
 
 
 # Measured tables: device-name token -> {(format, N, K): {M bucket: config or None}}; each
@@ -271,7 +283,8 @@ MEASURED: dict[str, dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]]]
 
 
 def table_from_bench(path: str) -> dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]]:
-    """The ``table`` of a ``bench_woq_gemv.py`` result file, in ``MEASURED``'s form."""
+    """The ``table`` of a ``bench_woq_gemv.py`` result file, in ``MEASURED``'s form (every
+    field a config has, ``rows`` included; files written before it existed lack it: 0)."""
     import json
 
     with open(path) as f:

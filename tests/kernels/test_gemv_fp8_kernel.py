@@ -32,15 +32,20 @@ def _bound(xq, sx, wq, sw, ref, promote: bool):
     return rel * mag + torch.finfo(torch.bfloat16).eps * ref.float().abs() + 1e-5
 
 
-@pytest.mark.parametrize("m,n,k,bn,bk,split", [
-    (1, 64, 512, 64, 256, 1),
-    (3, 80, 384, 32, 128, 2),    # K not a multiple of BK, N not of BN, split-K
-    (8, 128, 256, 64, 64, 4),
-    (16, 64, 512, 32, 128, 1),   # every row of the MMA tile used
+@pytest.mark.parametrize("m,n,k,bn,bk,split,rows", [
+    (1, 64, 512, 64, 256, 1, 0),
+    (3, 80, 384, 32, 128, 2, 0),    # K not a multiple of BK, N not of BN, split-K
+    (8, 128, 256, 64, 64, 4, 0),
+    (16, 64, 512, 32, 128, 1, 0),   # every row of the MMA tile used
+    # balanced grids (WoqGemvConfig.rows): 100 rows as 2 x 47 + 6, 80 as 11 x 7 + 3
+    # split two ways, 128 as 3 x 33 + 29 split four ways
+    (1, 100, 512, 64, 256, 1, 47),
+    (3, 80, 384, 32, 128, 2, 7),
+    (8, 128, 256, 64, 64, 4, 33),
 ])
-def test_gemv_fp8_matches_reference(device, m, n, k, bn, bk, split):
+def test_gemv_fp8_matches_reference(device, m, n, k, bn, bk, split, rows):
     xq, sx, wq, sw = _operands(m, n, k, device)
-    cfg = WoqGemvConfig(bn, bk, split, num_stages=2, promote=min(128, bk))
+    cfg = WoqGemvConfig(bn, bk, split, num_stages=2, promote=min(128, bk), rows=rows)
     y = gemv_fp8(xq, sx, wq, sw, cfg)
     ref = gemv_fp8_ref(xq, sx, wq, sw, torch.bfloat16)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
@@ -58,11 +63,12 @@ def test_gemv_fp8_strided_rows_and_float32_output(device):
     torch.testing.assert_close(y, ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
 
 
-@pytest.mark.parametrize("m,split", [(1, 1), (5, 2)])
-def test_gemv_fp8_silu_and_mul(device, m, split):
+# rows > 0: balanced grids (d = 64 as 4 x 13 + 12, split; as 3 x 20 + 4)
+@pytest.mark.parametrize("m,split,rows", [(1, 1, 0), (5, 2, 0), (5, 2, 13), (1, 1, 20)])
+def test_gemv_fp8_silu_and_mul(device, m, split, rows):
     xq, sx, wq, sw = _operands(m, 128, 256, device, seed=2)
-    y = gemv_fp8(xq, sx, wq, sw, WoqGemvConfig(32, 128, split, num_stages=2, promote=128),
-                 silu_and_mul=True)
+    y = gemv_fp8(xq, sx, wq, sw, WoqGemvConfig(32, 128, split, num_stages=2, promote=128,
+                                               rows=rows), silu_and_mul=True)
     full = gemv_fp8_ref(xq, sx, wq, sw, torch.bfloat16)
     ref = torch.nn.functional.silu(full[:, :64]) * full[:, 64:]
     assert y.shape == (m, 64)
@@ -137,16 +143,17 @@ def _grouped_ref(xq, sx, wq, sw, group: int) -> torch.Tensor:
     return (xs @ wq.float().t()) * sw[None, :]
 
 
-@pytest.mark.parametrize("m,n,k,split", [(1, 64, 512, 1), (5, 96, 384, 2), (8, 64, 200, 1)])
-def test_gemv_fp8_grouped_activation_scales(device, m, n, k, split):
+@pytest.mark.parametrize("m,n,k,split,rows", [(1, 64, 512, 1, 0), (5, 96, 384, 2, 0),
+                                             (8, 64, 200, 1, 0), (3, 100, 384, 2, 11)])
+def test_gemv_fp8_grouped_activation_scales(device, m, n, k, split, rows):
     """x scaled per row and 128-wide group (what the SiLU epilogue's FP8 output is):
-    each K tile's sum times its group's scale."""
+    each K tile's sum times its group's scale (indexed by K tile: balanced rows apply)."""
     g = torch.Generator().manual_seed(7)
     wq, sw = quantize_fp8_ref(torch.randn(n, k, generator=g))
     x = (torch.randn(m, k, generator=g) * torch.linspace(0.1, 8, k)).to(torch.bfloat16)
     xq, sx = quantize_fp8_ref(x, group=128)
     xq, sx, wq, sw = xq.to(device), sx.to(device), wq.to(device), sw.to(device)
-    y = gemv_fp8(xq, sx, wq, sw, WoqGemvConfig(32, 128, split, num_stages=2))
+    y = gemv_fp8(xq, sx, wq, sw, WoqGemvConfig(32, 128, split, num_stages=2, rows=rows))
     ref = _grouped_ref(xq.cpu(), sx.cpu(), wq.cpu(), sw.cpu(), 128)
     torch.testing.assert_close(y.float().cpu(), ref.to(torch.bfloat16).float(), rtol=1e-2,
                                atol=1e-2 * float(ref.abs().max()))
@@ -173,6 +180,23 @@ def test_gemv_fp8_silu_fp8_output_feeds_the_grouped_gemv(device, m):
     ref = _grouped_ref(q_ref, s_ref, wd, sd, 128)
     torch.testing.assert_close(y.float().cpu(), ref.to(torch.bfloat16).float(), rtol=1e-2,
                                atol=1e-2 * float(ref.abs().max()))
+
+
+def test_gemv_fp8_out_refuses_balanced_rows():
+    """The FP8 output's scale groups are whole tiles (oscale [M, d / block_n], group g =
+    program g's block_n columns, the down GEMV's K steps): a program owning fewer rows
+    cannot produce them, so such a config is refused, not run into wrong groups; rows =
+    block_n is the whole tile and runs."""
+    d, k = 256, 256
+    xq, sx, wq, sw = _operands(1, 2 * d, k, "cpu", seed=10)
+    with pytest.raises(AssertionError, match="balanced rows"):
+        gemv_fp8(xq, sx, wq, sw, WoqGemvConfig(128, 128, 1, num_stages=2, promote=128,
+                                               rows=100), silu_and_mul=True, fp8_out=True)
+    whole = WoqGemvConfig(128, 128, 1, num_stages=2, promote=128)
+    hq, hs = gemv_fp8(xq, sx, wq, sw, WoqGemvConfig(128, 128, 1, num_stages=2, promote=128,
+                                                    rows=128), silu_and_mul=True, fp8_out=True)
+    hq0, hs0 = gemv_fp8(xq, sx, wq, sw, whole, silu_and_mul=True, fp8_out=True)
+    assert torch.equal(hs, hs0) and torch.equal(hq.view(torch.uint8), hq0.view(torch.uint8))
 
 
 @pytest.mark.gpu

@@ -168,6 +168,33 @@ def test_table_from_bench_round_trip(tmp_path):
     path.write_text(json.dumps({"table": rows}))
     table = woq_gemv_config.table_from_bench(str(path))
     assert table[("w4g128", 4096, 4096)] == {1: cfg, 2: None}
+    # balanced rows travel with the config; a file written before the field has none
+    rows_cfg = woq_gemv_config.WoqGemvConfig(64, 256, 4, 4, 3, rows=47)
+    old = {k: v for k, v in cfg.as_dict().items() if k != "rows"}
+    path.write_text(json.dumps({"table": [
+        {"format": "w4g128", "n": 6144, "k": 4096, "m": 1, "config": rows_cfg.as_dict()},
+        {"format": "w4g128", "n": 6144, "k": 4096, "m": 2, "config": old}]}))
+    table = woq_gemv_config.table_from_bench(str(path))
+    assert table[("w4g128", 6144, 4096)] == {1: rows_cfg, 2: cfg}
+    assert table[("w4g128", 6144, 4096)][1].tile_rows == 47
+
+
+def test_fp8_chain_plan_keeps_whole_tiles_for_the_fp8_output(monkeypatch):
+    """The gate/up + SiLU launch with FP8 output quantizes each program's block_n columns
+    as one 128-wide group: a planned config with balanced rows (or split-K) cannot make
+    those groups, so that row count keeps the unchained path; down's (xg) groups are its
+    K steps, where balanced rows are fine."""
+    whole = woq_gemv_config.WoqGemvConfig(128, 128, 1, promote=128)
+    plans = {"fp8a8-siluq": {1: whole, 2: woq_gemv_config.WoqGemvConfig(128, 128, 1, rows=100),
+                             3: woq_gemv_config.WoqGemvConfig(128, 128, 1, rows=128),
+                             4: woq_gemv_config.WoqGemvConfig(128, 128, 2)},
+             "fp8a8-xg": {1: woq_gemv_config.WoqGemvConfig(64, 128, 2, rows=47)}}
+    monkeypatch.setattr(woq_gemv_config, "plan", lambda fmt, n, k, device: plans[fmt])
+    monkeypatch.setattr(fp8, "use_fp8_kernels", lambda device: True)
+    gate_up = _gate_up(QuantizationConfig("fp8"), torch.randn(256, 256) * 0.05)
+    assert set(fp8.fp8a8_chain_plan(gate_up, "siluq")) == {1, 3}
+    down = _layer(QuantizationConfig("fp8"), torch.randn(64, 128) * 0.05)
+    assert fp8.fp8a8_chain_plan(down, "xg") == plans["fp8a8-xg"]
 
 
 @pytest.fixture

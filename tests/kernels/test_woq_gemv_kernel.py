@@ -4,6 +4,8 @@ shapes (gpu)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -37,18 +39,25 @@ def _check_w4(y, x, qw, s, b, group, deq: bool) -> None:
     assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
 
 
-@pytest.mark.parametrize("m,n,k,group,symmetric,deq,split", [
-    (1, 64, 512, 128, False, False, 1),
-    (3, 96, 768, 128, False, True, 2),   # N not a multiple of BN, K tiles split 2 ways
-    (8, 64, 320, 32, True, False, 1),    # K padded to 512, a scale per plane
-    (2, 32, 512, 64, False, True, 1),
-    (5, 64, 512, 256, False, False, 2),
+# rows > 0: balanced grids (WoqGemvConfig.rows), programs owning fewer rows than a tile,
+# N not a multiple of them (100 rows as 7 x 13 + 9; 96 as 4 x 23 + 4 split three ways;
+# 70 as 7 x 9 + 7 with a scale per plane)
+@pytest.mark.parametrize("m,n,k,group,symmetric,deq,split,rows", [
+    (1, 64, 512, 128, False, False, 1, 0),
+    (3, 96, 768, 128, False, True, 2, 0),   # N not a multiple of BN, K tiles split 2 ways
+    (8, 64, 320, 32, True, False, 1, 0),    # K padded to 512, a scale per plane
+    (2, 32, 512, 64, False, True, 1, 0),
+    (5, 64, 512, 256, False, False, 2, 0),
+    (3, 100, 512, 128, False, False, 1, 13),
+    (5, 96, 768, 128, True, True, 3, 23),
+    (2, 70, 512, 32, False, False, 2, 9),
 ])
-def test_gemv_w4_matches_reference(device, m, n, k, group, symmetric, deq, split):
+def test_gemv_w4_matches_reference(device, m, n, k, group, symmetric, deq, split, rows):
     qw, s, b = _w4(n, k, group, symmetric, torch.bfloat16, device)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     x = x.to(device)
-    cfg = WoqGemvConfig(block_n=32 if n <= 32 else 64, split_k=split, deq=deq, num_stages=2)
+    cfg = WoqGemvConfig(block_n=32 if n <= 32 else 64, split_k=split, deq=deq, num_stages=2,
+                        rows=rows)
     y = gemv_w4(x, qw, s, b, group, cfg)
     _check_w4(y, x, qw, s, b, group, deq)
 
@@ -71,17 +80,20 @@ def _w8(n: int, k: int, fp8: bool, device, seed: int = 0):
     return q.to(device), scale.float().to(device)
 
 
-@pytest.mark.parametrize("m,n,k,fp8,bk,split,xa", [
-    (1, 64, 512, False, 256, 1, False),
-    (4, 80, 384, True, 128, 2, False),   # K not a multiple of BK, N of BN
-    (8, 64, 256, True, 64, 1, True),     # x as the first MMA operand
-    (2, 128, 512, False, 128, 4, True),
+@pytest.mark.parametrize("m,n,k,fp8,bk,split,xa,rows", [
+    (1, 64, 512, False, 256, 1, False, 0),
+    (4, 80, 384, True, 128, 2, False, 0),   # K not a multiple of BK, N of BN
+    (8, 64, 256, True, 64, 1, True, 0),     # x as the first MMA operand
+    (2, 128, 512, False, 128, 4, True, 0),
+    (3, 90, 384, False, 128, 1, False, 29),  # balanced rows: 90 as 3 x 29 + 3
+    (5, 100, 512, True, 128, 2, True, 17),   # 100 as 5 x 17 + 15, split, x first
+    (1, 80, 384, True, 128, 3, False, 47),   # 80 as 47 + 33 (the qkv tile's rows)
 ])
-def test_gemv_w8_matches_reference(device, m, n, k, fp8, bk, split, xa):
+def test_gemv_w8_matches_reference(device, m, n, k, fp8, bk, split, xa, rows):
     q, s = _w8(n, k, fp8, device)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     x = x.to(device)
-    y = gemv_w8(x, q, s, WoqGemvConfig(64, bk, split, num_stages=2, xa=xa))
+    y = gemv_w8(x, q, s, WoqGemvConfig(64, bk, split, num_stages=2, xa=xa, rows=rows))
     ref = gemv_w8_ref(x, q, s)
     mag = (x.float().abs() @ q.float().abs().t()) * s[None, :]
     bound = 1e-4 * mag + torch.finfo(x.dtype).eps * ref.float().abs() + 1e-5
@@ -94,13 +106,15 @@ def _silu_ref(y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(y[:, :d]) * y[:, d:]
 
 
-@pytest.mark.parametrize("m,d,split,deq", [(1, 64, 1, False), (3, 96, 2, True),
-                                          (8, 32, 2, False)])
-def test_gemv_w4_silu_and_mul(device, m, d, split, deq):
+# rows > 0: balanced grids; the lanes past them must drop the up rows (d + ...) too
+@pytest.mark.parametrize("m,d,split,deq,rows", [(1, 64, 1, False, 0), (3, 96, 2, True, 0),
+                                               (8, 32, 2, False, 0), (2, 40, 1, False, 11),
+                                               (4, 72, 2, True, 10)])
+def test_gemv_w4_silu_and_mul(device, m, d, split, deq, rows):
     qw, s, b = _w4(2 * d, 512, 128, False, torch.bfloat16, device)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     x = x.to(device)
-    cfg = WoqGemvConfig(32, split_k=split, deq=deq, num_stages=2)
+    cfg = WoqGemvConfig(32, split_k=split, deq=deq, num_stages=2, rows=rows)
     y = gemv_w4(x, qw, s, b, 128, cfg, silu_and_mul=True)
     ref = _silu_ref(gemv_w4_ref(x, qw, s, b, 128))
     assert y.shape == (m, d)
@@ -108,12 +122,13 @@ def test_gemv_w4_silu_and_mul(device, m, d, split, deq):
                                rtol=2e-2)
 
 
-@pytest.mark.parametrize("fp8,split", [(False, 1), (True, 2)])
-def test_gemv_w8_silu_and_mul(device, fp8, split):
+@pytest.mark.parametrize("fp8,split,rows", [(False, 1, 0), (True, 2, 0), (False, 2, 7),
+                                            (True, 1, 30)])  # d = 64 as 9 x 7 + 1, 2 x 30 + 4
+def test_gemv_w8_silu_and_mul(device, fp8, split, rows):
     q, s = _w8(128, 256, fp8, device)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     x = x.to(device)
-    y = gemv_w8(x, q, s, WoqGemvConfig(32, 128, split, num_stages=2, xa=fp8),
+    y = gemv_w8(x, q, s, WoqGemvConfig(32, 128, split, num_stages=2, xa=fp8, rows=rows),
                 silu_and_mul=True)
     ref = _silu_ref(gemv_w8_ref(x, q, s))
     assert y.shape == (2, 64)
@@ -128,6 +143,15 @@ def test_default_config_splits_small_layers():
     assert big.split_k == 1
     with pytest.raises(ValueError):
         WoqGemvConfig(48)
+    with pytest.raises(ValueError):
+        WoqGemvConfig(32, rows=33)  # more rows than the tile holds
+    assert WoqGemvConfig(64).tile_rows == 64 and WoqGemvConfig(64, rows=47).tile_rows == 47
+    # rows is the last field: the positional forms (the tables' _c) keep their meaning
+    cfg = WoqGemvConfig(64, 256, 4, 4, 3, True, False, 0, 47)
+    assert (cfg.deq, cfg.promote, cfg.rows) == (True, 0, 47)
+    # the -silu and fp8a8 defaults derive from a base config field by field: none balanced
+    for fmt in ("w4g128-silu", "fp8-silu", "fp8a8", "fp8a8-siluq"):
+        assert default_config(fmt, 1, 6144, 4096, torch.device("cpu"), sms=132).rows == 0
 
 
 SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
@@ -142,9 +166,7 @@ def test_gemv_w4_real_shapes(n, k, m):
     qw, s, b = _w4(n, k, 128, False, torch.bfloat16, dev)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     for deq in (False, True):
-        cfg = default_config("w4g128", m, n, k, dev)
-        cfg = WoqGemvConfig(cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
-                            cfg.num_stages, deq)
+        cfg = dataclasses.replace(default_config("w4g128", m, n, k, dev), deq=deq)
         _check_w4(gemv_w4(x, qw, s, b, 128, cfg), x, qw, s, b, 128, deq)
         # the PTX conversion and the plain-Triton one agree
         y_ops = gemv_w4(x, qw, s, b, 128, cfg, asm=False)
@@ -170,8 +192,7 @@ def test_gemv_w8_real_shapes(n, k, fp8):
         cfg = default_config("fp8" if fp8 else "int8", m, n, k, dev)
         for asm, xa in ((True, False), (False, False), (True, True)):
             # the PTX operand conversion and Triton's own; x as the first operand
-            c = WoqGemvConfig(cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
-                              cfg.num_stages, xa=xa)
+            c = dataclasses.replace(cfg, deq=False, xa=xa)
             y = gemv_w8(x, q, s, c, asm=asm)
             torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2,
                                        atol=1e-2 * ref.abs().max().item())

@@ -243,9 +243,11 @@ def fp8a8_chain_plan(layer: LinearBase, form: str) -> dict:
                 plan = woq_plan("fp8a8-xg", n, k, layer.weight.device)
             elif form == "siluq" and gate_up_pairs(layer, n) and (n // 2) % GROUP == 0:
                 plan = woq_plan("fp8a8-siluq", n // 2, k, layer.weight.device)
-            plan = {m: c for m, c in plan.items()  # the group is the tile
+            # the group is the tile: siluq quantizes each program's whole block_n
+            # columns as one group, so no split-K and no balanced rows there
+            plan = {m: c for m, c in plan.items()
                     if (c.block_k if form == "xg" else c.block_n) == GROUP
-                    and (form == "xg" or c.split_k == 1)}
+                    and (form == "xg" or (c.split_k == 1 and c.tile_rows == c.block_n))}
         plans[form] = plan
     return plans[form]
 
