@@ -85,6 +85,8 @@
 #             ROWS_O, ROWS_DOWN list the configs), the wins merged (gemv-rows-table.json),
 #             GPU-A with the defaults with/without it alternated (decode-rows.json);
 #             ROWS_PROFILE=1 adds the batch-1 graph profile with it
+#   woq-rows  balanced grids in the low-bit GEMVs: their GPU tests, int4 g128 and FP8 W8A8 at
+#             M = 1 against each shape's table (woq-rows-bench.json, fp8-rows-bench.json)
 #   rows-confirm  with the table that moved down_proj to the GEMV: 8B-shape GEMV tests, GPU-A
 #             defaults (gpu-a-rows-none.json), PDL on/off alternated (decode-pdl.json), the
 #             batch-1 graph profile (profile-decode1-graph-rows.json)
@@ -254,6 +256,13 @@ PY
       timeout 120 $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters ${ROWS_ITERS:-6} --backend kvflow --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-rows-none.json" 2>&1 | grep -E "tokens/s|rror|Traceback" | tail -3
       timeout ${ROWS_LEVERS_TIMEOUT:-200} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-pdl.json" --variants ${ROWS_PDL_VARIANTS:-auto,auto+pdl0,auto,auto+pdl0} --iters ${ROWS_ITERS:-6} --budget-s $(( ${ROWS_LEVERS_TIMEOUT:-200} - 40 )) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8
       timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --out "$OUT/profile-decode1-graph-rows.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
+    woq-rows)
+      # balanced grids in the low-bit decode GEMVs (WoqGemvConfig.rows): their GPU tests, int4
+      # g128 (weight-only) and FP8 W8A8 at M = 1, each shape's table config against balanced
+      # ones (woq-rows-bench.json, fp8-rows-bench.json)
+      timeout ${WOQ_ROWS_TEST_TIMEOUT:-120} python -m pytest -q tests/kernels/test_woq_gemv_kernel.py tests/kernels/test_gemv_fp8_kernel.py 2>&1 | tail -2
+      timeout ${WOQ_ROWS_BENCH_TIMEOUT:-120} python benchmarks/gpu/bench_woq_gemv.py --out "$OUT/woq-rows-bench.json" --ms 1 --formats w4g128 --configs ${WOQ_ROWS_CONFIGS:-64:256:1:4:3:0:0:47,64:256:2:4:3:0:0:47,64:256:4:4:3:0:0:47,64:256:2:4:3:0:0:63,64:256:4:4:3:0:0:63,64:256:2:4:3:1:0:55,64:256:8:4:2:1:0:63} 2>&1 | grep -E "M=1|rror" | tail -6 || echo "woq-rows-bench failed"
+      timeout ${WOQ_ROWS_BENCH_TIMEOUT:-120} python benchmarks/gpu/bench_fp8_gemv.py --out "$OUT/fp8-rows-bench.json" --ms 1 --configs ${FP8_ROWS_CONFIGS:-64:256:1:4:6:128:47,64:256:1:4:4:128:47,64:128:1:4:3:128:55,64:256:1:4:4:128:55,64:256:2:4:3:128:63,64:256:4:4:3:128:63} 2>&1 | grep -E "M=1|rror" | tail -6 || echo "fp8-rows-bench failed";;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     *) echo "unknown stage $stage"; exit 2;;
   esac
