@@ -182,13 +182,13 @@ def test_gemv_fp8_silu_fp8_output_feeds_the_grouped_gemv(device, m):
                                atol=1e-2 * float(ref.abs().max()))
 
 
-def test_gemv_fp8_out_refuses_balanced_rows():
+def test_gemv_fp8_out_refuses_balanced_rows(device):
     """The FP8 output's scale groups are whole tiles (oscale [M, d / block_n], group g =
     program g's block_n columns, the down GEMV's K steps): a program owning fewer rows
     cannot produce them, so such a config is refused, not run into wrong groups; rows =
     block_n is the whole tile and runs."""
     d, k = 256, 256
-    xq, sx, wq, sw = _operands(1, 2 * d, k, "cpu", seed=10)
+    xq, sx, wq, sw = _operands(1, 2 * d, k, device, seed=10)
     with pytest.raises(AssertionError, match="balanced rows"):
         gemv_fp8(xq, sx, wq, sw, WoqGemvConfig(128, 128, 1, num_stages=2, promote=128,
                                                rows=100), silu_and_mul=True, fp8_out=True)
