@@ -100,14 +100,15 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--cases", default="decode1,decode256,prefill",
-                    help="comma-separated subset of decode1, decode256, prefill, decode1-graph "
-                    "(a short prompt's prefill: prefill_probe.py)")
+                    help="comma-separated subset of decode1, decode256, prefill, decode1-graph, "
+                    "mixed (GPU-B's steady state: 224 decodes at ~1k context beside two "
+                    "fresh 1024-token prompts; a short prompt's prefill: prefill_probe.py)")
     ap.add_argument("--quantization", default="none",
                     help="weight storage (none, int4, int8, fp8, ...): the low-bit kernels' "
                     "share of the step; int4 uses groups of 128 as GPU-A's int4 runs do")
     ap.add_argument("--lm-head-quantization", default="auto", choices=["auto", "none", "int8"])
     ns = ap.parse_args()
-    cases = dict(zip(("decode1", "decode256", "prefill", "decode1-graph"), range(4)))
+    cases = dict(zip(("decode1", "decode256", "prefill", "decode1-graph", "mixed"), range(5)))
     wanted = {cases[c] for c in ns.cases.split(",")}
     results = []
     for i, (label, batch, prompt, eager, extra) in enumerate([
@@ -118,6 +119,11 @@ def main() -> None:
         # 1, not the eager step's 4); the profiler lists the kernels of the replay
         ("decode batch 1 (ctx ~256, CUDA graph)", 1, 256, False,
          {"max_num_seqs": 1, "max_model_len": 4096}),
+        # GPU-B's typical step (1000 x 1024 in / 128 out, 256 running, 8192-token budget:
+        # 546 steps of about 2110 tokens, 1.8 new prompts each): the engine's own mode,
+        # graphs captured, the step mixed and so eager
+        ("mixed: 224 decodes (ctx ~1k) + 2 x 1024-token prefills", 224, 1024, False,
+         {"max_num_batched_tokens": 8192, "max_model_len": 4096}),
     ]):
         if i not in wanted:
             continue
@@ -133,7 +139,31 @@ def main() -> None:
         args = EngineArgs(model=ns.model, load_format="dummy", enforce_eager=eager, **extra)
         engine = LLMEngine.from_engine_args(args)
         arch = engine.config.model.arch
-        if label.startswith("prefill"):
+        if label.startswith("mixed"):
+            run_to_state(engine, batch, prompt, 3, "r")
+            params = SamplingParams(max_tokens=128, ignore_eos=True, detokenize=False)
+            counter = iter(range(100))
+
+            def prepare(engine=engine, params=params, counter=counter):
+                for _ in range(2):
+                    n = next(counter)
+                    engine.add_request(f"m{n}", {"prompt_token_ids": [
+                        (j * 17 + n) % 30000 + 100 for j in range(prompt)]}, params)
+            decode = step_floor(arch, batch, batch, prompt + 4,
+                                engine.core.executor.runner.weight_bytes)
+            pre = step_floor(arch, 2 * prompt, 1, prompt)  # FLOPs of the prefill tokens
+            # + one more lm_head row (each prompt's last token), and two causal 1024s, not
+            # one 2048
+            flops = decode["flops"] + pre["flops"] + 2 * arch.vocab_size * arch.hidden_size \
+                - 2 * arch.num_attention_heads * arch.head_dim * (2 * prompt) ** 2 \
+                * arch.num_hidden_layers // 2
+            t_flops = flops / MATMUL_FLOPS
+            t_bytes = decode["bytes"] / HBM_BYTES_PER_S
+            floor = {"bytes": decode["bytes"], "flops": flops,
+                     "floor_ms": 1e3 * max(t_flops, t_bytes),
+                     "floor_sum_ms": 1e3 * (t_flops + t_bytes),
+                     "bound": "compute" if t_flops >= t_bytes else "memory"}
+        elif label.startswith("prefill"):
             params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
             counter = iter(range(100))
 
