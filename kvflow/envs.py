@@ -101,6 +101,15 @@ def rope_in_attention() -> str:
     return _choice("KVFLOW_ROPE_IN_ATTN", ("auto", "on", "off"))
 
 
+def prefill_graphs() -> str:
+    """KVFLOW_PREFILL_GRAPHS: whether a step with one request of at most 512 new tokens (a
+    short prompt on an idle engine: its TTFT) replays a CUDA graph captured at startup
+    instead of launching its kernels eagerly (kvflow/worker/cuda_graphs.py): ``auto``
+    (default: where kvflow/kernels/decode_defaults.py measured it on this GPU), ``on`` or
+    ``off``."""
+    return _choice("KVFLOW_PREFILL_GRAPHS", ("auto", "on", "off"))
+
+
 def greedy_argmax_mode() -> str:
     """KVFLOW_GREEDY_ARGMAX: the sampler's greedy argmax on CUDA: ``auto`` (default: the
     split-row Triton kernel, kvflow/kernels/argmax.py, for vocabularies >= 8192) or

@@ -74,3 +74,24 @@ def test_tree_graphs_equal_plain_greedy():
     assert out == want
     assert llm.engine.core.scheduler.spec_stats.num_drafts > 0
     llm.shutdown()
+
+
+def test_prefill_graphs_equal_eager(monkeypatch):
+    """One-request prefills through the (1, q) prefill graphs (KVFLOW_PREFILL_GRAPHS=on):
+    prompts of several lengths one at a time, one behind a cached prefix; greedy tokens
+    equal the eager engine's, and the graphs were captured."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 19, 100, 200)]
+    prompts.append(prompts[2] + [11, 12, 13])  # a cached prefix, then a short prefill
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = {**KW, "max_num_seqs": 1}
+    eager = LLM("tiny-llama", enforce_eager=True, **kw)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    eager.shutdown()
+    monkeypatch.setenv("KVFLOW_PREFILL_GRAPHS", "on")
+    llm = LLM("tiny-llama", **kw)
+    graphs = llm.engine.core.executor.runner.graphs
+    assert (1, 128, False) in graphs.verify_graphs and graphs.prefill_lens[-1] == 256
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.shutdown()
+    assert got == want

@@ -13,7 +13,10 @@ switch existed. So an unmeasured GPU is never slower than before. The switches:
 - ``gemv_norm_one_row``: the M = 1 norm-folded GEMV computes its x side on one row
   (``gemv_norm.py``);
 - ``rope_in_attn``: a decode-only step rotates q / k and writes the new K/V inside the
-  decode attention launch instead of a ``rotary_kv`` launch (``paged_attention.py``).
+  decode attention launch instead of a ``rotary_kv`` launch (``paged_attention.py``);
+- ``prefill_graphs``: a one-request step of at most 512 new tokens replays a CUDA graph
+  captured at startup (``worker/cuda_graphs.py``, ``prefill_lens``) instead of running
+  eagerly: a short prompt's time to first token.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 # The behaviour before the switches; the prefetch (only read with PDL on) defaults to 0
 # tiles, the best PDL variant measured on the H200 (results/decode-levers-late-h200.json).
 OFF: dict = {"pdl": False, "pdl_prefetch": 0, "attn_merge": "kernel", "attn_split_keys": 0,
-             "gemv_norm_one_row": False, "rope_in_attn": False}
+             "gemv_norm_one_row": False, "rope_in_attn": False, "prefill_graphs": False}
 
 # device-name token -> the switches' measured best (each entry cites its result file).
 # H200: PDL, the fused merge, the split-keys and the one-row norm GEMV measured slower or

@@ -24,6 +24,16 @@ row, so whatever the padding rows hold never reaches a real row, and they are dr
 Candidate trees (Medusa) get graphs of their own (``capture_trees``, query lengths up to
 1 + the tree's nodes): the kernel's tree launch reads each token's 64-bit mask and each
 request's tree root from two more static buffers (the padding request: no tree).
+
+Short prefills get the same kind of graph (``prefill_lens``, ``KVFLOW_PREFILL_GRAPHS``):
+a step of one request with at most 512 new tokens (a prompt, a prompt's last chunk, a
+prompt behind a cached prefix) replays the (1, q) graph of the next rung of
+``prefill_query_lens``. Eagerly such a step is host-bound (hundreds of launches: about
+17 ms at 8B for a 128-token prompt whose kernels take about 5), so this is what an idle
+engine's time to first token is made of. The prefill launch of the attention reads the
+request's own query_start_loc and seq_lens as the eager step does; its rows past the
+prompt are the padding request. Up to a few hundred rows the linears cost what one row
+costs (they read the weights once), so padding up to the rung is nearly free.
 """
 
 from __future__ import annotations
@@ -71,6 +81,26 @@ def verify_batch_sizes(max_num_seqs: int, disable_by_batch_size: int | None,
     return sizes
 
 
+PREFILL_LENS = (16, 32, 64, 128, 192, 256, 384, 512)
+
+
+def prefill_query_lens(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
+    """Query lengths of the one-request prefill graphs: the rungs of ``PREFILL_LENS`` a
+    step can reach (at most the token budget and the context length)."""
+    top = min(max_num_batched_tokens, max_model_len)
+    return [q for q in PREFILL_LENS if q <= top]
+
+
+def prefill_graphs_on(device: torch.device) -> bool:
+    """``KVFLOW_PREFILL_GRAPHS``: ``on``/``off``, or (``auto``) this GPU's measured default
+    (``kernels/decode_defaults.py``; off where unmeasured)."""
+    from kvflow import envs
+    from kvflow.kernels.decode_defaults import measured
+
+    mode = envs.prefill_graphs()
+    return mode == "on" if mode != "auto" else bool(measured(device)["prefill_graphs"])
+
+
 def pick_verify_graph(num_reqs: int, max_query_len: int, sizes: list[int],
                       lens: list[int]) -> tuple[int, int] | None:
     """(batch size, query length) of the smallest verification graph that holds a step
@@ -83,15 +113,16 @@ def pick_verify_graph(num_reqs: int, max_query_len: int, sizes: list[int],
 
 
 class CudaGraphRunner:
-    """Decode graphs of ``model``, one per batch size, and verification graphs, one per
+    """Decode graphs of ``model``, one per batch size, verification graphs, one per
     (batch size, query length) (``verify_sizes`` x ``verify_lens``; empty without
-    speculation); ``attn_builder`` builds the attention metadata each graph is captured
-    with (the backend's own per-step state)."""
+    speculation), and one-request prefill graphs, one per query length in
+    ``prefill_lens`` (empty: none); ``attn_builder`` builds the attention metadata each
+    graph is captured with (the backend's own per-step state)."""
 
     def __init__(self, model: nn.Module, attn_builder: AttentionMetadataBuilder,
                  max_num_seqs: int, max_model_len: int, max_blocks: int,
                  device: torch.device, verify_sizes: list[int] = (),
-                 verify_lens: list[int] = ()) -> None:
+                 verify_lens: list[int] = (), prefill_lens: list[int] = ()) -> None:
         self.model = model
         self.attn_builder = attn_builder
         self.max_model_len = max_model_len
@@ -100,10 +131,12 @@ class CudaGraphRunner:
         self.verify_sizes = list(verify_sizes)
         self.verify_lens = list(verify_lens) if self.verify_sizes else []
         self.tree_lens: list[int] = []  # query lengths of the tree graphs (capture_trees)
+        self.prefill_lens = sorted(prefill_lens)
         max_bs = max(self.sizes[-1], self.verify_sizes[-1] if self.verify_sizes else 0)
-        # Room for chains of verify_lens and trees of up to 63 nodes (64 tokens).
+        # Room for chains of verify_lens, trees of up to 63 nodes (64 tokens) and the
+        # longest one-request prefill.
         max_tokens = max(max_bs, self.verify_sizes[-1] * max(self.verify_lens + [64])
-                         if self.verify_sizes else 0)
+                         if self.verify_sizes else 0, max(self.prefill_lens, default=0))
         dev = device
         self.max_blocks = max_blocks
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
@@ -154,13 +187,15 @@ class CudaGraphRunner:
         return self.model(self.input_ids[:t], self.positions[:t],
                           self._verify_meta(bs, q, tree))
 
-    def _capture_verify(self, lens: list[int], tree: bool) -> None:
-        """Graphs for (each verify size, each of ``lens``), captured on q tokens per
-        request (any layout of at most bs * q tokens replays)."""
+    def _capture_verify(self, lens: list[int], tree: bool,
+                        sizes: list[int] | None = None) -> None:
+        """Graphs for (each of ``sizes``, default the verify sizes, each of ``lens``),
+        captured on q tokens per request (any layout of at most bs * q tokens replays).
+        A key captured before (a verification graph a prefill rung shares) is kept."""
         self.seq_lens.fill_(max(lens, default=1))
         self.tree_start.fill_(max(lens, default=1))  # no tree while capturing
         for q in reversed(lens):
-            for bs in reversed(self.verify_sizes):
+            for bs in reversed(self.verify_sizes if sizes is None else sizes):
                 if (bs, q, tree) in self.verify_graphs:
                     continue
                 torch.arange(0, (bs + 1) * q, q, out=self.verify_qsl[: bs + 1])
@@ -189,16 +224,20 @@ class CudaGraphRunner:
         # The graphs' private pool is reserved through torch's allocator.
         reserved_before = torch.cuda.memory_reserved(dev)
         start = time.perf_counter()
+        # The longest prefill first: its activations are the pool's largest.
+        self._capture_verify(self.prefill_lens, False, sizes=[1])
         for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool
             self.graphs[bs], self.hidden[bs] = self._capture(lambda: self._forward(bs))
         self._capture_verify(self.verify_lens, False)
         torch.cuda.synchronize(dev)
         used = torch.cuda.memory_reserved(dev) - reserved_before
-        logger.info("captured %d CUDA graphs (decode batch sizes %d..%d%s) in %.1f s using "
+        logger.info("captured %d CUDA graphs (decode batch sizes %d..%d%s%s) in %.1f s using "
                     "%.2f GiB", len(self.graphs) + len(self.verify_graphs), self.sizes[0],
                     self.sizes[-1],
                     f"; verification: batch sizes {self.verify_sizes}, query lengths "
-                    f"{self.verify_lens}" if self.verify_graphs else "",
+                    f"{self.verify_lens}" if self.verify_lens else "",
+                    f"; one-request prefills of up to {self.prefill_lens[-1]} tokens "
+                    f"({len(self.prefill_lens)} lengths)" if self.prefill_lens else "",
                     time.perf_counter() - start, used / GiB)
 
     def _capture(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -211,15 +250,27 @@ class CudaGraphRunner:
         self.pool = graph.pool()
         return graph, hidden
 
+    def _pick(self, meta: AttentionMetadata) -> tuple[int, int, bool] | None:
+        """The (batch size, query length, tree) key of the graph a step that is not
+        decode-only replays: a verification graph, else a one-request prefill graph;
+        None: the step runs eagerly."""
+        tree = meta.tree is not None
+        key = pick_verify_graph(meta.num_reqs, meta.max_query_len, self.verify_sizes,
+                                self.tree_lens if tree else self.verify_lens)
+        if key is not None:
+            return (*key, tree)
+        if (self.prefill_lens and not tree and meta.num_reqs == 1
+                and 2 <= meta.max_query_len <= self.prefill_lens[-1]):
+            return 1, next(q for q in self.prefill_lens if q >= meta.max_query_len), False
+        return None
+
     def can_run(self, inputs: StepInputs) -> bool:
         meta = inputs.meta
         if inputs.prompt_logprobs.indices:
             return False
         if meta.num_decodes == meta.num_reqs:
             return meta.num_reqs <= self.sizes[-1]
-        return pick_verify_graph(
-            meta.num_reqs, meta.max_query_len, self.verify_sizes,
-            self.verify_lens if meta.tree is None else self.tree_lens) is not None
+        return self._pick(meta) is not None
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Replay the smallest graph that fits; returns hidden states [T, hidden]."""
@@ -242,13 +293,12 @@ class CudaGraphRunner:
         return self.hidden[bs][:n]
 
     def _run_verify(self, inputs: StepInputs) -> torch.Tensor:
-        """A step of at most q tokens per request (drafts to verify) in the (bs, q)
-        graph: its tokens first, the rest of the graph's rows a padding request."""
+        """A step of at most q tokens per request (drafts to verify, or one short
+        prefill) in the (bs, q) graph: its tokens first, the rest of the graph's rows a
+        padding request."""
         meta = inputs.meta
         r, n = meta.num_reqs, meta.num_actual_tokens
-        tree = meta.tree is not None
-        bs, q = pick_verify_graph(r, meta.max_query_len, self.verify_sizes,
-                                  self.tree_lens if tree else self.verify_lens)
+        bs, q, tree = self._pick(meta)
         t = bs * q
         self.input_ids[:n].copy_(inputs.input_ids)
         self.positions[:n].copy_(inputs.positions)

@@ -179,7 +179,8 @@ class ModelRunner:
             logger.info("CUDA graphs off (%s)", "--enforce-eager" if cfg.device.enforce_eager
                         else "no Triton kernels")
             return
-        from kvflow.worker.cuda_graphs import (CudaGraphRunner, verify_batch_sizes,
+        from kvflow.worker.cuda_graphs import (CudaGraphRunner, prefill_graphs_on,
+                                               prefill_query_lens, verify_batch_sizes,
                                                verify_query_lens)
 
         verify_sizes, verify_lens = [], []
@@ -188,10 +189,14 @@ class ModelRunner:
                                               cfg.speculative.disable_by_batch_size)
             if self.spec.tree is None:
                 verify_lens = verify_query_lens(cfg.speculative.num_speculative_tokens)
+        prefill_lens = []
+        if prefill_graphs_on(self.device):  # a short prompt's TTFT on an idle engine
+            prefill_lens = prefill_query_lens(cfg.scheduler.max_num_batched_tokens,
+                                              cfg.model.max_model_len)
         graphs = CudaGraphRunner(self.model, self.step_builder.attn_builder,
                                  cfg.scheduler.max_num_seqs, cfg.model.max_model_len,
                                  self.step_builder.device_block_table.table.shape[1],
-                                 self.device, verify_sizes, verify_lens)
+                                 self.device, verify_sizes, verify_lens, prefill_lens)
         graphs.capture()
         if self.spec is not None and self.spec.tree is not None:
             graphs.capture_trees(self.spec.tree.num_nodes)

@@ -48,10 +48,11 @@ class EagerVerifyGraph:
 
 
 def gpu_like(llm: LLM, graphs: bool, verify_sizes=(), verify_lens=(),
-             tree_nodes: int = 0) -> None:
+             tree_nodes: int = 0, prefill_lens=()) -> None:
     """Switch a CPU engine to the GPU path: Triton kernels and their metadata builder,
     device block table, graphs (verification graphs of ``verify_sizes`` x
-    ``verify_lens`` too, and for trees of up to ``tree_nodes`` nodes)."""
+    ``verify_lens`` too, for trees of up to ``tree_nodes`` nodes, and one-request
+    prefill graphs of ``prefill_lens``)."""
     r = llm.engine.core.executor.runner
     backend = get_attention_backend("triton")
     for m in r.model.modules():
@@ -70,12 +71,14 @@ def gpu_like(llm: LLM, graphs: bool, verify_sizes=(), verify_lens=(),
                                         r.config.scheduler.max_num_seqs,
                                         r.config.model.max_model_len,
                                         sb.device_block_table.table.shape[1], r.device,
-                                        list(verify_sizes), list(verify_lens))
+                                        list(verify_sizes), list(verify_lens),
+                                        list(prefill_lens))
         g.sizes = g.sizes[:5]  # 1, 2, 4, 8, 16
         for bs in g.sizes:
             g.hidden[bs] = g._forward(bs)
             g.graphs[bs] = EagerGraph(g, bs)
         g._capture = lambda forward: (None, forward())  # graphs come next
+        g._capture_verify(g.prefill_lens, False, sizes=[1])
         g._capture_verify(g.verify_lens, False)
         if tree_nodes:
             g.tree_lens = cuda_graphs.verify_query_lens(tree_nodes)
@@ -174,3 +177,64 @@ def test_gpu_path_verification_graphs_match_torch_path():
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0
     assert EagerVerifyGraph.replays > 3
+
+
+def test_gpu_path_prefill_graphs_match_torch_path():
+    """One-request prefills replayed through the (1, q) prefill graphs (KVFLOW_PREFILL_GRAPHS):
+    the prompt's tokens first, the rest of the rung a padding request; a prompt longer
+    than the budget arrives in chunks over its cached context, and one prompt repeats
+    another's start so its prefill runs behind a cached prefix. Tokens must equal the
+    pure-torch path's, and the prefills must have gone through the graphs."""
+    kw = dict(load_format="dummy", max_model_len=96, num_gpu_blocks_override=40,
+              block_size=8, max_num_batched_tokens=32, max_num_seqs=1, device="cpu")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 30, 2, 17, 45)]
+    prompts.append(prompts[1] + [7, 8, 9])  # 24 cached tokens (3 blocks), then 9 new
+    params = [SamplingParams(temperature=0.7 if i % 2 else 0, seed=i, max_tokens=6 + i,
+                             ignore_eos=True) for i in range(len(prompts))]
+    ref = LLM("tiny-llama", **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM("tiny-llama", async_scheduling=True, **kw)
+    lens = cuda_graphs.prefill_query_lens(32, 96) + [24]  # 16, 32; 24 for the chunks
+    gpu_like(llm, graphs=True, prefill_lens=sorted(lens))
+    EagerVerifyGraph.replays = 0
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    # every prefill step but the 1-token remainder of none: 5, 30, 2, 17, 32 + 13, 9
+    assert EagerVerifyGraph.replays >= 6
+    graphs = llm.engine.core.executor.runner.graphs
+    assert set(graphs.verify_graphs) == {(1, 16, False), (1, 24, False), (1, 32, False)}
+
+
+def test_prefill_graph_pick():
+    """Which steps replay a prefill graph: one request, 2..max rung new tokens, no tree;
+    the next rung up; verification graphs first where both exist."""
+    from types import SimpleNamespace as NS
+
+    assert cuda_graphs.prefill_query_lens(8192, 4096) == list(cuda_graphs.PREFILL_LENS)
+    assert cuda_graphs.prefill_query_lens(100, 4096) == [16, 32, 64]
+    g = cuda_graphs.CudaGraphRunner(None, None, 4, 128, 8, torch.device("cpu"),
+                                    prefill_lens=[16, 64])
+    pick = lambda r, q, tree=None: g._pick(NS(num_reqs=r, max_query_len=q, tree=tree))  # noqa
+    assert pick(1, 5) == (1, 16, False) and pick(1, 16) == (1, 16, False)
+    assert pick(1, 17) == (1, 64, False) and pick(1, 64) == (1, 64, False)
+    assert pick(1, 65) is None and pick(2, 5) is None and pick(1, 1) is None
+    assert pick(1, 5, tree=object()) is None
+    v = cuda_graphs.CudaGraphRunner(None, None, 4, 128, 8, torch.device("cpu"),
+                                    verify_sizes=[1, 2], verify_lens=[2, 4],
+                                    prefill_lens=[16])
+    assert v._pick(NS(num_reqs=1, max_query_len=3, tree=None)) == (1, 4, False)
+    assert v._pick(NS(num_reqs=1, max_query_len=9, tree=None)) == (1, 16, False)
+    assert v.input_ids.shape[0] >= 16  # room for the longest prefill rung
+
+
+def test_prefill_graphs_switch(monkeypatch):
+    from kvflow.errors import InvalidParameterError
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("KVFLOW_PREFILL_GRAPHS", "on")
+    assert cuda_graphs.prefill_graphs_on(cpu)
+    monkeypatch.setenv("KVFLOW_PREFILL_GRAPHS", "auto")
+    assert not cuda_graphs.prefill_graphs_on(cpu)  # unmeasured: the eager prefill
+    monkeypatch.setenv("KVFLOW_PREFILL_GRAPHS", "maybe")
+    with pytest.raises(InvalidParameterError, match="KVFLOW_PREFILL_GRAPHS"):
+        cuda_graphs.prefill_graphs_on(cpu)
