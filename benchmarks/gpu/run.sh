@@ -87,6 +87,8 @@
 #             ROWS_PROFILE=1 adds the batch-1 graph profile with it
 #   woq-rows  balanced grids in the low-bit GEMVs: their GPU tests, int4 g128 and FP8 W8A8 at
 #             M = 1 against each shape's table (woq-rows-bench.json, fp8-rows-bench.json)
+#   profile-mixed  per-kernel profile of GPU-B's typical step: 224 decodes at ~1k context beside two
+#             fresh 1024-token prompts (profile-mixed.json), against its floor
 #   prefill-graphs  one-request prefill graphs: GPU test vs eager, TTFT of 16..512-token prompts on
 #             an idle 8B engine eager and with the graphs (prefill-graphs-{off,on}.json)
 #   rows-confirm  with the table that moved down_proj to the GEMV: 8B-shape GEMV tests, GPU-A
@@ -265,6 +267,7 @@ PY
       timeout ${WOQ_ROWS_TEST_TIMEOUT:-120} python -m pytest -q tests/kernels/test_woq_gemv_kernel.py tests/kernels/test_gemv_fp8_kernel.py 2>&1 | tail -2
       timeout ${WOQ_ROWS_BENCH_TIMEOUT:-120} python benchmarks/gpu/bench_woq_gemv.py --out "$OUT/woq-rows-bench.json" --ms 1 --formats w4g128 --configs ${WOQ_ROWS_CONFIGS:-64:256:1:4:3:0:0:47,64:256:2:4:3:0:0:47,64:256:4:4:3:0:0:47,64:256:2:4:3:0:0:63,64:256:4:4:3:0:0:63,64:256:2:4:3:1:0:55,64:256:8:4:2:1:0:63} 2>&1 | grep -E "M=1|rror" | tail -6 || echo "woq-rows-bench failed"
       timeout ${WOQ_ROWS_BENCH_TIMEOUT:-120} python benchmarks/gpu/bench_fp8_gemv.py --out "$OUT/fp8-rows-bench.json" --ms 1 --configs ${FP8_ROWS_CONFIGS:-64:256:1:4:6:128:47,64:256:1:4:4:128:47,64:128:1:4:3:128:55,64:256:1:4:4:128:55,64:256:2:4:3:128:63,64:256:4:4:3:128:63} 2>&1 | grep -E "M=1|rror" | tail -6 || echo "fp8-rows-bench failed";;
+    profile-mixed) timeout ${PROFILE_MIXED_TIMEOUT:-200} python benchmarks/gpu/profile_steps.py --cases mixed --out "$OUT/profile-mixed.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-24};;
     prefill-graphs)
       # one-request prefill graphs (KVFLOW_PREFILL_GRAPHS): the GPU test against the eager
       # engine, then TTFT of short prompts on an idle 8B engine, eager and with the graphs
