@@ -87,6 +87,9 @@
 #             ROWS_PROFILE=1 adds the batch-1 graph profile with it
 #   woq-rows  balanced grids in the low-bit GEMVs: their GPU tests, int4 g128 and FP8 W8A8 at
 #             M = 1 against each shape's table (woq-rows-bench.json, fp8-rows-bench.json)
+#   fused-merge  the split-KV merge inside the decode launch as one tile load: GPU tests, the batch-1
+#             attention micro-benchmark (decode-attn-tile.json), GPU-A with/without it
+#             alternated (decode-fused-tile.json)
 #   profile-mixed  per-kernel profile of GPU-B's typical step: 224 decodes at ~1k context beside two
 #             fresh 1024-token prompts (profile-mixed.json), against its floor
 #   prefill-graphs  one-request prefill graphs: GPU test vs eager, TTFT of 16..512-token prompts on
@@ -267,6 +270,14 @@ PY
       timeout ${WOQ_ROWS_TEST_TIMEOUT:-120} python -m pytest -q tests/kernels/test_woq_gemv_kernel.py tests/kernels/test_gemv_fp8_kernel.py 2>&1 | tail -2
       timeout ${WOQ_ROWS_BENCH_TIMEOUT:-120} python benchmarks/gpu/bench_woq_gemv.py --out "$OUT/woq-rows-bench.json" --ms 1 --formats w4g128 --configs ${WOQ_ROWS_CONFIGS:-64:256:1:4:3:0:0:47,64:256:2:4:3:0:0:47,64:256:4:4:3:0:0:47,64:256:2:4:3:0:0:63,64:256:4:4:3:0:0:63,64:256:2:4:3:1:0:55,64:256:8:4:2:1:0:63} 2>&1 | grep -E "M=1|rror" | tail -6 || echo "woq-rows-bench failed"
       timeout ${WOQ_ROWS_BENCH_TIMEOUT:-120} python benchmarks/gpu/bench_fp8_gemv.py --out "$OUT/fp8-rows-bench.json" --ms 1 --configs ${FP8_ROWS_CONFIGS:-64:256:1:4:6:128:47,64:256:1:4:4:128:47,64:128:1:4:3:128:55,64:256:1:4:4:128:55,64:256:2:4:3:128:63,64:256:4:4:3:128:63} 2>&1 | grep -E "M=1|rror" | tail -6 || echo "fp8-rows-bench failed";;
+    fused-merge)
+      # the split-KV merge inside the decode launch, its partials loaded as one tile: GPU tests
+      # (with the rotary lever and PDL), the batch-1 attention micro-benchmark (merge kernel
+      # vs fused, decode-attn-tile.json), GPU-A defaults vs defaults + fused alternated
+      # (decode-fused-tile.json)
+      timeout ${FM_TEST_TIMEOUT:-90} python -m pytest -q tests/kernels/test_paged_attention_kernel.py tests/kernels/test_pdl.py -k "fused or rope or pdl" 2>&1 | tail -2
+      timeout ${FM_ATTN_TIMEOUT:-75} python benchmarks/gpu/bench_decode_attn.py --out "$OUT/decode-attn-tile.json" --contexts ${FM_CONTEXTS:-256,1024,4096} 2>&1 | grep -v "^INFO" | tail -20 || echo "decode-attn failed"
+      timeout ${FM_LEVERS_TIMEOUT:-200} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-fused-tile.json" --variants ${FM_VARIANTS:-auto,auto+fused,auto,auto+fused} --iters 6 --budget-s $(( ${FM_LEVERS_TIMEOUT:-200} - 40 )) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -6;;
     profile-mixed) timeout ${PROFILE_MIXED_TIMEOUT:-200} python benchmarks/gpu/profile_steps.py --cases mixed --out "$OUT/profile-mixed.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-24};;
     prefill-graphs)
       # one-request prefill graphs (KVFLOW_PREFILL_GRAPHS): the GPU test against the eager

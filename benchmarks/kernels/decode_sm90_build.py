@@ -129,13 +129,13 @@ def main() -> int:
             "split_keys": "i32", "cs_ptr": "*fp32", "stride_cs": "i32",
             "kn_ptr": "*bf16", "vn_ptr": "*bf16", "stride_knt": "i32", "stride_knh": "i32",
             "stride_vnt": "i32", "stride_vnh": "i32", "slot_ptr": "*i64", "n_slots": "i32"}
-    for fused, rope in ((False, False), (True, False), (False, True)):
+    for fused, rope in ((False, False), (True, False), (False, True), (True, True)):
         rows.append(_build(f"paged_attn decode fused_merge={fused}" + (" rope" if rope else ""),
                            paged_attention._paged_attn_kernel, asig,
                            dict(GROUP=4, G_PAD=16, BLOCK_Q=1, BLOCK_N=64, BLOCK_SIZE=16,
                                 HEAD_DIM=128, D_PAD=128, SPLIT=True, DOT_PREC="tf32",
                                 UPCAST=False, QUANT=0, TREE=False, FUSED_MERGE=fused,
-                                PDL=True, ROPE=rope), 4, 3))
+                                PDL=True, ROPE=rope, S_PAD=16, GP=4), 4, 3))
     msig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
             "qsl_ptr": "*i32", "num_splits": "i32", "stride_ot": "i32", "stride_oh": "i32"}
     rows.append(_build("merge_splits", paged_attention._merge_splits_kernel, msig,

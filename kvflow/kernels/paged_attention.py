@@ -245,7 +245,7 @@ def _paged_attn_kernel(
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr, QUANT: tl.constexpr, TREE: tl.constexpr,
         FUSED_MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
-        ROPE: tl.constexpr = False):
+        ROPE: tl.constexpr = False, S_PAD: tl.constexpr = 1, GP: tl.constexpr = 1):
     pdl_wait(PDL)  # before the early returns: completion must imply the predecessor's
     num_qb = tl.num_programs(0)
     qb = num_qb - 1 - tl.program_id(0)  # longest causal range first
@@ -364,8 +364,10 @@ def _paged_attn_kernel(
                 slot = req * (tl.num_programs(2) // num_splits) + kvh
                 arrived = tl.atomic_add(lock_ptr + slot, 1, sem="acq_rel", scope="gpu")
                 if arrived == eff - 1:
-                    _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, (part_row - split),
-                                row_ok, out_off, q_mask, offs_d, eff, BLOCK_Q * G_PAD, D_PAD)
+                    # a decode launch: one query (BLOCK_Q = 1), at row q_start
+                    _merge_group(part_o_ptr, part_lse_ptr, out_ptr, req, kvh, num_heads,
+                                 num_splits, eff, q_start, stride_ot, stride_oh, GROUP, GP,
+                                 S_PAD, HEAD_DIM, D_PAD)
                     tl.atomic_xchg(lock_ptr + slot, 0)  # zero again for the next launch
     else:
         tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh
@@ -373,28 +375,33 @@ def _paged_attn_kernel(
 
 
 @triton.jit
-def _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, base, row_ok, out_off, o_mask, offs_d,
-                num_splits, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr):
-    """The merge of ``_merge_splits_kernel`` for one program's rows: partial rows
-    ``base + s`` (s < num_splits) [BLOCK_M], combined online in split order, read at L2
-    (.cg) where the other programs wrote them."""
-    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    den = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for s in range(0, num_splits):
-        lse = tl.load(part_lse_ptr + base + s, mask=row_ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        o = tl.load(part_o_ptr + (base + s)[:, None] * D_PAD + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_run, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_safe)  # empty splits and no max yet weigh 0
-        w = tl.exp2(lse - m_safe)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        den = den * alpha + w
-        m_run = m_new
+def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, req, kvh, num_heads, num_splits, eff,
+                 q_start, stride_ot, stride_oh, GROUP: tl.constexpr, GP: tl.constexpr,
+                 S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """The merge of ``_merge_splits_kernel`` for one (decode request, KV head): the GROUP
+    query heads' partials of splits 0..eff-1 loaded as one [S_PAD, GP, D_PAD] tile (one
+    L2 round trip, read at L2 (.cg) where the other programs wrote them), weighted by
+    2^(lse - max) and summed, as the merge kernel does."""
+    offs_s = tl.arange(0, S_PAD)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D_PAD)
+    head = kvh * GROUP + offs_g  # [GP]
+    rows = (req.to(tl.int64) * num_heads + head) * num_splits  # split 0's partial row
+    idx = rows[None, :] + offs_s[:, None]  # [S, GP]
+    ok = (offs_s[:, None] < eff) & (offs_g[None, :] < GROUP)
+    lse = tl.load(part_lse_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    o = tl.load(part_o_ptr + idx[:, :, None] * D_PAD + offs_d[None, None, :],
+                mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # [S, GP, D]
+    m = tl.max(lse, axis=0)  # [GP]
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m[None, :])  # empty splits weigh 0
+    den = tl.sum(w, axis=0)
     den = tl.where(den == 0.0, 1.0, den)
-    tl.store(out_ptr + out_off, (acc / den[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+    res = tl.sum(o * w[:, :, None], axis=0) / den[:, None]  # [GP, D]
+    out = (out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * stride_oh
+           + offs_d[None, :])
+    tl.store(out, res.to(out_ptr.dtype.element_ty),
+             mask=(offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -621,7 +628,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             *rope_args,
             G_PAD=max(g_pad, dec_cfg.block_m), BLOCK_Q=1, BLOCK_N=dec_cfg.block_n,
             SPLIT=splits > 1, num_warps=dec_cfg.num_warps, num_stages=dec_cfg.num_stages,
-            TREE=False, **({"FUSED_MERGE": True} if locks is not None else {}), **pdl_kw,
+            TREE=False, **({"FUSED_MERGE": True, "S_PAD": triton.next_power_of_2(splits),
+                            "GP": g_pad} if locks is not None else {}), **pdl_kw,
             **({"ROPE": True} if rope is not None else {}), **consts)
         if splits > 1 and locks is None:
             _merge_splits_kernel[(num_decodes, num_heads)](

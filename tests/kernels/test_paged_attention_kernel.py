@@ -363,6 +363,33 @@ def test_decode_rope_in_attention(device, dtype, heads, num_kv_splits):
     _same_cache(fresh.kv_cache, cache, slots, dtype)
 
 
+@pytest.mark.parametrize("heads,num_kv_splits", [((8, 2, 64), 16), ((6, 2, 48), 3)],
+                         ids=["GQA4-16splits", "GQA3-D48-3splits"])
+def test_decode_rope_in_attention_fused_merge(device, fused_merge, heads, num_kv_splits):
+    """Both decode levers at once: the rotary inside the launch and the last split merging
+    the group's partials as one tile (a group of 3 padded to 4 heads, head_dim 48 padded
+    to 64, empty splits): the separate rotary launch + merge kernel's result."""
+    from kvflow.kernels.paged_attention import DecodeRope
+    from kvflow.kernels.rotary_kv import rotary_and_cache_write
+
+    h, kvh, d = heads
+    seq_lens = [1, 16, 45, 200]
+    batch = Batch([1] * 4, seq_lens, 4, h, kvh, d, 16, torch.float32, device, 8)
+    q, k, v, rotary, positions, slots = _rope_inputs(batch, h, kvh, d, torch.float32,
+                                                     device, 8)
+    cache = batch.kv_cache.clone()
+    q_rot, _ = rotary_and_cache_write(positions, q, k, v, rotary.cos_sin_cache, cache, slots)
+    batch.q, batch.kv_cache = q_rot, cache
+    want = batch.ref()
+    fresh = Batch([1] * 4, seq_lens, 4, h, kvh, d, 16, torch.float32, device, 8)
+    got = paged_attention(q, fresh.kv_cache, fresh.block_tables, fresh.query_start_loc,
+                          fresh.seq_lens_t, fresh.scale, num_decodes=4, max_query_len=1,
+                          max_seq_len=max(seq_lens), num_kv_splits=num_kv_splits,
+                          rope=DecodeRope(rotary.cos_sin_cache, k, v, slots))
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    _same_cache(fresh.kv_cache, cache, slots, torch.float32)
+
+
 def _same_cache(got: torch.Tensor, want: torch.Tensor, slots: torch.Tensor, dtype) -> None:
     """The caches agree: exactly outside the written slots (NaN poison included), and at
     them within the dtype's rounding (the two kernels may contract the rotation's

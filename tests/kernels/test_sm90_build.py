@@ -25,7 +25,7 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
     ("woq_sm90_build.py", 12),  # int8 / int4 weight-only GEMMs and GEMVs
     ("fp8_sm90_build.py", 5),  # FP8 W8A8 GEMM (its tensor-core promotion) and the quantize
     # batch-1 decode kernels with PDL: griddepcontrol present, L2 weight prefetches
-    ("decode_sm90_build.py", 19),
+    ("decode_sm90_build.py", 20),
     # low-bit decode GEMVs (their inline PTX assembles), three with balanced rows
     ("woq_gemv_sm90_build.py", 13),
 ])
