@@ -15,8 +15,8 @@ Variants (environment switches, kvflow/envs.py): ``base`` (every switch off), ``
 (KVFLOW_PDL=on), ``pdl0`` (PDL without the L2 weight prefetch), ``pdl8`` (8 tiles
 prefetched), ``rope`` (KVFLOW_ROPE_IN_ATTN=on: rotary + cache write inside the decode
 attention launch), ``argmax`` (KVFLOW_GREEDY_ARGMAX=auto: the split-row argmax kernel;
-``base`` keeps torch's), ``down`` (down_proj at M = 1 on the GEMV instead of cuBLAS, so PDL chains
-through it), ``table`` (KVFLOW_GEMV_TABLE=--table; several files comma-separated: their measured wins
+``base`` keeps torch's), ``down`` (down_proj at M = 1 on the 64 x 256 split-2 GEMV: the
+lever that ran before the H200 table took the 32 x 256 GEMV there), ``table`` (KVFLOW_GEMV_TABLE=--table; several files comma-separated: their measured wins
 merged), joined with ``+`` (``pdl+fused+row``). A variant starting ``auto+`` adds its
 levers to the defaults instead of to every switch off (``auto+table``).
 """
@@ -41,9 +41,10 @@ from kvflow.engine.args import EngineArgs  # noqa: E402
 from kvflow.engine.llm_engine import LLMEngine  # noqa: E402
 from kvflow.sampling_params import SamplingParams  # noqa: E402
 
-# down_proj (K 14336 -> N 4096) at M = 1 on the GEMV: the table's M = 2..8 neighbour at
-# M = 1 measured within 2 % of cuBLAS (results/gemv-bench-m1-h200.json); under PDL a
-# cuBLAS launch breaks the chain of overlapping launches.
+# down_proj (K 14336 -> N 4096) at M = 1 on a split-2 GEMV: the lever the PDL runs used
+# while the table kept cuBLAS there (within 2 %, results/gemv-bench-m1-h200.json; under
+# PDL a cuBLAS launch breaks the chain). The H200 table now takes the 32 x 256 GEMV at
+# M = 1 itself (results/gemv-rows-down-h200.json), so this only swaps the tile.
 DOWN_M1 = {"block_n": 64, "block_k": 256, "split_k": 2, "dot": True, "num_warps": 4,
            "num_stages": 4}
 SWITCHES = ("KVFLOW_PDL", "KVFLOW_PDL_PREFETCH", "KVFLOW_ATTN_MERGE", "KVFLOW_ATTN_SPLIT_KEYS",

@@ -48,6 +48,12 @@ def _for_index(index: int) -> dict:
     return dict(OFF)
 
 
+def switch_on(mode: str, key: str, device: torch.device | None = None) -> bool:
+    """An ``auto`` / ``on`` / ``off`` switch (its ``kvflow.envs`` reader's value): on or
+    off as set, ``auto`` as ``MEASURED`` says for ``key`` on ``device``."""
+    return mode == "on" or (mode == "auto" and bool(measured(device)[key]))
+
+
 def measured(device: torch.device | None = None) -> dict:
     """The switches' defaults on ``device`` (the current CUDA device when None; the
     pre-switch behaviour off CUDA)."""

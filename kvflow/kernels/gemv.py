@@ -272,7 +272,7 @@ def silu_buffers(config, m: int, d: int, device: torch.device
     or (None, None)."""
     if config.split_k == 1:
         return None, None
-    tiles = triton.cdiv(d, getattr(config, "rows", 0) or config.block_n)
+    tiles = triton.cdiv(d, config.tile_rows)
     assert tiles <= LOCK_SLOTS, f"{tiles} output tiles for split-K (at most {LOCK_SLOTS})"
     ws = torch.empty((config.split_k, 2, m, d), dtype=torch.float32, device=device)
     return ws, split_buffers(config, m, d, device)[1]

@@ -52,8 +52,6 @@ class GemvConfig:
 
     def __post_init__(self) -> None:
         check_tile(self)
-        if not 0 <= self.rows <= self.block_n:
-            raise ValueError(f"rows must be in 0..block_n: {self}")
 
     @property
     def tile_rows(self) -> int:
@@ -76,6 +74,8 @@ def check_tile(cfg) -> None:
             raise ValueError(f"GEMV tile sizes must be powers of two >= 16: {cfg}")
     if cfg.split_k < 1 or cfg.num_warps < 1 or cfg.num_stages < 1:
         raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {cfg}")
+    if not 0 <= cfg.rows <= cfg.block_n:
+        raise ValueError(f"rows must be in 0..block_n: {cfg}")
 
 
 def _sms(device: torch.device) -> int:

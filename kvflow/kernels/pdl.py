@@ -55,10 +55,9 @@ except ImportError:  # pragma: no cover - old Triton
 @functools.lru_cache(maxsize=8)
 def _enabled(index: int) -> bool:
     from kvflow import envs
-    from kvflow.kernels.decode_defaults import measured
+    from kvflow.kernels.decode_defaults import switch_on
 
-    mode = envs.pdl_mode()
-    on = mode == "on" or (mode == "auto" and measured(torch.device("cuda", index))["pdl"])
+    on = switch_on(envs.pdl_mode(), "pdl", torch.device("cuda", index))
     return on and torch.cuda.get_device_capability(index)[0] >= 9
 
 

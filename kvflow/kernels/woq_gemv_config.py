@@ -69,8 +69,6 @@ class WoqGemvConfig:
 
     def __post_init__(self) -> None:
         check_tile(self)
-        if not 0 <= self.rows <= self.block_n:
-            raise ValueError(f"rows must be in 0..block_n: {self}")
 
     @property
     def tile_rows(self) -> int:

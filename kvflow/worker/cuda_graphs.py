@@ -95,10 +95,9 @@ def prefill_graphs_on(device: torch.device) -> bool:
     """``KVFLOW_PREFILL_GRAPHS``: ``on``/``off``, or (``auto``) this GPU's measured default
     (``kernels/decode_defaults.py``; off where unmeasured)."""
     from kvflow import envs
-    from kvflow.kernels.decode_defaults import measured
+    from kvflow.kernels.decode_defaults import switch_on
 
-    mode = envs.prefill_graphs()
-    return mode == "on" if mode != "auto" else bool(measured(device)["prefill_graphs"])
+    return switch_on(envs.prefill_graphs(), "prefill_graphs", device)
 
 
 def pick_verify_graph(num_reqs: int, max_query_len: int, sizes: list[int],

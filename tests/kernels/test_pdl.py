@@ -76,6 +76,12 @@ def test_decode_defaults_off_the_gpu(monkeypatch):
                 fn.cache_clear()
     for token, values in decode_defaults.MEASURED.items():  # only known switches
         assert set(values) <= set(decode_defaults.OFF), token
+    # an on / off / auto switch: as set, or (auto) the measured value; off the GPU, OFF's
+    cpu = torch.device("cpu")
+    for key in ("pdl", "rope_in_attn", "prefill_graphs"):
+        assert decode_defaults.switch_on("on", key, cpu)
+        assert not decode_defaults.switch_on("off", key, cpu)
+        assert decode_defaults.switch_on("auto", key, cpu) is decode_defaults.OFF[key]
 
 
 def _decode_chain(seed: int = 0):

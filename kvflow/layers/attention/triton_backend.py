@@ -71,7 +71,6 @@ def rope_in_attention(device: torch.device) -> bool:
     measured default in ``kvflow/kernels/decode_defaults.py``, off elsewhere), read once
     per process and device."""
     from kvflow import envs
-    from kvflow.kernels.decode_defaults import measured
+    from kvflow.kernels.decode_defaults import switch_on
 
-    mode = envs.rope_in_attention()
-    return measured(device)["rope_in_attn"] if mode == "auto" else mode == "on"
+    return switch_on(envs.rope_in_attention(), "rope_in_attn", device)
