@@ -101,3 +101,28 @@ def test_chunk_builder_shapes_both_chunk_kinds():
     body = json.loads(done[6:])
     CompletionChunk.model_validate(body)
     assert body["usage"] == {"prompt_tokens": 1} and body["object"] == "text_completion"
+
+
+def test_gather_or_cancel_reads_every_error():
+    """Two prompts of one request failing together: the first error is raised and the
+    other is read too, so asyncio logs no 'Task exception was never retrieved' (the
+    schema fuzzer's server log caught that traceback)."""
+    import asyncio
+    import gc
+
+    from kvflow.entrypoints.openai.serving import gather_or_cancel
+
+    async def fail(msg: str) -> None:
+        raise InvalidParameterError(msg)
+
+    async def main() -> list:
+        unretrieved: list = []
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, ctx: unretrieved.append(ctx.get("message")))
+        with pytest.raises(InvalidParameterError, match="first"):
+            await gather_or_cancel([fail("first"), fail("second")])
+        gc.collect()
+        await asyncio.sleep(0)
+        return unretrieved
+
+    assert asyncio.run(main()) == []

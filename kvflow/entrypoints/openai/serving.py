@@ -134,9 +134,12 @@ async def gather_or_cancel(aws: list[Awaitable]) -> list:
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    for t in tasks:
-        if t.done() and not t.cancelled() and t.exception() is not None:
-            raise t.exception()
+    # Read every finished task's error (several prompts can fail at once, say two
+    # empty ones), so none is left for asyncio to log as never retrieved.
+    errors = [t.exception() for t in tasks if t.done() and not t.cancelled()]
+    errors = [e for e in errors if e is not None]
+    if errors:
+        raise errors[0]
     return [t.result() for t in tasks]
 
 
