@@ -382,10 +382,16 @@ class SpeculativeConfig:
     best tree of the device's default size (4 nodes on CPU, 32 on a GPU) for the heads'
     measured accuracies; an int N: the best N-node tree; a list of choices (rank paths,
     e.g. [[0], [1], [0, 0]]); "chain": each head's top-1 guess as one chain, verified by
-    exact rejection sampling (trees use typical acceptance when sampling)."""
+    exact rejection sampling."""
+    tree_acceptance: str = "exact"
+    """medusa tree, temperature > 0: "exact" (the target samples a token at each node
+    of the path from its own distribution, and the path goes on while a child of the node
+    holds that token: the output is exactly the target's distribution) or "typical" (the
+    Medusa paper's typical acceptance: keeps every candidate the target finds plausible,
+    more tokens per step at high temperature, but not the target's distribution)."""
     posterior_threshold: float = 0.09
-    """medusa tree, temperature > 0 (typical acceptance): a candidate is kept when the
-    target gives it probability above min(posterior_threshold, posterior_alpha *
+    """medusa tree, temperature > 0, tree_acceptance "typical": a candidate is kept when
+    the target gives it probability above min(posterior_threshold, posterior_alpha *
     exp(-entropy))."""
     posterior_alpha: float = 0.3
     """medusa tree, temperature > 0: see posterior_threshold."""
@@ -449,6 +455,9 @@ class SpeculativeConfig:
                 from kvflow.spec_decode.tree import DraftTree
 
                 object.__setattr__(self, "medusa_tree", DraftTree.from_choices(tree).choices)
+            require(self.tree_acceptance in ("exact", "typical"),
+                    "speculative_config.tree_acceptance",
+                    f"must be exact or typical, got {self.tree_acceptance!r}")
             for name in ("posterior_threshold", "posterior_alpha"):
                 v = getattr(self, name)
                 require(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1,

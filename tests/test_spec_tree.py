@@ -1,4 +1,5 @@
-"""Medusa candidate trees: construction, verification (greedy and typical acceptance),
+"""Medusa candidate trees: construction, verification (greedy, exact sampling whose
+output is the target's distribution, typical acceptance),
 the accepted path's K/V moved into place, and greedy output equal to plain greedy
 through LLM(...) with prefix caching, preemption, chunked prompts, n > 1 and logprobs."""
 
@@ -106,7 +107,8 @@ def test_greedy_tree_keeps_the_deepest_right_path():
 def test_typical_acceptance_at_temperature_zero_is_greedy_and_keeps_likely_tokens():
     drafts = [5, 7, 1, 2, 9, 4]
     rows = [7, 0, 2, 0, 4, 0, 11]
-    v = TreeVerifier(TREE, posterior_threshold=0.09, posterior_alpha=0.3)
+    v = TreeVerifier(TREE, posterior_threshold=0.09, posterior_alpha=0.3,
+                     acceptance="typical")
     greedy = v(_tree_logits(rows), torch.tensor(drafts), [6], _meta(1, 0.0))
     # A sharply peaked target at temperature 1: the same nodes are typical, nothing else.
     sampled = v(_tree_logits(rows), torch.tensor(drafts), [6], _meta(1, 1.0))
@@ -118,6 +120,71 @@ def test_typical_acceptance_at_temperature_zero_is_greedy_and_keeps_likely_token
     assert other.num_accepted.tolist() == [0]
     flat = v(torch.zeros(7, 16), torch.tensor(drafts), [6], _meta(1, 1.0))
     assert flat.num_accepted.tolist() == [3]
+
+
+def _stream(verifier: TreeVerifier, target: torch.Tensor, drafts: list[int], steps: int,
+            seed: int) -> torch.Tensor:
+    """The tokens one request emits over ``steps`` verification steps of ``drafts`` (the
+    tree's node tokens, the same each step) when the target's distribution is ``target``
+    at every position, whatever came before: then the emitted stream must be i.i.d.
+    draws from ``target``. The steps run as a batch of requests, concatenated."""
+    torch.manual_seed(seed)
+    m = len(drafts)
+    logits = target.log()[None, :].expand(steps * (m + 1), -1).contiguous()
+    out = verifier(logits, torch.tensor(drafts * steps), [m] * steps, _meta(steps, 1.0))
+    tok = out.row_token_ids
+    return tok[tok != INVALID_TOKEN]
+
+
+@pytest.mark.parametrize("drafts", [
+    [0, 1, 0, 2, 0, 1],  # each node holds its head's rank-th likeliest token
+    [0, 0, 1, 0, 1, 0],  # siblings (0,) and (1,) both hold token 0; so do (1,0) and (1,1)
+])
+def test_exact_tree_acceptance_emits_the_target_distribution(drafts):
+    """Exact acceptance (the default) over a tree: the emitted stream's unigram and bigram
+    frequencies converge to the target's (i.i.d. draws), far below their distance to
+    random references; typical acceptance, which keeps every plausible candidate, fails
+    the same check (so the check can tell)."""
+    v = 6
+    gen = torch.Generator().manual_seed(0)
+    target = torch.tensor([0.42, 0.25, 0.15, 0.1, 0.05, 0.03])
+    order = target.argsort(descending=True)
+    drafts = [int(order[d]) for d in drafts]
+    refs = [torch.rand(v, generator=gen) for _ in range(20)]
+    refs = [r / r.sum() for r in refs]
+    want_pairs = (target[:, None] * target[None, :]).reshape(-1)
+
+    def dists(verifier: TreeVerifier, steps: int) -> tuple[float, float, float]:
+        s = _stream(verifier, target, drafts, steps, seed=1)
+        uni = torch.bincount(s, minlength=v).float() / s.numel()
+        pairs = torch.bincount(s[:-1] * v + s[1:], minlength=v * v).float() / (s.numel() - 1)
+        return (float((uni - target).norm()), float((pairs - want_pairs).norm()),
+                min(float((uni - r).norm()) for r in refs))
+
+    exact = TreeVerifier(TREE)
+    small, big = dists(exact, 500), dists(exact, 40000)
+    assert big[0] < small[0] or big[0] < 0.005
+    assert big[0] < 0.01 and big[1] < 0.01, big
+    assert big[0] < big[2] / 10
+    typical = dists(TreeVerifier(TREE, acceptance="typical"), 40000)
+    assert typical[0] > 0.05, typical
+
+
+def test_exact_tree_acceptance_keeps_drawn_paths_and_is_greedy_at_zero():
+    """Rows whose draw matches a child descend into it (several levels deep when the
+    target is sure), and at temperature 0 exact acceptance is greedy."""
+    drafts = [5, 7, 1, 2, 9, 4]
+    rows = [7, 0, 2, 0, 4, 0, 11]
+    v = TreeVerifier(TREE)
+    greedy = v(_tree_logits(rows), torch.tensor(drafts), [6], _meta(1, 0.0))
+    sampled = v(_tree_logits(rows, vocab=16) * 3, torch.tensor(drafts), [6], _meta(1, 1.0))
+    assert greedy.num_accepted.tolist() == sampled.num_accepted.tolist() == [3]
+    assert sampled.row_token_ids[:4].tolist() == [7, 2, 4, 11]
+    # A flat target: typical acceptance finds every node plausible, exact acceptance keeps
+    # a node only when the draw hits it (about 1 in 16 here).
+    flat = torch.zeros(7 * 400, 16)
+    kept = v(flat, torch.tensor(drafts * 400), [6] * 400, _meta(400, 1.0)).num_accepted
+    assert 0.01 < kept.float().mean() < 0.2
 
 
 def test_move_kv_copies_every_layer_and_scales():
@@ -172,17 +239,19 @@ def test_tree_with_right_paths_anywhere_equals_plain_greedy(tmp_path, overrides)
     assert stats.mean_accepted_length > 2.0, stats
 
 
-def test_medusa_tree_greedy_and_typical_sampling(tmp_path):
+@pytest.mark.parametrize("acceptance", ["exact", "typical"])
+def test_medusa_tree_greedy_and_sampling(tmp_path, acceptance):
     """Random heads with the default CPU tree: greedy output is plain greedy's; sampled
-    requests take typical acceptance, seeded ones reproducibly."""
+    requests take the tree acceptance asked for, seeded ones reproducibly."""
     write_heads(tmp_path)
     prompts = _prompts()
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = tiny().generate(prompts, params, use_tqdm=False)
     llm = tiny(speculative_config={"method": "medusa", "model": str(tmp_path),
-                                   "num_speculative_tokens": 3,
+                                   "num_speculative_tokens": 3, "tree_acceptance": acceptance,
                                    "disable_by_batch_size": None})
     assert llm.engine.core.executor.runner.spec.tree.num_nodes == 4
+    assert llm.engine.core.executor.runner.spec.tree_verifier.acceptance == acceptance
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     sp = SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=5)
@@ -204,6 +273,16 @@ def test_bad_tree_fails_at_startup(tmp_path, tree, match):
                           "num_speculative_tokens": 3, "medusa_tree": tree})
     with pytest.raises(InvalidParameterError, match=match):
         args.create_engine_config()
+
+
+def test_tree_acceptance_option(tmp_path):
+    from kvflow.config import SpeculativeConfig
+
+    write_heads(tmp_path)
+    assert SpeculativeConfig("medusa", 3, model=str(tmp_path)).tree_acceptance == "exact"
+    with pytest.raises(InvalidParameterError,
+                       match="tree_acceptance must be exact or typical, got 'greedy'"):
+        SpeculativeConfig("medusa", 3, model=str(tmp_path), tree_acceptance="greedy")
 
 
 def test_chain_shaped_tree_verifies_like_the_rejection_sampler_with_penalties():

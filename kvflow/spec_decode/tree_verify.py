@@ -7,16 +7,25 @@ its last known token (the tree's root), row 1 + n the position after node n. Nod
 - temperature 0: the target's argmax at the parent's row (after bans and penalties, as
   ``Sampler`` picks). The right nodes then form one chain, and the emitted tokens are
   exactly plain greedy decoding's;
-- temperature > 0: typical acceptance (Medusa paper, section 2.3.1): the target's
-  probability of the token at the parent's row, after the request's temperature,
-  top-k/top-p/min-p, exceeds ``min(posterior_threshold, posterior_alpha *
-  exp(-entropy))``. This keeps plausible continuations rather than reproducing the
-  target's distribution exactly; the exact rule is the chain mode (``medusa_tree:
-  "chain"``, rejection sampling).
+- temperature > 0, ``exact`` (the default): every row draws one token from the target's
+  processed distribution (temperature, top-k/top-p/min-p, penalties) with the request's
+  generator, and node n is right when it holds the token drawn at its parent's row. So
+  the path follows the target's own draws: at each node the target samples, the path
+  goes on into the child holding that token, and stops with the draw when no child
+  holds it. Every emitted token is a draw from the target's distribution given the
+  tokens before it, which is the chain's rejection sampling with one-hot drafts
+  (accept with probability p(draft), else draw from the rest) spread over siblings.
+  Siblings holding the same token would let two independent draws below them compete
+  for the deeper path, so only the first of them counts;
+- temperature > 0, ``typical`` (Medusa paper, section 2.3.1): the target's probability
+  of the token at the parent's row, after the request's temperature, top-k/top-p/min-p,
+  exceeds ``min(posterior_threshold, posterior_alpha * exp(-entropy))``. This keeps
+  plausible continuations rather than reproducing the target's distribution.
 
 A node is accepted when it and all its ancestors are right. The request keeps the
-deepest accepted node's path (ties: the likelier path), then one more token from that
-node's row: its argmax, or a draw from the target's processed distribution.
+deepest accepted node's path (ties, possible with greedy or typical acceptance: the
+likelier path), then one more token from that node's row: its argmax, or its draw from
+the target's processed distribution.
 
 The outputs are laid out like the chain verifier's: request b's emitted tokens in its
 first rows (``INVALID_TOKEN`` after), plus ``perm``, the row that produced each emitted
@@ -58,14 +67,19 @@ class _Plan:
     pad_ok: torch.Tensor  # [B, M + 1] bool: a real row
     path_rows: torch.Tensor  # [B, M + 1, Dmax + 1] row at each depth of the row's path
     first_rows: torch.Tensor  # [B, Dmax + 1] request b's rows 0..Dmax (clamped to its own)
+    twins: torch.Tensor  # [P] node (draft index) with an earlier sibling ...
+    elder: torch.Tensor  # [P] ... and that sibling: a pair per earlier sibling
     row_drafts: list  # per request, per row: local draft indices preceding it
     max_depth: int
 
 
 class TreeVerifier:
     def __init__(self, tree: DraftTree, posterior_threshold: float = 0.09,
-                 posterior_alpha: float = 0.3) -> None:
+                 posterior_alpha: float = 0.3, acceptance: str = "exact") -> None:
+        if acceptance not in ("exact", "typical"):
+            raise ValueError(f"tree acceptance must be exact or typical, got {acceptance!r}")
         self.tree = tree
+        self.acceptance = acceptance
         self.threshold = posterior_threshold
         self.alpha = posterior_alpha
         self._plans: dict[tuple[tuple[int, ...], str], _Plan] = {}
@@ -88,8 +102,16 @@ class TreeVerifier:
         path_rows = np.zeros((b, m_max + 1, d_max + 1), np.int64)
         first_rows = np.zeros((b, d_max + 1), np.int64)
         row_drafts = []
+        twins, elder = [], []
         start = 0
+        first_node = 0  # draft index of request i's node 0
         for i, m in enumerate(num_draft):
+            for n in range(m):
+                for s in range(n):
+                    if tree.parents[s] == tree.parents[n]:
+                        twins.append(first_node + n)
+                        elder.append(first_node + s)
+            first_node += m
             depth.append(0.0)
             drafts_of_row = [()]
             for n in range(m):
@@ -116,6 +138,8 @@ class TreeVerifier:
             pad_ok=to_device(pad_ok, device, torch.bool),
             path_rows=to_device(path_rows, device, torch.int64),
             first_rows=to_device(first_rows, device, torch.int64),
+            twins=to_device(twins, device, torch.int64),
+            elder=to_device(elder, device, torch.int64),
             row_drafts=row_drafts, max_depth=d_max)
         if len(self._plans) > 256:  # node counts vary with cuts near max_tokens
             self._plans.clear()
@@ -140,13 +164,10 @@ class TreeVerifier:
         node_lp = torch.zeros(len(draft_token_ids), device=dev)
         if not meta.all_greedy:
             p = target_probs(logits, rmeta)  # [N, V]
-            entropy = -(p * p.clamp(min=1e-20).log()).sum(dim=-1)  # [N]
-            limit = torch.clamp(self.alpha * torch.exp(-entropy), max=self.threshold)
             p_tok = p[plan.parent_rows, draft_token_ids]  # [D]
             is_random = rmeta.temperature > 0  # [N]
-            right = torch.where(is_random[plan.node_rows], p_tok > limit[plan.parent_rows],
-                                right)
             node_lp = p_tok.clamp(min=1e-30).log().clamp(min=-100.0)
+            # One draw per row from the processed distribution (exponential race).
             noise = torch.empty_like(p).exponential_()  # [N, V]
             start = 0
             for i, m in enumerate(num_draft):
@@ -155,6 +176,18 @@ class TreeVerifier:
                     noise[start: start + m + 1].exponential_(generator=g)
                 start += m + 1
             row_tok = torch.where(is_random, p.div(noise).argmax(dim=-1), greedy)
+            random_node = is_random[plan.node_rows]  # [D]
+            if self.acceptance == "exact":
+                drawn = row_tok[plan.parent_rows] == draft_token_ids
+                # Of siblings holding one token, only the first may follow the draw.
+                clash = (draft_token_ids[plan.twins] == draft_token_ids[plan.elder]).long()
+                shadowed = torch.zeros_like(right, dtype=torch.long).index_add_(
+                    0, plan.twins, clash) > 0
+                right = torch.where(random_node, drawn & ~shadowed, right)
+            else:
+                entropy = -(p * p.clamp(min=1e-20).log()).sum(dim=-1)  # [N]
+                limit = torch.clamp(self.alpha * torch.exp(-entropy), max=self.threshold)
+                right = torch.where(random_node, p_tok > limit[plan.parent_rows], right)
         if self.accept_all:
             right = torch.ones_like(right)
         # Accepted: right with every ancestor right (one pass per tree level).

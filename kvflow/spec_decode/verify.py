@@ -53,7 +53,8 @@ class SpecDecoder:
 
         self.tree = tree
         self.tree_verifier = None if tree is None else TreeVerifier(
-            tree, self.config.posterior_threshold, self.config.posterior_alpha)
+            tree, self.config.posterior_threshold, self.config.posterior_alpha,
+            self.config.tree_acceptance)
         if self.tree_verifier is not None:
             self.tree_verifier.accept_all = self.accept_all
 
