@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvflow import LLM, SamplingParams
+from kvflow import SamplingParams
 from kvflow.bench.spec_oracle import install_oracle
 from kvflow.engine.args import EngineArgs
 from kvflow.errors import InvalidParameterError
