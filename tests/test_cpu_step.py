@@ -225,7 +225,7 @@ def _one_step_both_ways(llm) -> tuple[list, list]:
         b.copy_(v)
     with torch.inference_mode():
         step.step.forward(step.embed(ids), pos, meta.slot_mapping, meta.query_start_loc,
-                          meta.seq_lens, tables)
+                          meta.seq_lens, tables, cpu_step._NO_TREE, cpu_step._NO_TREE)
     return eager, written()
 
 
@@ -408,3 +408,49 @@ def test_bench_compares_float32_and_int8_activations():
     with envs.float32_activations():
         assert not envs.cpu_int8_act()
     assert envs.cpu_int8_act()
+
+
+@pytest.mark.parametrize("model,dtype,kv", [
+    ("tiny-llama-d64", "float32", "auto"),  # the shared kernel's fixed-width path
+    ("tiny-llama", "float32", "int8"),  # its run-time-width path, over an int8 cache
+    ("tiny-llama", "bfloat16", "auto"),  # the step's own loop (bf16 cache)
+])
+def test_medusa_tree_steps_run_in_cpp(model, dtype, kv, tmp_path, monkeypatch):
+    """Medusa verification steps run in the C++ step, their tree masks applied there: an
+    oracle puts the right continuation on a random branch of the tree (every other node
+    wrong), so only correctly masked attention keeps plain greedy's tokens; the output
+    equals the eager engine's under the same oracle, and tree steps ran in C++."""
+    from kvflow.bench.spec_oracle import install_oracle
+    from kvflow.spec_decode.tree import DraftTree
+    from tests.test_spec_medusa import write_heads
+
+    monkeypatch.setitem(registry.PRESETS, "tiny-llama-d64", TINY_D64)
+    write_heads(tmp_path, hidden=registry.PRESETS[model]["hidden_size"])
+    prompts = _prompts((5, 9, 17, 30))
+    kw = dict(dtype=dtype, kv_cache_dtype=kv)
+    spec = {"method": "medusa", "model": str(tmp_path), "num_speculative_tokens": 3,
+            "disable_by_batch_size": None}
+    plain = _greedy(_tiny(model, enforce_eager=True, **kw), prompts)
+    refs = [p + g for p, g in zip(prompts, plain)]
+    tree = DraftTree.from_choices([[0], [1], [0, 0], [1, 0], [1, 1], [1, 0, 0]])
+    eager = _tiny(model, enforce_eager=True, speculative_config=spec, **kw)
+    install_oracle(eager, refs, 3, tree, place="random")
+    want = _greedy(eager, prompts)
+    llm = _tiny(model, speculative_config=spec, **kw)
+    step = _runner(llm).graphs
+    assert isinstance(step, cpu_step.CppDecodeStep)
+    run, trees = step.run, []
+
+    def counted(inputs):
+        tree_meta = inputs.meta.tree
+        trees.append(tree_meta is not None and any(tree_meta.sizes_cpu))
+        return run(inputs)
+    step.run = counted
+    install_oracle(llm, refs, 3, tree, place="random")
+    got = _greedy(llm, prompts)
+    assert sum(trees) > 5
+    if dtype == "float32":
+        assert got == want == plain
+    else:  # bf16: near-ties may part later (see test_cpp_step_matches_eager)
+        assert [g[:8] for g in got] == [w[:8] for w in want]
+    assert llm.engine.core.scheduler.spec_stats.mean_accepted_length > 2.0

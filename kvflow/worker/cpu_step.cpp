@@ -313,8 +313,13 @@ class DecodeStep {
   }
 
   // hidden [T, E] (after the embedding) -> final normed hidden states [T, E].
+  // tree_bits [T] int64 and tree_start [R] int32 (both empty without candidate trees):
+  // a Medusa verification step's tree masks, as AttentionMetadata.tree holds them. Token
+  // j sees position p >= tree_start[its request] only if bit p - tree_start of
+  // tree_bits[j] is set (-1: every position).
   at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slots,
-                     at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor block_tables) {
+                     at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor block_tables,
+                     at::Tensor tree_bits, at::Tensor tree_start) {
     hidden = hidden.contiguous();
     block_tables = block_tables.contiguous();
     TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
@@ -337,11 +342,23 @@ class DecodeStep {
         max_ctx = std::max(max_ctx, tok_ctx[j]);
       }
     TORCH_CHECK(qsl[r] == t, "DecodeStep: query_start_loc does not cover the tokens");
+    Mask mask;
+    if (tree_bits.numel()) {
+      TORCH_CHECK(tree_bits.scalar_type() == at::kLong && tree_bits.numel() == t &&
+                      tree_start.scalar_type() == at::kInt && tree_start.numel() == r,
+                  "DecodeStep: tree_bits [T] int64 and tree_start [R] int32");
+      tree_bits = tree_bits.contiguous();
+      tree_start = tree_start.contiguous();
+      const int32_t* st = tree_start.data_ptr<int32_t>();
+      mask.from.resize(t);
+      for (int64_t j = 0; j < t; ++j) mask.from[j] = st[tok_req[j]];
+      mask.bits = tree_bits.data_ptr<int64_t>();
+    }
     at::Tensor out;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(),
                                     "kvflow_decode_step", [&] {
       out = run<scalar_t>(hidden, positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
-                          tok_req, tok_ctx, max_ctx, block_tables);
+                          tok_req, tok_ctx, max_ctx, block_tables, mask);
     });
     return out;
   }
@@ -391,10 +408,22 @@ class DecodeStep {
   }
 
  private:
+  // A step's tree masks per token (empty: none); see forward().
+  struct Mask {
+    std::vector<int32_t> from;
+    const int64_t* bits = nullptr;
+    const int32_t* from_ptr() const { return from.empty() ? nullptr : from.data(); }
+    // Whether token i may not see position p.
+    bool hides(int64_t i, int64_t p) const {
+      if (from.empty() || p < from[i] || p - from[i] >= 64) return false;
+      return !((static_cast<uint64_t>(bits[i]) >> (p - from[i])) & 1);
+    }
+  };
+
   template <typename T>
   at::Tensor run(const at::Tensor& hidden_in, const int64_t* pos, const int64_t* slots,
                  const std::vector<int32_t>& tok_req, const std::vector<int32_t>& tok_ctx,
-                 int32_t max_ctx, const at::Tensor& tables) {
+                 int32_t max_ctx, const at::Tensor& tables, const Mask& mask) {
     const int64_t t = hidden_in.size(0), e = hidden_in.size(1);
     const float eps = static_cast<float>(eps_);
     at::Tensor residual = hidden_in.clone();  // the residual stream [T, E]
@@ -416,9 +445,9 @@ class DecodeStep {
       rms_norm_rows<T>(res, L.in_norm.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
       at::Tensor qkv = linear(normed, L.qkv, qkv_buf);  // [T, (H + 2 KVH) D]
       if (paged_kernel_reads(L.cache))
-        attention_paged<T>(L, qkv, pos, slots, tok_req, tok_ctx, tables, attn_buf);
+        attention_paged<T>(L, qkv, pos, slots, tok_req, tok_ctx, tables, mask, attn_buf);
       else
-        attention<T>(qkv, L.cache, pos, slots, tok_req, tok_ctx, max_ctx, tables,
+        attention<T>(qkv, L.cache, pos, slots, tok_req, tok_ctx, max_ctx, tables, mask,
                      attn_buf);  // [T, H D]
       hidden = linear(attn_buf, L.o, o_buf);  // [T, E]
       add_into<T>(hidden.data_ptr<T>(), res, t * e);
@@ -478,7 +507,7 @@ class DecodeStep {
   void attention(at::Tensor& qkv, at::Tensor& cache, const int64_t* pos,
                  const int64_t* slots, const std::vector<int32_t>& tok_req,
                  const std::vector<int32_t>& tok_ctx, int32_t max_ctx,
-                 const at::Tensor& tables, at::Tensor& out) {
+                 const at::Tensor& tables, const Mask& mask, at::Tensor& out) {
     const int64_t t = qkv.size(0), width = qkv.size(1), d = d_, h = h_, kvh = kvh_;
     TORCH_CHECK(width == (h + 2 * kvh) * d, "DecodeStep: qkv width");
     TORCH_CHECK(d <= 512, "DecodeStep: head_dim above 512");
@@ -519,12 +548,17 @@ class DecodeStep {
           const T* kb = kc + static_cast<int64_t>(trow[blk]) * bs * row + g * d;
           const int64_t n = std::min<int64_t>(bs, ctx - c0);
           for (int64_t o = 0; o < n; ++o) {
+            if (mask.hides(i, c0 + o)) {  // weighs exactly 0, below
+              scores[c0 + o] = -std::numeric_limits<float>::infinity();
+              continue;
+            }
             const float s = dot_row(q, kb + o * row, d) * scale;
             scores[c0 + o] = s;
             mx = std::max(mx, s);
           }
         }
-        for (int32_t c = 0; c < ctx; ++c) scores[c] = exp_nonpos(scores[c] - mx);
+        for (int32_t c = 0; c < ctx; ++c)
+          scores[c] = mask.hides(i, c) ? 0.f : exp_nonpos(scores[c] - mx);
         float sum = 0.f;
         for (int32_t c = 0; c < ctx; ++c) sum += scores[c];
         for (int64_t j = 0; j < d; ++j) acc[j] = 0.f;
@@ -559,7 +593,7 @@ class DecodeStep {
   void attention_paged(Layer& L, at::Tensor& qkv, const int64_t* pos, const int64_t* slots,
                        const std::vector<int32_t>& tok_req,
                        const std::vector<int32_t>& tok_ctx, const at::Tensor& tables,
-                       at::Tensor& out) {
+                       const Mask& mask, at::Tensor& out) {
     const int64_t t = qkv.size(0), width = qkv.size(1), d = d_, h = h_, kvh = kvh_;
     TORCH_CHECK(width == (h + 2 * kvh) * d, "DecodeStep: qkv width");
     TORCH_CHECK(d <= 512, "DecodeStep: head_dim above 512");
@@ -628,14 +662,16 @@ class DecodeStep {
     using kvflow::paged::dispatch;
     if (kind == KVKind::kInt8)
       dispatch(d, of, qf, q_stride, reinterpret_cast<const int8_t*>(raw), sc, tab,
-               tok_req.data(), tok_ctx.data(), t, h, kvh, nb, bs, tw, scale, 1.f, 1.f, threads);
+               tok_req.data(), tok_ctx.data(), t, h, kvh, nb, bs, tw, scale, 1.f, 1.f, threads,
+               mask.from_ptr(), mask.bits);
     else if (kind == KVKind::kFp8)
       dispatch(d, of, qf, q_stride, static_cast<const uint8_t*>(raw), nullptr, tab,
                tok_req.data(), tok_ctx.data(), t, h, kvh, nb, bs, tw, scale, L.k_scale,
-               L.v_scale, threads);
+               L.v_scale, threads, mask.from_ptr(), mask.bits);
     else
       dispatch(d, of, qf, q_stride, reinterpret_cast<const float*>(raw), nullptr, tab,
-               tok_req.data(), tok_ctx.data(), t, h, kvh, nb, bs, tw, scale, 1.f, 1.f, threads);
+               tok_req.data(), tok_ctx.data(), t, h, kvh, nb, bs, tw, scale, 1.f, 1.f, threads,
+               mask.from_ptr(), mask.bits);
     if constexpr (!std::is_same_v<T, float>) {
       T* op = out.data_ptr<T>();
       for (int64_t j = 0; j < t * h * d; ++j) op[j] = round_to<T>(of[j]);

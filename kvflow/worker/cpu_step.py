@@ -13,8 +13,9 @@ step only the step tensors cross. A linear layer kept quantized by its method (G
 int8, int4 ...) is called back in Python with its activations, so every model of the
 Llama family on one rank can use the step. Float32, int8 and fp8 KV caches are written
 (quantized exactly as ``kv_quant.py`` does) and read by the paged attention kernel the
-eager decodes run (``kernels/cpu/paged_attention.h``); layers with q/k norms (Qwen3),
-tensor/pipeline parallelism and Medusa candidate-tree steps keep the eager path.
+eager decodes run (``kernels/cpu/paged_attention.h``), which also applies a Medusa
+verification step's tree masks; layers with q/k norms (Qwen3) and tensor/pipeline
+parallelism keep the eager path.
 
 Which steps: up to ``MAX_TOKENS`` scheduled tokens with no query longer than
 ``MAX_QUERY`` (decodes, and prefill chunks short enough that attention per token, done
@@ -35,9 +36,11 @@ from torch import nn
 
 from kvflow import envs
 from kvflow.layers.attention import AttentionMetadata, Attention
+from kvflow.layers.attention.metadata import TreeAttention
 from kvflow.layers.attention.kv_quant import keep_cache_values
 from kvflow.layers.linear import UnquantizedLinearMethod
 from kvflow.logger import init_logger
+from kvflow.spec_decode.tree import DraftTree
 from kvflow.worker.step_inputs import StepInputs
 
 logger = init_logger(__name__)
@@ -52,6 +55,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 MAX_TOKENS = 256  # scheduled tokens per step
 MAX_QUERY = 64  # new tokens of one request in a step
+_NO_TREE = torch.empty(0, dtype=torch.int64)  # forward's tree arguments for steps without one
 # The int8-activation GEMV against float64 (gemv_error): rounding the activations to
 # int8 per block of 32 costs ~0.5% of the output's scale on random rows; a wrong layout
 # or kernel is off by order one.
@@ -135,7 +139,6 @@ def build_root() -> Path:
 
 def why_unsupported(runner) -> str | None:
     """Why this engine's model cannot run the C++ step (None: it can)."""
-    cfg = runner.config
     if runner.parallel.world.world_size > 1:
         return f"{runner.parallel.world.world_size} ranks"
     quants = {m.kv_quant.kind for m in runner.model.modules()
@@ -244,9 +247,9 @@ class CppMetadataBuilder:
 
     def build(self, meta: AttentionMetadata, positions: torch.Tensor, *,
               split_context: int | None = None) -> AttentionMetadata:
-        # Candidate trees (Medusa) need their tree mask and depth positions: eager.
-        if meta.tree is None and meta.num_actual_tokens <= MAX_TOKENS and \
-                meta.max_query_len <= MAX_QUERY:
+        # Candidate trees (Medusa) too: their masks go to C++ (forward's tree_bits and
+        # tree_start), their depth positions come with the step's positions.
+        if meta.num_actual_tokens <= MAX_TOKENS and meta.max_query_len <= MAX_QUERY:
             meta.backend = CPP_PLAN
             return meta
         return self.inner.build(meta, positions, split_context=split_context)
@@ -348,9 +351,12 @@ class CppDecodeStep:
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """The step's decoder layers in C++; final hidden states [T, hidden]."""
         meta = inputs.meta
+        tree = meta.tree
+        bits, start = (tree.bits, tree.start) if tree is not None and any(tree.sizes_cpu) \
+            else (_NO_TREE, _NO_TREE)
         return self.step.forward(self.embed(inputs.input_ids), inputs.positions,
                                  meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-                                 meta.block_tables)
+                                 meta.block_tables, bits, start)
 
     def run_eager(self, inputs: StepInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
@@ -388,7 +394,12 @@ class CppDecodeStep:
                                     [[0, 1], [2, 0], [3, 0]], gen)
             decodes = self._check_one(kv_caches, block_size, [block_size + 3, 5], [1, 1],
                                       [[0, 1], [2, 0]], gen)
-            return max(mixed, decodes)
+            # A Medusa verification step: request 1's 4 tokens are a tree's root and
+            # three nodes ((0,), (1,), (0, 0)), masked and at depth positions.
+            tree = 0.0 if block_size < 4 else self._check_one(
+                kv_caches, block_size, [block_size + 3, block_size + 4], [1, 4],
+                [[0, 1], [2, 3]], gen, tree=((0,), (1,), (0, 0)))
+            return max(mixed, decodes, tree)
         finally:
             for b, v in zip(blocks, saved):
                 b.copy_(v)
@@ -435,9 +446,11 @@ class CppDecodeStep:
         return worst
 
     def _check_one(self, kv_caches: torch.Tensor, block_size: int, lens: list[int],
-                   qlens: list[int], table: list[list[int]], gen: torch.Generator) -> float:
-        """One step both ways: ``lens`` contexts after it, ``qlens`` new tokens each; the
-        output's error relative to its scale. A quantized cache: the eager reference
+                   qlens: list[int], table: list[list[int]], gen: torch.Generator,
+                   tree: tuple | None = None) -> float:
+        """One step both ways: ``lens`` contexts after it, ``qlens`` new tokens each (with
+        ``tree``, a candidate tree's choices: the last request's tokens are its root and
+        nodes); the output's error relative to its scale. A quantized cache: the eager reference
         runs over the K/V values the step stored (``keep_cache_values``), so that one
         float32 rounding difference upstream of the cache write, which moves a value a
         whole quantization step, is not carried through the layers as a difference of
@@ -445,9 +458,13 @@ class CppDecodeStep:
         (``self.write_error``: every layer's new K/V, relative to their scale)."""
         tables = torch.tensor(table, dtype=torch.int32)
         positions, slots = [], []
+        draft_tree = None if tree is None else DraftTree.from_choices(tree)
         for r, (n, q) in enumerate(zip(lens, qlens)):
-            for p in range(n - q, n):
-                positions.append(p)
+            depth = [0] * q
+            if draft_tree is not None and r == len(lens) - 1:
+                depth = [0] + [int(x) for x in draft_tree.depth]
+            for p, dp in zip(range(n - q, n), depth):
+                positions.append(n - q + dp)  # a tree token's rotary position: its depth
                 slots.append(int(tables[r, p // block_size]) * block_size + p % block_size)
         qsl = [0]
         for q in qlens:
@@ -459,7 +476,10 @@ class CppDecodeStep:
             max_seq_len=max(lens), slot_mapping=torch.tensor(slots),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32),
             seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
-            query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+            query_start_loc_cpu=qsl, seq_lens_cpu=lens,
+            tree=None if draft_tree is None else TreeAttention.build(
+                [None] * (len(lens) - 1) + [draft_tree.visible], qsl, lens,
+                torch.device("cpu")))
         pos = torch.tensor(positions)
         self._eager_builder.build(meta, pos)
         blocks = self._check_blocks(kv_caches)
@@ -468,8 +488,11 @@ class CppDecodeStep:
         eager_kv = self._written_kv(blocks, meta.slot_mapping)
         for b, v in zip(blocks, before):
             b.copy_(v)
+        bits, start = (_NO_TREE, _NO_TREE) if meta.tree is None else (meta.tree.bits,
+                                                                      meta.tree.start)
         got = self.step.forward(self.embed(ids), pos, meta.slot_mapping,
-                                meta.query_start_loc, meta.seq_lens, tables).float()
+                                meta.query_start_loc, meta.seq_lens, tables, bits,
+                                start).float()
         if self.kv_kind is not None:
             step_kv = self._written_kv(blocks, meta.slot_mapping)
             scale = eager_kv.abs().amax(dim=(1, 2, 3, 4)).clamp_min(1e-6)  # per layer

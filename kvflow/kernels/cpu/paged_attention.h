@@ -198,12 +198,17 @@ inline void prefetch(const void* p, int64_t bytes) {
 // output at out + b * H * D. The C entry below passes one item per sequence; the C++
 // step one per token (a prefill chunk's tokens share their request's row, each with its
 // own causal length) and its fused qkv rows (q_stride = (H + 2 KVH) D).
+//
+// Candidate trees (Medusa verification): with ``mask_from`` and ``mask_bits`` given, item
+// b sees position p >= mask_from[b] only if bit p - mask_from[b] of mask_bits[b] is set
+// (the tree's root is at mask_from[b]; bits past 63 count as set, so -1 sees all).
 template <int DC, typename KV>
 void decode(float* out, const float* q, int64_t q_stride, const KV* cache,
             const float* scales, const int32_t* tables, const int32_t* row_of,
             const int32_t* lens, int64_t b_count, int64_t h, int64_t kvh, int64_t d,
             int64_t nb, int64_t bs, int64_t w, float sm_scale, float k_scale,
-            float v_scale, int threads) {
+            float v_scale, int threads, const int32_t* mask_from = nullptr,
+            const int64_t* mask_bits = nullptr) {
   const int64_t g_count = h / kvh;
   const int64_t dc = DC ? DC : d / 8;
   const int64_t tok = kvh * d;  // stride between tokens of one block
@@ -279,8 +284,14 @@ void decode(float* out, const float* q, int64_t q_stride, const KV* cache,
         }
       }
       // Softmax of each query head's scores; the 1 / sum is applied to the output.
+      // Keys a tree token may not see score -inf (out of the max) and weigh exactly 0.
+      const int64_t mfrom = mask_from ? std::clamp<int64_t>(mask_from[b], 0, len) : len;
+      const uint64_t mbits = mask_bits ? static_cast<uint64_t>(mask_bits[b]) : ~0ull;
+      auto hidden = [&](int64_t t) { return t - mfrom < 64 && !((mbits >> (t - mfrom)) & 1); };
       for (int64_t r = 0; r < heads_per * g_count; ++r) {
         float* sr = s.data() + r * row_len;
+        for (int64_t t = mfrom; t < len; ++t)
+          if (hidden(t)) sr[t] = -INFINITY;
         v8f mx8 = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
                    -INFINITY, -INFINITY};
         int64_t t = 0;
@@ -293,6 +304,8 @@ void decode(float* out, const float* q, int64_t q_stride, const KV* cache,
         for (; t < len; ++t) mx = std::max(mx, sr[t]);
         for (t = 0; t < len; ++t) sr[t] -= mx;
         exp_inplace(sr, static_cast<int>(len));
+        for (int64_t t = mfrom; t < len; ++t)
+          if (hidden(t)) sr[t] = 0.0f;
         v8f sum8 = {};
         for (t = 0; t + 8 <= len; t += 8) sum8 += load8(sr + t);
         float sum = hsum(sum8);
@@ -354,14 +367,16 @@ void dispatch(int64_t d, float* out, const float* q, int64_t q_stride, const KV*
               const float* scales, const int32_t* tables, const int32_t* row_of,
               const int32_t* lens, int64_t b, int64_t h, int64_t kvh, int64_t nb,
               int64_t bs, int64_t w, float sm_scale, float k_scale, float v_scale,
-              int threads) {
+              int threads, const int32_t* mask_from = nullptr,
+              const int64_t* mask_bits = nullptr) {
   if constexpr (std::is_same_v<KV, uint8_t>) {  // fp8: widened values are x kFp8Widen
     k_scale /= kFp8Widen;  // a power of two: the products round as without it
     v_scale /= kFp8Widen;
   }
   auto run = [&](auto dc) {
     decode<decltype(dc)::value>(out, q, q_stride, cache, scales, tables, row_of, lens, b,
-                                h, kvh, d, nb, bs, w, sm_scale, k_scale, v_scale, threads);
+                                h, kvh, d, nb, bs, w, sm_scale, k_scale, v_scale, threads,
+                                mask_from, mask_bits);
   };
   switch (d) {
     case 32: run(std::integral_constant<int, 4>{}); break;
