@@ -10,8 +10,9 @@ import torch
 
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import MergedLinear, QKVLinear
+from kvflow.layers import sampler as sampler_mod
 from kvflow.layers.sampler import (Sampler, SamplingMetadata, apply_penalties,
-                                   apply_top_k_top_p_min_p, gather_logprobs)
+                                   apply_top_k_top_p_min_p, gather_logprobs, random_sample)
 
 NEG = float("-inf")
 
@@ -88,6 +89,69 @@ def test_gather_logprobs_without_top_n():
     lp = torch.tensor([[-0.1, -2.0, -3.0]])
     ids, lps, ranks = gather_logprobs(lp, torch.tensor([1]), 0)
     assert ids.tolist() == [[1]] and lps.tolist() == [[-2.0]] and ranks.tolist() == [2]
+
+
+def _sorted_filter(logits: torch.Tensor, m: SamplingMetadata, monkeypatch) -> torch.Tensor:
+    """The sort path's result (the CPU's partial path switched off)."""
+    with monkeypatch.context() as mp:
+        mp.setattr(sampler_mod, "_top_k_top_p_partial", lambda *a: None)
+        return apply_top_k_top_p_min_p(logits, m)
+
+
+@pytest.mark.parametrize("case", ["top_p", "top_k", "both", "mixed", "min_p", "flat",
+                                  "large_k", "tie"])
+def test_cpu_partial_filter_equals_the_sort(case, monkeypatch):
+    """The CPU's topk-based top-k/top-p keeps exactly the tokens the full sort keeps, on
+    a 49k vocabulary, peaked and flat rows; where the kept set may pass its candidates
+    it falls back to the sort (and says so by returning None)."""
+    g = torch.Generator().manual_seed(0)
+    rows, v = 6, 49152
+    logits = torch.randn(rows, v, generator=g) * torch.tensor([4.0, 3, 5, 3.5, 6, 4])[:, None]
+    full_k, full_p = torch.full((rows,), v), torch.ones(rows)
+    kw = {"top_p": dict(top_p=torch.tensor([0.9, 0.5, 0.95, 0.8, 0.99, 0.7])),
+          "top_k": dict(top_k=torch.tensor([1, 5, 40, 100, 127, 50])),
+          "both": dict(top_k=torch.tensor([20, 50, 100, 40, 10, 80]),
+                       top_p=torch.tensor([0.9, 0.5, 0.95, 0.8, 0.99, 0.7])),
+          "mixed": dict(top_k=torch.where(torch.arange(rows) % 2 == 0, full_k, 30),
+                        top_p=torch.where(torch.arange(rows) % 3 == 0, full_p, 0.9)),
+          "min_p": dict(min_p=torch.full((rows,), 0.05), top_p=torch.full((rows,), 0.9)),
+          "flat": dict(top_p=torch.full((rows,), 0.9)),
+          "large_k": dict(top_k=torch.full((rows,), 1000)),
+          "tie": dict(top_k=torch.full((rows,), 3))}[case]
+    if case == "flat":
+        logits = logits / 100  # nearly uniform: 128 candidates hold far less than 0.9
+    if case == "tie":
+        logits[:, :200] = 50.0  # the 3rd best ties with 197 more: past the candidates
+    m = meta(rows, **kw)
+    want = _sorted_filter(logits, m, monkeypatch)
+    got = apply_top_k_top_p_min_p(logits, m)
+    # Rows with neither filter keep every token (the sort's float32 running sum may reach
+    # 1.0 a little early and drop a tail of ~1e-7 there).
+    none = (m.top_k if m.top_k is not None else full_k) >= v
+    none &= (m.top_p if m.top_p is not None else full_p) >= 1.0
+    if m.min_p is None:
+        assert torch.equal(got[none], logits[none])
+    assert torch.equal(got[~none] > NEG, want[~none] > NEG)
+    assert torch.equal(got[got > NEG], logits[got > NEG])
+    filtered = logits if case != "min_p" else apply_top_k_top_p_min_p(
+        logits, meta(rows, min_p=m.min_p))
+    partial = [sampler_mod._top_k_top_p_partial(filtered, m, k) is not None
+               for k in sampler_mod.PARTIAL_CANDIDATES]
+    want_partial = {"flat": [False] * 3, "tie": [False, True, True]}  # 200 ties fit 1024
+    assert partial == want_partial.get(case, partial) and any(partial) == (case != "flat"), \
+        (case, partial)
+
+
+def test_cpu_draw_follows_the_distribution_and_ignores_zero_weights():
+    """random_sample on the CPU (one uniform through the cumulative weights): frequencies
+    converge to the weights, unnormalized rows included, zero-weight tokens never come."""
+    torch.manual_seed(0)
+    w = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25], [3.0, 0.0, 1.0, 0.0, 0.0]])
+    draws = torch.stack([random_sample(w, {}) for _ in range(20000)])  # [N, 2]
+    for r in range(2):
+        freq = torch.bincount(draws[:, r], minlength=5).float() / len(draws)
+        assert float((freq - w[r] / w[r].sum()).abs().max()) < 0.015
+        assert freq[w[r] == 0].sum() == 0
 
 
 def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():

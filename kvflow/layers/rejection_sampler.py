@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.layers.sampler import (SamplingMetadata, apply_top_k_top_p_min_p, greedy_argmax,
-                                   process_logits)
+                                   process_logits, random_sample)
 
 # Padding of output rows past each request's emitted tokens.
 INVALID_TOKEN = -1
@@ -186,12 +186,13 @@ class RejectionSampler(torch.nn.Module):
         if not meta.all_greedy:
             p = target_probs(target_logits, rmeta)  # [T, V]
             u = torch.rand(len(draft_row), device=dev)  # [D]
-            noise = torch.empty_like(p).exponential_()  # [T, V]
+            draft_gens, bonus_gens = {}, {}  # a seeded request's draws: its own stream
             for i, g in gens.items():
-                d, r = draft_start[i], row_start[i]
+                d = draft_start[i]
                 if num_draft[i]:
                     u[d: d + num_draft[i]].uniform_(generator=g)
-                noise[r: r + num_draft[i] + 1].exponential_(generator=g)
+                draft_gens.update((j, g) for j in range(d, d + num_draft[i]))
+                bonus_gens[i] = g
             p_x = p[draft_row, draft_token_ids]  # [D]
             if draft_probs is None:  # one-hot draft distribution
                 q_x = torch.ones_like(p_x)
@@ -203,8 +204,8 @@ class RejectionSampler(torch.nn.Module):
             empty = residual.sum(dim=-1, keepdim=True) <= 0
             residual = torch.where(empty, p[draft_row], residual)
             random_accept = u * q_x < p_x
-            recovered = residual.div(noise[draft_row]).argmax(dim=-1)  # [D]
-            bonus = p[bonus_row].div(noise[bonus_row]).argmax(dim=-1)  # [B]
+            recovered = random_sample(residual, draft_gens)  # [D]
+            bonus = random_sample(p[bonus_row], bonus_gens)  # [B]
             random_tok = torch.empty(num_rows, dtype=torch.int64, device=dev)
             random_tok[draft_row] = recovered
             random_tok[bonus_row] = bonus

@@ -42,7 +42,7 @@ import torch
 
 from kvflow.layers.rejection_sampler import (INVALID_TOKEN, expand_metadata, processed_argmax,
                                              target_probs)
-from kvflow.layers.sampler import SamplingMetadata
+from kvflow.layers.sampler import SamplingMetadata, random_sample
 from kvflow.spec_decode.tree import DraftTree
 from kvflow.worker.transfer import to_device
 
@@ -167,15 +167,15 @@ class TreeVerifier:
             p_tok = p[plan.parent_rows, draft_token_ids]  # [D]
             is_random = rmeta.temperature > 0  # [N]
             node_lp = p_tok.clamp(min=1e-30).log().clamp(min=-100.0)
-            # One draw per row from the processed distribution (exponential race).
-            noise = torch.empty_like(p).exponential_()  # [N, V]
-            start = 0
+            # One draw per row from the processed distribution; a seeded request's rows
+            # from its own generator.
+            gens, start = {}, 0
             for i, m in enumerate(num_draft):
                 g = meta.generators.get(i)
-                if g is not None:  # a seeded request's own stream
-                    noise[start: start + m + 1].exponential_(generator=g)
+                if g is not None:
+                    gens.update((r, g) for r in range(start, start + m + 1))
                 start += m + 1
-            row_tok = torch.where(is_random, p.div(noise).argmax(dim=-1), greedy)
+            row_tok = torch.where(is_random, random_sample(p, gens), greedy)
             random_node = is_random[plan.node_rows]  # [D]
             if self.acceptance == "exact":
                 drawn = row_tok[plan.parent_rows] == draft_token_ids
