@@ -12,6 +12,7 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.engine.args import EngineArgs
 from kvflow.errors import InvalidParameterError, ModelNotFoundError
+from kvflow.worker import cpu_step
 
 # Dummy weights with the target's own seed: the full copy IS the target.
 COPY = {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 2,
@@ -151,6 +152,31 @@ def test_bad_draft_fails_at_startup_naming_the_option(spec, error, match):
         args.create_engine_config()
 
 
+@pytest.mark.skipif(cpu_step.find_compiler() is None, reason="needs a C++ compiler")
+def test_draft_runs_its_own_cpp_step(monkeypatch):
+    """On CPU the draft gets the C++ step the target runs: its forwards (catch-up chunks
+    and one-token steps) go through it, the output stays plain greedy's; with the
+    target eager (--enforce-eager) the draft is eager too."""
+    ps = prompts(1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = tokens(tiny(), ps, params)
+    llm = tiny(speculative_config=COPY)
+    step = proposer(llm).cpp_step
+    assert isinstance(step, cpu_step.CppDecodeStep)
+    assert step.model is proposer(llm).model and step.model is not \
+        llm.engine.core.executor.runner.model
+    runs = []
+    real_run = step.run
+    monkeypatch.setattr(step, "run", lambda inputs: runs.append(
+        inputs.meta.num_actual_tokens) or real_run(inputs))
+    assert tokens(llm, ps, params) == want
+    stats = llm.engine.core.scheduler.spec_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # the copy is the target
+    assert len(runs) >= 3 * stats.num_drafts / len(ps)  # k forwards per proposing step
+    assert max(runs) > len(ps)  # prompt catch-up chunks too
+    assert proposer(tiny(speculative_config=COPY, enforce_eager=True)).cpp_step is None
+
+
 def test_real_model_with_its_quantized_copy_as_draft(smollm2):
     """SmolLM2 dense (HF-exact weights) verifying drafts of its own 4-bit GGUF copy: the
     greedy output is plain greedy's, and the copy agrees with the target most of the
@@ -166,3 +192,5 @@ def test_real_model_with_its_quantized_copy_as_draft(smollm2):
     assert got == want
     stats = llm.engine.core.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens
+    if cpu_step.find_compiler() is not None:  # the 4-bit draft decodes in C++ with its GEMV
+        assert proposer(llm).cpp_step is not None and proposer(llm).cpp_step.num_int4 == 120

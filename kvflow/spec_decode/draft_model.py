@@ -22,19 +22,23 @@ keeps each draft with probability min(1, p / q): the output is exactly the targe
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
 from kvflow.config import EngineConfig, GiB, torch_dtype
 from kvflow.layers.attention import AttentionMetadata, AttentionSpec, model_rotary
 from kvflow.layers.custom_op import use_kernels
-from kvflow.layers.sampler import SamplingMetadata, apply_top_k_top_p_min_p, greedy_argmax
+from kvflow.layers.sampler import (SamplingMetadata, apply_top_k_top_p_min_p, greedy_argmax,
+                                   random_sample)
 from kvflow.logger import init_logger
 from kvflow.models.loader import load_model
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.proposer import Proposer
 from kvflow.utils import cdiv
 from kvflow.worker import kv_cache as kvc
+from kvflow.worker.cpu_threads import StepThreadPolicy
 from kvflow.worker.transfer import to_device
 
 logger = init_logger(__name__)
@@ -86,11 +90,19 @@ class DraftModelProposer(Proposer):
         self.config = config
         self.model = load_model(draft, device, backend)
         use_kernels(self.model, kernels)
-        self.attn_builder = backend.metadata_builder(AttentionSpec(
+        self.attn_spec = AttentionSpec(
             block_size=self.block_size, num_kv_heads=draft.arch.num_key_value_heads,
             dtype=torch_dtype(draft.dtype), device=device, rotary=model_rotary(self.model),
             num_sms=torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda" else 1))
+            if device.type == "cuda" else 1)
+        self.attn_builder = backend.metadata_builder(self.attn_spec)
+        # On CPU, the draft's own C++ step (worker/cpu_step.py), built in warmup() when
+        # the target runs one: a draft token then costs what a plain decode step of the
+        # draft costs, not an eager forward (~180 aten calls per layer).
+        self.cpp_step = None
+        # CPU: the draft's small steps on one thread or all, whichever measures faster
+        # (worker/cpu_threads.py), with estimates of its own (not the target's).
+        self.thread_policy: StepThreadPolicy | None = None
         logger.info("draft model %s: %d layers, %.2f GiB of weights", draft.model,
                     draft.arch.num_hidden_layers,
                     sum(p.numel() * p.element_size() for p in self.model.parameters()) / GiB)
@@ -119,6 +131,29 @@ class DraftModelProposer(Proposer):
         self.blocks = DraftBlocks(total, self.block_size)
         logger.info("draft KV cache: %d blocks, %.2f GiB", total,
                     self.kv_caches.numel() * self.kv_caches.element_size() / GiB)
+
+    def warmup(self, runner) -> None:
+        """On CPU, give the draft the C++ step the target runs (same switches: none when
+        the target decodes eagerly), checked against its eager forward like the
+        target's; its forwards of up to 64 new tokens per request then run in C++."""
+        from kvflow.worker.cpu_step import CppDecodeStep, cpu_decode_step
+
+        if self.device.type != "cpu":
+            return
+        if runner._adaptive_threads:
+            self.thread_policy = StepThreadPolicy(torch.get_num_threads())
+        if self.kv_caches is None or not isinstance(runner.graphs, CppDecodeStep):
+            return
+        # What cpu_decode_step reads of a model runner, for the draft.
+        host = SimpleNamespace(
+            config=runner.config, parallel=runner.parallel, model=self.model,
+            kv_caches=self.kv_caches, kv_scales=None, attn_spec=self.attn_spec,
+            block_size=self.block_size,
+            step_builder=SimpleNamespace(attn_builder=self.attn_builder))
+        self.cpp_step = cpu_decode_step(host, label="draft model: ")
+        # The C++ step's builder marks the steps it takes (or, after a failed check, the
+        # builder stays the eager one).
+        self.attn_builder = host.step_builder.attn_builder
 
     def release(self, req_id: str) -> None:
         """The request finished or was preempted: its draft blocks go back."""
@@ -216,7 +251,7 @@ class DraftModelProposer(Proposer):
             if any(p.min_p > 0.0 for p in params) else None,
             generators={})
         q = apply_top_k_top_p_min_p(logits / meta.temperature[:, None], meta).softmax(dim=-1)
-        noise = torch.empty_like(q).exponential_()  # [R, V]: argmax(q / e) draws from q
+        generators = {}
         for r, t in enumerate(reqs):
             seed = t[5].seed
             if seed is not None and not greedy[r]:
@@ -224,8 +259,8 @@ class DraftModelProposer(Proposer):
                 if gen is None:  # the draft's own stream: the target's stays untouched
                     gen = torch.Generator(dev).manual_seed((seed + 0x5EED) % (1 << 64))
                     self._generators[t[1]] = gen
-                noise[r].exponential_(generator=gen)
-        sampled = q.div(noise).argmax(dim=-1)
+                generators[r] = gen
+        sampled = random_sample(q, generators)  # the sampler's exact draw (CPU: one uniform)
         tok = torch.where(torch.tensor(greedy, device=dev), greedy_argmax(logits), sampled)
         return tok, q
 
@@ -259,6 +294,15 @@ class DraftModelProposer(Proposer):
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
         self.attn_builder.build(meta, positions_dev)
         input_ids = to_device(np.concatenate(chunks).astype(np.int64), dev, torch.int64)
-        hidden = self.model(input_ids, positions_dev, meta)  # [T, hidden]
+        inputs = SimpleNamespace(input_ids=input_ids, positions=positions_dev, meta=meta)
         last = to_device(qsl[1:] - 1, dev, torch.int64)
-        return self.model.compute_logits(hidden[last])  # [R, V]
+
+        def run() -> torch.Tensor:
+            if self.cpp_step is not None and self.cpp_step.can_run(inputs):
+                hidden = self.cpp_step.run(inputs)  # [T, hidden]
+            else:
+                hidden = self.model(input_ids, positions_dev, meta)  # [T, hidden]
+            return self.model.compute_logits(hidden[last])  # [R, V]
+        if self.thread_policy is not None:
+            return self.thread_policy.run(meta.num_actual_tokens, run)
+        return run()

@@ -50,6 +50,10 @@ class Proposer:
     def release(self, req_id: str) -> None:
         """The request left the batch (finished or preempted)."""
 
+    def warmup(self, runner) -> None:
+        """The target's runner has warmed up (on CPU: built its C++ step, ``runner.graphs``);
+        a proposer running a model of its own may build the same for it."""
+
 
 def make_proposer(spec: "SpeculativeConfig", engine: "EngineConfig | None" = None,
                   device=None, backend=None, kernels: bool = False, target=None,

@@ -525,9 +525,10 @@ class CppDecodeStep:
         return self.model.config.vocab_size
 
 
-def cpu_decode_step(runner):
+def cpu_decode_step(runner, label: str = ""):
     """The CPU step the runner uses: the C++ step (default), the opt-in inductor step
-    (KVFLOW_CPU_COMPILE=1), or None (eager), with one log line saying which and why."""
+    (KVFLOW_CPU_COMPILE=1), or None (eager), with one log line saying which and why
+    (starting with ``label``: a draft model's runner-like host passes "draft model: ")."""
     cfg = runner.config
     if cfg.device.enforce_eager:
         logger.info("compiled CPU decode step off (--enforce-eager): decoding eagerly")
@@ -544,14 +545,14 @@ def cpu_decode_step(runner):
     else:
         why_not = why_unsupported(runner)
     if why_not is not None:
-        logger.info("C++ CPU decode step off (%s): decoding eagerly", why_not)
+        logger.info("%sC++ CPU decode step off (%s): decoding eagerly", label, why_not)
         return None
     try:
         module, seconds = load_extension()
     except Exception as e:  # a broken toolchain must not stop the engine
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        logger.warning("building the C++ CPU decode step failed, decoding eagerly: %s: %s",
-                       type(e).__name__, first_line)
+        logger.warning("%sbuilding the C++ CPU decode step failed, decoding eagerly: %s: %s",
+                       label, type(e).__name__, first_line)
         return None
     step = None
     try:
@@ -560,8 +561,8 @@ def cpu_decode_step(runner):
     except Exception as e:  # e.g. a layout the C++ side rejects: eager, not a dead engine
         if step is not None:
             step.detach()
-        logger.warning("the C++ CPU decode step failed its warm-up check, decoding eagerly: "
-                       "%s: %s", type(e).__name__, str(e).strip().splitlines()[0] if
+        logger.warning("%sthe C++ CPU decode step failed its warm-up check, decoding "
+                       "eagerly: %s: %s", label, type(e).__name__, str(e).strip().splitlines()[0] if
                        str(e).strip() else "")
         return None
     # Rounding differences stay far below these; a wrong step (a layer skipped, rotary
@@ -580,17 +581,17 @@ def cpu_decode_step(runner):
     if not error <= tolerance or not gemv_error <= GEMV_TOLERANCE or \
             not step.write_error <= WRITE_TOLERANCE:
         step.detach()
-        logger.warning("the C++ CPU decode step disagrees with eager (relative error %.2g, "
+        logger.warning("%sthe C++ CPU decode step disagrees with eager (relative error %.2g, "
                        "tolerance %.0e; its GEMV against float64 %.2g, tolerance %.0e; "
                        "its stored K/V against eager's %.2g, tolerance %.0e), decoding "
-                       "eagerly", error, tolerance, gemv_error, GEMV_TOLERANCE,
+                       "eagerly", label, error, tolerance, gemv_error, GEMV_TOLERANCE,
                        step.write_error, WRITE_TOLERANCE)
         return None
     head = step.head_gemv(step.module.quant_gemv)
-    logger.info("C++ CPU decode step: %d decoder layers in one call (%d quantized linears "
+    logger.info("%sC++ CPU decode step: %d decoder layers in one call (%d quantized linears "
                 "called back, %d of them by its own 4-bit GEMV up to 16 rows%s%s; %s KV "
                 "cache), steps of up to %d tokens; built/loaded in %.1f s (%s), self-check "
-                "relative error %.1e (GEMV %.1e%s)", step.num_layers, step.num_callbacks,
+                "relative error %.1e (GEMV %.1e%s)", label, step.num_layers, step.num_callbacks,
                 step.num_int4, ", the lm_head too" if head else "",
                 f", {step.num_int8_act} on int8 activations ({step.module.q8_gemv_isa()})"
                 if step.num_int8_act else "", step.kv_kind or "model-dtype", MAX_TOKENS,

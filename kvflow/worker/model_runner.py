@@ -171,6 +171,8 @@ class ModelRunner:
             from kvflow.worker.cpu_step import cpu_decode_step
 
             self.graphs = cpu_decode_step(self)
+            if self.spec is not None:  # a draft model builds a C++ step of its own
+                self.spec.warmup(self)
             return
         if self.device.type != "cuda" or self.parallel.pp.world_size > 1:
             return  # graphs do not hold the stage-to-stage sends (pipeline parallel)
