@@ -454,3 +454,41 @@ def test_medusa_tree_steps_run_in_cpp(model, dtype, kv, tmp_path, monkeypatch):
     else:  # bf16: near-ties may part later (see test_cpp_step_matches_eager)
         assert [g[:8] for g in got] == [w[:8] for w in want]
     assert llm.engine.core.scheduler.spec_stats.mean_accepted_length > 2.0
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 100), (6, 8), (5, 3)])
+def test_float32_gemv_rows_are_one_row_calls(n, k):
+    """The step's float32 GEMV (the dense linears' path up to 16 rows, and a dense
+    lm_head's): within float32 rounding of the float64 product, and each row of an
+    m-row call bit-identical to a one-row call (speculative verify rows must give a
+    decode's numbers), whatever the row and column tiles and the input tail."""
+    module, _ = cpu_step.load_extension()
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x = torch.randn(16, k, generator=g)
+    for bias in (b, torch.empty(0)):
+        ref = x.double() @ w.double().t() + (bias.double() if bias.numel() else 0.0)
+        one = torch.cat([module.linear_f32(x[i:i + 1], w, bias) for i in range(16)])
+        assert float((one - ref).abs().max() / ref.abs().max()) < 1e-5
+        for m in (2, 3, 4, 5, 6, 9, 16):
+            assert torch.equal(module.linear_f32(x[:m], w, bias), one[:m]), m
+    with pytest.raises(RuntimeError, match="linear_f32"):
+        module.linear_f32(torch.randn(17, k), w, b)
+
+
+def test_dense_lm_head_takes_the_float32_gemv():
+    """A dense float32 model's lm_head computes up to 16 rows with the step's GEMV once
+    the self-check has passed (and not during it), with the same greedy tokens."""
+    ps = _prompts([5, 9, 17, 30])
+    want = _greedy(_tiny(enforce_eager=True), ps)
+    llm = _tiny()
+    runner = _runner(llm)
+    head = runner.model.lm_head
+    assert head.cpu_gemv is not None
+    calls = []
+    real = head.cpu_gemv
+    head.cpu_gemv = lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b)
+    assert _greedy(llm, ps) == want
+    assert calls and max(calls) <= 16
+    runner.graphs.detach()
+    assert head.cpu_gemv is None

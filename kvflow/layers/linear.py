@@ -94,6 +94,9 @@ class UnquantizedLinearMethod(LinearMethod):
         # per fused form, decode row counts M -> GEMV config where it beats cuBLAS
         # (kvflow/kernels/gemv_dispatch.py; set after loading, empty off CUDA)
         layer.gemv = NO_GEMV
+        # CPU: the C++ step's float32 GEMV (x, weight, bias) -> y for up to 16 rows, set
+        # on a dense lm_head by worker/cpu_step.py once its self-check has passed.
+        layer.cpu_gemv = None
 
     def process_weights_after_loading(self, layer: "LinearBase") -> None:
         from kvflow.kernels.gemv_dispatch import plan_gemv
@@ -101,6 +104,9 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.gemv = plan_gemv(layer)
 
     def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+        fn = getattr(layer, "cpu_gemv", None)
+        if fn is not None and x.dim() == 2 and x.shape[0] <= 16 and x.dtype == torch.float32:
+            return fn(x, layer.weight, layer.bias)
         plan = layer.gemv  # NO_GEMV itself on CPU and wherever nothing was planned
         cfg = plan["linear"].get(x.shape[0]) if plan is not NO_GEMV and x.dim() == 2 else None
         if cfg is not None:  # decode batch on CUDA (kvflow/kernels/gemv.py)

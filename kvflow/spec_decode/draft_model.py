@@ -38,7 +38,6 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.proposer import Proposer
 from kvflow.utils import cdiv
 from kvflow.worker import kv_cache as kvc
-from kvflow.worker.cpu_threads import StepThreadPolicy
 from kvflow.worker.transfer import to_device
 
 logger = init_logger(__name__)
@@ -100,9 +99,6 @@ class DraftModelProposer(Proposer):
         # the target runs one: a draft token then costs what a plain decode step of the
         # draft costs, not an eager forward (~180 aten calls per layer).
         self.cpp_step = None
-        # CPU: the draft's small steps on one thread or all, whichever measures faster
-        # (worker/cpu_threads.py), with estimates of its own (not the target's).
-        self.thread_policy: StepThreadPolicy | None = None
         logger.info("draft model %s: %d layers, %.2f GiB of weights", draft.model,
                     draft.arch.num_hidden_layers,
                     sum(p.numel() * p.element_size() for p in self.model.parameters()) / GiB)
@@ -138,11 +134,8 @@ class DraftModelProposer(Proposer):
         target's; its forwards of up to 64 new tokens per request then run in C++."""
         from kvflow.worker.cpu_step import CppDecodeStep, cpu_decode_step
 
-        if self.device.type != "cpu":
-            return
-        if runner._adaptive_threads:
-            self.thread_policy = StepThreadPolicy(torch.get_num_threads())
-        if self.kv_caches is None or not isinstance(runner.graphs, CppDecodeStep):
+        if self.device.type != "cpu" or self.kv_caches is None or \
+                not isinstance(runner.graphs, CppDecodeStep):
             return
         # What cpu_decode_step reads of a model runner, for the draft.
         host = SimpleNamespace(
@@ -297,12 +290,11 @@ class DraftModelProposer(Proposer):
         inputs = SimpleNamespace(input_ids=input_ids, positions=positions_dev, meta=meta)
         last = to_device(qsl[1:] - 1, dev, torch.int64)
 
-        def run() -> torch.Tensor:
-            if self.cpp_step is not None and self.cpp_step.can_run(inputs):
-                hidden = self.cpp_step.run(inputs)  # [T, hidden]
-            else:
-                hidden = self.model(input_ids, positions_dev, meta)  # [T, hidden]
-            return self.model.compute_logits(hidden[last])  # [R, V]
-        if self.thread_policy is not None:
-            return self.thread_policy.run(meta.num_actual_tokens, run)
-        return run()
+        # (All intra-op threads: an adaptive thread count of the draft's own, as the
+        # target's steps have (worker/cpu_threads.py), measured 1.4x slower drafts on two
+        # cores, switching the thread count twice per draft token.)
+        if self.cpp_step is not None and self.cpp_step.can_run(inputs):
+            hidden = self.cpp_step.run(inputs)  # [T, hidden]
+        else:
+            hidden = self.model(input_ids, positions_dev, meta)  # [T, hidden]
+        return self.model.compute_logits(hidden[last])  # [R, V]

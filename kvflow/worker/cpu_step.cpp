@@ -42,6 +42,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 // The paged attention kernel the torch backend's decodes also run (float32, int8 and
 // fp8 caches read in place): one copy of that code, compiled into both libraries.
 #include "../kernels/cpu/paged_attention.h"
@@ -178,8 +182,104 @@ inline float dot_row(const float* q, const T* k, int64_t n) {
 // few inputs (hidden 64) a dot product per output is mostly its horizontal sum.
 constexpr int64_t kTransposeBytes = 256 * 1024;
 
-// y [T, N] = x [T, K] W^T + b for float32 and few rows, into `y`: a GEMV per row. Library
-// GEMMs cost microseconds of setup per call at these sizes.
+// y[r, j] = dot_f32(x row r, w row j) for R rows of x (row stride k) and J weight rows
+// (stride k), in one pass: each (row, output) pair keeps dot_f32's 8 partial sums in one
+// register, so its result is dot_f32's whatever R and J (a verify row gives exactly a
+// one-row decode's numbers), and the R x J independent chains hide the FMA latency that
+// bounds a single dot product. Per 8 inputs: R + J loads for R x J FMAs.
+template <int R, int J>
+inline void dot_f32_tile(const float* x, const float* w, int64_t k, float* y, int64_t ldy) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 v[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) v[r][j] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= k; c += 8) {
+    __m256 wv[J];
+    for (int j = 0; j < J; ++j) wv[j] = _mm256_loadu_ps(w + j * k + c);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * k + c);
+      for (int j = 0; j < J; ++j) v[r][j] = _mm256_fmadd_ps(xv, wv[j], v[r][j]);
+    }
+  }
+  alignas(32) float a[8];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) {
+      _mm256_store_ps(a, v[r][j]);
+      float s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+      for (int64_t i = c; i < k; ++i) s += x[r * k + i] * w[j * k + i];
+      y[r * ldy + j] = s;
+    }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) y[r * ldy + j] = dot_f32(x + r * k, w + j * k, k);
+#endif
+}
+
+// Tiles that fit the vector registers (accumulators R x J, plus J weights and a row):
+// AVX-512 machines have 32, AVX2 ones 16. One weight row at a time (J = 1) takes up to
+// 4 rows either way.
+#if defined(__AVX512VL__)
+constexpr int kTileRows = 4, kTileCols = 4;
+#else
+constexpr int kTileRows = 2, kTileCols = 4;
+#endif
+
+// Rows [0, r) of x times outputs [0, J) of w into y (row stride ldy); r at most 4 (J = 1)
+// or kTileRows.
+template <int J>
+inline void dot_f32_rows(const float* x, int64_t r, const float* w, int64_t k, float* y,
+                         int64_t ldy) {
+  constexpr bool wide = J == 1 || kTileRows == 4;
+  switch (r) {
+    case 4: if constexpr (wide) return dot_f32_tile<4, J>(x, w, k, y, ldy); break;
+    case 3: if constexpr (wide) return dot_f32_tile<3, J>(x, w, k, y, ldy); break;
+    case 2: return dot_f32_tile<2, J>(x, w, k, y, ldy);
+    default: return dot_f32_tile<1, J>(x, w, k, y, ldy);
+  }
+  TORCH_CHECK(false, "dot_f32_rows: ", r, " rows");
+}
+
+// Outputs [n0, n1) of y = x W^T for all t rows, J weight rows per tile.
+template <int J>
+void linear_span_f32(const float* xp, int64_t t, int64_t k, const float* wp, int64_t n0,
+                     int64_t n1, float* yp, int64_t ldy) {
+  constexpr int64_t rows = J == 1 ? 4 : kTileRows;
+  for (int64_t j = n0; j < n1; j += J) {
+    const int64_t cols = std::min<int64_t>(J, n1 - j);
+    for (int64_t i = 0; i < t; i += rows) {
+      const int64_t r = std::min<int64_t>(rows, t - i);
+      float* y = yp + i * ldy + j;
+      if (cols == J) dot_f32_rows<J>(xp + i * k, r, wp + j * k, k, y, ldy);
+      else
+        for (int64_t q = 0; q < cols; ++q)
+          dot_f32_rows<1>(xp + i * k, r, wp + (j + q) * k, k, y + q, ldy);
+    }
+  }
+}
+
+// y [T, N] = x [T, K] W^T + b for float32 and up to kMaxGemvRows rows, into `y` (row
+// stride ldy). Library GEMMs cost microseconds of setup per call at these sizes and at
+// 2-16 rows read the weights as if compute-bound (SmolLM2's 30 dense layers, 2 threads:
+// at::linear 38-52 ms for 5-16 rows, this 24-42 ms; one row 14 ms); here each weight row
+// comes from memory once for all rows, and every (row, output) sum is dot_f32's. Up to
+// 5 rows (a decode, a short verify step) walk one weight row at a time, which streams
+// fastest; more rows take tiles of kTileCols weight rows (fewer loads per FMA).
+void linear_rows_f32(const float* xp, int64_t t, int64_t k, const float* wp, const float* bp,
+                     int64_t n, float* yp, int64_t ldy) {
+  const int64_t grain = std::max<int64_t>(kTileCols, 32768 / std::max<int64_t>(1, k));
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    if (t <= 5) linear_span_f32<1>(xp, t, k, wp, n0, n1, yp, ldy);
+    else linear_span_f32<kTileCols>(xp, t, k, wp, n0, n1, yp, ldy);
+    if (bp)
+      for (int64_t i = 0; i < t; ++i)
+        for (int64_t q = n0; q < n1; ++q) yp[i * ldy + q] += bp[q];
+  });
+}
+
+// The same for a layer of the step: small weights (<= kTransposeBytes) use their
+// transposed copy (with few inputs, hidden 64, a dot product per output would be mostly
+// its horizontal sum).
 void small_linear_f32(const at::Tensor& x, const Linear& l, at::Tensor& y) {
   const int64_t t = x.size(0), k = x.size(1), n = l.weight.size(0);
   const float* xp = x.data_ptr<float>();
@@ -201,15 +301,7 @@ void small_linear_f32(const at::Tensor& x, const Linear& l, at::Tensor& y) {
     }
     return;
   }
-  const float* wp = l.weight.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, k * t));
-  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t i = 0; i < t; ++i)
-      for (int64_t j = n0; j < n1; ++j) {
-        float s = dot_f32(xp + i * k, wp + j * k, k);
-        yp[i * n + j] = bp ? s + bp[j] : s;
-      }
-  });
+  linear_rows_f32(xp, t, k, l.weight.data_ptr<float>(), bp, n, yp, n);
 }
 
 // x [T, K] -> [T, N]: into `buf` (a [T, N] workspace) on the small float32 path, else a
@@ -226,7 +318,7 @@ at::Tensor linear(const at::Tensor& x, const Linear& l, at::Tensor& buf) {
   }
   if (!l.dense()) return l.fn(x).cast<at::Tensor>().contiguous();
   if (x.scalar_type() == at::kFloat && l.weight.scalar_type() == at::kFloat &&
-      x.size(0) <= 4) {
+      x.size(0) <= kvflow::kMaxGemvRows) {
     small_linear_f32(x, l, buf);
     return buf;
   }
@@ -706,6 +798,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return y;
   }, "cpu_int4.cpp's GEMV: x [M <= 16, K] float32 -> [M, N] float32 (for tests)");
   m.def("int4_gemv_simd", &kvflow::int4_gemv_simd);
+  m.def("linear_f32", [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) &&
+                    x.size(0) <= kvflow::kMaxGemvRows && x.scalar_type() == at::kFloat &&
+                    w.scalar_type() == at::kFloat && (b.numel() == 0 || b.numel() == w.size(0)),
+                "linear_f32: x [M <= 16, K], w [N, K] float32, bias [N] or empty");
+    at::Tensor xc = x.contiguous(), wc = w.contiguous();
+    at::Tensor bc = b.numel() ? b.to(at::kFloat).contiguous() : b;
+    at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+    linear_rows_f32(xc.data_ptr<float>(), x.size(0), x.size(1), wc.data_ptr<float>(),
+                    b.numel() ? bc.data_ptr<float>() : nullptr, w.size(0),
+                    y.data_ptr<float>(), w.size(0));
+    return y;
+  }, "the step's float32 GEMV: x [M <= 16, K] W^T (+ b) in one pass over W, each row as "
+     "a one-row call (a dense float32 lm_head's logits)");
   m.def("quant_gemv", [](const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                          int64_t group, bool doubled, int64_t kind) {
     at::Tensor y = at::empty({x.size(0), a.size(0)}, x.options());

@@ -331,19 +331,31 @@ class CppDecodeStep:
     def detach(self) -> None:
         """Back to the eager path (a failed self-check)."""
         self.step_builder.attn_builder = self._eager_builder
-        self.head_gemv(None)
+        self.head_gemv(False)
 
-    def head_gemv(self, fn) -> bool:
-        """Hand the GEMV (``fn``; None takes it back) to a tied GGUF lm_head that keeps
-        its layout, for logits of up to 16 rows; whether there was one. Set after
-        the self-check, whose eager reference must not use it."""
-        method = getattr(getattr(self.model, "lm_head", None), "quant_method", None)
+    def head_gemv(self, on: bool) -> bool:
+        """Hand the step's GEMV to the lm_head (``on``; False takes it back), for logits of
+        up to 16 rows: a tied GGUF head that keeps its layout gets ``quant_gemv``, a
+        dense float32 one ``linear_f32`` (one pass over its weight for all rows, where
+        F.linear read SmolLM2's 113 MB head at ~12 GB/s); whether there was one. Set
+        after the self-check, whose eager reference must not use it."""
+        head = getattr(self.model, "lm_head", None)
+        method = getattr(head, "quant_method", None)
+        if type(method) is UnquantizedLinearMethod:
+            if head.weight.dtype != torch.float32 or head.weight.device.type != "cpu":
+                return False
+            head.cpu_gemv = self._dense_head if on else None
+            return True
         if getattr(method, "gemv", None) is None:
             return False
-        method.run_gemv = fn
-        method.head = fn is not None
-        method.refine_gemv = self.module.q8_refine_top if fn is not None else None
+        method.run_gemv = self.module.quant_gemv if on else None
+        method.head = on
+        method.refine_gemv = self.module.q8_refine_top if on else None
         return True
+
+    def _dense_head(self, x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        return self.module.linear_f32(x, weight, _NO_TREE if bias is None else bias)
 
     def can_run(self, inputs: StepInputs) -> bool:
         return inputs.meta.backend is CPP_PLAN
@@ -587,7 +599,7 @@ def cpu_decode_step(runner, label: str = ""):
                        "eagerly", label, error, tolerance, gemv_error, GEMV_TOLERANCE,
                        step.write_error, WRITE_TOLERANCE)
         return None
-    head = step.head_gemv(step.module.quant_gemv)
+    head = step.head_gemv(True)
     logger.info("%sC++ CPU decode step: %d decoder layers in one call (%d quantized linears "
                 "called back, %d of them by its own 4-bit GEMV up to 16 rows%s%s; %s KV "
                 "cache), steps of up to %d tokens; built/loaded in %.1f s (%s), self-check "
