@@ -373,6 +373,31 @@ def test_gguf_linears_take_the_int4_gemv(tiny_gguf, monkeypatch):
     assert off.num_int4 == 0 and off.num_callbacks == 8
 
 
+def test_int8_activation_steps_over_16_tokens_stay_in_cpp(tiny_gguf, monkeypatch):
+    """With int8 activations the GGUF linears and the head take the step's GEMV for a
+    whole step (up to 256 tokens), not only 16: batched decodes of 20 requests call
+    nothing back into Python, and since every row's sums are its own, each request's
+    greedy tokens are what it gets alone."""
+    from kvflow.layers.quantization import gguf
+
+    kw = dict(load_format="gguf", max_model_len=128, num_gpu_blocks_override=128,
+              block_size=4, device="cpu", skip_tokenizer_init=True)
+    llm = LLM(tiny_gguf, **kw)
+    step = _runner(llm).graphs
+    if not step.num_int8_act:
+        pytest.skip("this build has no int8-activation kernel (AVX512-VNNI or AVX2)")
+    sizes = []
+    run = step.run
+    step.run = lambda inputs: sizes.append(inputs.meta.num_actual_tokens) or run(inputs)
+    called = []
+    real = gguf.int4_mm
+    monkeypatch.setattr(gguf, "int4_mm", lambda x, *a: called.append(x.shape[0]) or real(x, *a))
+    prompts = _prompts([3 + i % 7 for i in range(20)])
+    batched = _greedy(llm, prompts)
+    assert max(sizes) > 16 and not called
+    assert [_greedy(llm, [p])[0] for p in prompts[:3]] == batched[:3]
+
+
 def test_use_step_gemv_on_any_forward(tiny_gguf):
     """cpu_step.use_step_gemv (bench quality's gguf-f32act / gguf-int8act): every GGUF
     linear and the lm_head on the step's GEMV for any number of rows; float32

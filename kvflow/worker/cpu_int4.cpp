@@ -229,8 +229,8 @@ bool int4_gemv_simd() {
 }
 
 // ---------------------------------------------------------------------------------------
-// int8 activations: integer dot products (AVX512-VNNI, or AVX2's vpmaddubsw), up to 16
-// rows.
+// int8 activations: integer dot products (AVX512-VNNI, or AVX2's vpmaddubsw), up to 256
+// rows (a whole C++ step).
 //
 // Why: the float32 GEMV above spends ~3 instructions per 8 weights and row (mask,
 // convert, FMA) and is bound by them, not by memory (the 30 layers of SmolLM2 read 80 MB
@@ -251,7 +251,9 @@ bool int4_gemv_simd() {
 
 namespace {
 
-constexpr int64_t kMaxQ8Rows = 16;
+// Up to the C++ step's largest step (cpu_step.py MAX_TOKENS): per tile of output rows
+// the kernels run every chunk of activation rows, so the layer is read once per call.
+constexpr int64_t kMaxQ8Rows = 256;
 
 // f(std::integral_constant<int, MC>()) for the run-time row count mc in 1..MAX: the SIMD
 // kernels' tiles take their number of activation rows as a template argument.
@@ -515,10 +517,10 @@ void q8_rows_avx2(const QRows& a, int64_t m, int64_t k, const uint8_t* w, int64_
 
 }  // namespace
 
-// x [M, K] float32 (M <= 16), w in q8_layout -> y [M, N] float32 (into `y`).
+// x [M, K] float32 (M <= 256), w in q8_layout -> y [M, N] float32 (into `y`).
 void q8_gemv(const at::Tensor& x, const at::Tensor& w, int64_t bits, bool simd, at::Tensor& y) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  TORCH_CHECK(m >= 1 && m <= kMaxQ8Rows, "q8_gemv: 1 to 16 rows, got ", m);
+  TORCH_CHECK(m >= 1 && m <= kMaxQ8Rows, "q8_gemv: 1 to 256 rows, got ", m);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "q8_gemv: x float32");
   TORCH_CHECK(bits == 4 || bits == 8, "q8_gemv: 4- or 8-bit weights, got ", bits);
   TORCH_CHECK(k % 64 == 0 && w.scalar_type() == at::kByte && w.is_contiguous() &&

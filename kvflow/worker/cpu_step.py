@@ -335,7 +335,7 @@ class CppDecodeStep:
 
     def head_gemv(self, on: bool) -> bool:
         """Hand the step's GEMV to the lm_head (``on``; False takes it back), for logits of
-        up to 16 rows: a tied GGUF head that keeps its layout gets ``quant_gemv``, a
+        up to 16 rows (256 on int8 activations): a tied GGUF head that keeps its layout gets ``quant_gemv``, a
         dense float32 one ``linear_f32`` (one pass over its weight for all rows, where
         F.linear read SmolLM2's 113 MB head at ~12 GB/s); whether there was one. Set
         after the self-check, whose eager reference must not use it."""
@@ -601,11 +601,12 @@ def cpu_decode_step(runner, label: str = ""):
         return None
     head = step.head_gemv(True)
     logger.info("%sC++ CPU decode step: %d decoder layers in one call (%d quantized linears "
-                "called back, %d of them by its own 4-bit GEMV up to 16 rows%s%s; %s KV "
+                "called back, %d of them by its own 4-bit GEMV%s%s; %s KV "
                 "cache), steps of up to %d tokens; built/loaded in %.1f s (%s), self-check "
                 "relative error %.1e (GEMV %.1e%s)", label, step.num_layers, step.num_callbacks,
                 step.num_int4, ", the lm_head too" if head else "",
-                f", {step.num_int8_act} on int8 activations ({step.module.q8_gemv_isa()})"
+                f", {step.num_int8_act} on int8 activations ({step.module.q8_gemv_isa()}, up to "
+                f"{MAX_TOKENS} rows)"
                 if step.num_int8_act else "", step.kv_kind or "model-dtype", MAX_TOKENS,
                 seconds, build_root(), error, gemv_error, f"; over eager's own K/V {step.eager_error:.1e}, stored K/V "
                 f"{step.write_error:.1e}" if step.kv_kind else "")
