@@ -44,6 +44,7 @@ def main() -> int:
     ns = p.parse_args()
 
     from kvflow import LLM
+    from kvflow.worker import cpu_step
     from kvflow.bench.machine import save_result
     from kvflow.engine.args import EngineArgs
 
@@ -74,7 +75,8 @@ def main() -> int:
             emb = step.embed(torch.randint(0, 40000, (m,), generator=gen))
 
             def fwd():
-                return step.step.forward(emb, pos, slots, qsl, lens, table)
+                none = cpu_step._NO_TREE  # no tree masks, no prompt rows
+                return step.step.forward(emb, pos, slots, qsl, lens, table, none, none, none)
             h = fwd()
             inputs = []
             for q in gemvs:

@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from kvflow import LLM
+from kvflow import LLM, SamplingParams
 from tiny_engine import greedy as _greedy
 from tiny_engine import prompts as _prompts
 from tiny_engine import runner as _runner
@@ -225,7 +225,8 @@ def _one_step_both_ways(llm) -> tuple[list, list]:
         b.copy_(v)
     with torch.inference_mode():
         step.step.forward(step.embed(ids), pos, meta.slot_mapping, meta.query_start_loc,
-                          meta.seq_lens, tables, cpu_step._NO_TREE, cpu_step._NO_TREE)
+                          meta.seq_lens, tables, cpu_step._NO_TREE, cpu_step._NO_TREE,
+                          cpu_step._NO_TREE)
     return eager, written()
 
 
@@ -377,7 +378,9 @@ def test_int8_activation_steps_over_16_tokens_stay_in_cpp(tiny_gguf, monkeypatch
     """With int8 activations the GGUF linears and the head take the step's GEMV for a
     whole step (up to 256 tokens), not only 16: batched decodes of 20 requests call
     nothing back into Python, and since every row's sums are its own, each request's
-    greedy tokens are what it gets alone."""
+    greedy tokens are what it gets alone. Prompt tokens are the exception: their rows
+    (and only theirs) take each linear's own method, in steps of prompts alone and in
+    steps that mix them with decodes."""
     from kvflow.layers.quantization import gguf
 
     kw = dict(load_format="gguf", max_model_len=128, num_gpu_blocks_override=128,
@@ -386,16 +389,38 @@ def test_int8_activation_steps_over_16_tokens_stay_in_cpp(tiny_gguf, monkeypatch
     step = _runner(llm).graphs
     if not step.num_int8_act:
         pytest.skip("this build has no int8-activation kernel (AVX512-VNNI or AVX2)")
-    sizes = []
-    run = step.run
-    step.run = lambda inputs: sizes.append(inputs.meta.num_actual_tokens) or run(inputs)
     called = []
+    steps = []  # (tokens, prompt rows, rows called back during the step)
+
+    def run(inputs, real=step.run):
+        before = len(called)
+        out = real(inputs)
+        prompt = 0 if inputs.prompt_rows is None else len(inputs.prompt_rows)
+        steps.append((inputs.meta.num_actual_tokens, prompt, called[before:]))
+        return out
+
+    step.run = run
     real = gguf.int4_mm
     monkeypatch.setattr(gguf, "int4_mm", lambda x, *a: called.append(x.shape[0]) or real(x, *a))
     prompts = _prompts([3 + i % 7 for i in range(20)])
     batched = _greedy(llm, prompts)
-    assert max(sizes) > 16 and not called
+    decodes = [s for s in steps if s[1] == 0]
+    assert max(t for t, _, _ in decodes) > 16 and not any(c for _, _, c in decodes)
+    with_prompts = [s for s in steps if s[1]]
+    assert with_prompts
+    for _, prompt, c in with_prompts:  # the prompt rows only, for every quantized linear
+        assert c and set(c) == {prompt}, (prompt, c)
     assert [_greedy(llm, [p])[0] for p in prompts[:3]] == batched[:3]
+    # A step that mixes a prompt with decodes: the decode rows stay on the int8 GEMV.
+    steps.clear()
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.engine.add_request("a", {"prompt_token_ids": prompts[0]}, sp)
+    llm.engine.step()
+    llm.engine.add_request("b", {"prompt_token_ids": prompts[1]}, sp)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    mixed = [s for s in steps if 0 < s[1] < s[0]]
+    assert mixed and all(set(c) == {p} for _, p, c in mixed), steps
 
 
 def test_use_step_gemv_on_any_forward(tiny_gguf):

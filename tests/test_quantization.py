@@ -246,9 +246,9 @@ def test_embedded_model_runs_quantized_by_default():
         # Greedy decoding keeps following the dense model's tokens for 4 tokens of each
         # prompt unless it parts at a near tie of the dense model (its token and the
         # quantized one within 0.15 in log-probability), and a quarter of all. (The C++
-        # step's int8 activations take "L" for "The" as the first token of the France
-        # answer, 0.08 apart in the dense model, and leave "Name three colours." at its
-        # 5th token, 0.10 apart.)
+        # step's int8 activations leave "Name three colours." at its 5th token, where the
+        # dense model's top two are 0.10 apart; on the prompt's rows too they would take
+        # "L" for "The" as the France answer's first token, 0.08 apart.)
         for x, y, lps in zip(outs[q], outs["none"], dense_lp):
             i = next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y))
             if i < 4:

@@ -287,7 +287,10 @@ class DraftModelProposer(Proposer):
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
         self.attn_builder.build(meta, positions_dev)
         input_ids = to_device(np.concatenate(chunks).astype(np.int64), dev, torch.int64)
-        inputs = SimpleNamespace(input_ids=input_ids, positions=positions_dev, meta=meta)
+        # prompt_rows None: the draft's C++ step runs every row of its GGUF linears on int8
+        # activations (the draft's rounding only moves the acceptance rate)
+        inputs = SimpleNamespace(input_ids=input_ids, positions=positions_dev, meta=meta,
+                                 prompt_rows=None)
         last = to_device(qsl[1:] - 1, dev, torch.int64)
 
         # (All intra-op threads: an adaptive thread count of the draft's own, as the

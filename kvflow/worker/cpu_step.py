@@ -366,9 +366,10 @@ class CppDecodeStep:
         tree = meta.tree
         bits, start = (tree.bits, tree.start) if tree is not None and any(tree.sizes_cpu) \
             else (_NO_TREE, _NO_TREE)
+        prompt = _NO_TREE if inputs.prompt_rows is None else inputs.prompt_rows
         return self.step.forward(self.embed(inputs.input_ids), inputs.positions,
                                  meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-                                 meta.block_tables, bits, start)
+                                 meta.block_tables, bits, start, prompt)
 
     def run_eager(self, inputs: StepInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
@@ -504,7 +505,7 @@ class CppDecodeStep:
                                                                       meta.tree.start)
         got = self.step.forward(self.embed(ids), pos, meta.slot_mapping,
                                 meta.query_start_loc, meta.seq_lens, tables, bits,
-                                start).float()
+                                start, _NO_TREE).float()
         if self.kv_kind is not None:
             step_kv = self._written_kv(blocks, meta.slot_mapping)
             scale = eager_kv.abs().amax(dim=(1, 2, 3, 4)).clamp_min(1e-6)  # per layer

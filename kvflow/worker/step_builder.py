@@ -165,9 +165,14 @@ class StepBuilder:
                    for i in unknown]
             input_ids_dev[to_device(unknown, dev, torch.int64)] = \
                 self.pending.token_ids[to_device(src, dev, torch.int64)]
+        prompt_rows = None
+        if dev.type == "cpu":  # the C++ step keeps prompt tokens off int8 activations
+            idx = np.flatnonzero(positions < b.num_prompt_tokens[tok_rows])
+            if len(idx):
+                prompt_rows = torch.from_numpy(idx.astype(np.int64))
         return StepInputs(req_ids=req_ids, rows=rows, input_ids=input_ids_dev,
                           positions=positions_dev, meta=meta, sample=sample,
-                          prompt_logprobs=plp)
+                          prompt_logprobs=plp, prompt_rows=prompt_rows)
 
     def _plan_prompt_logprobs(self, req_ids: list[str], rows: np.ndarray, nc: np.ndarray,
                               n: np.ndarray, qsl: np.ndarray) -> PromptLogprobsPlan:

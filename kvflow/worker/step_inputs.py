@@ -80,6 +80,9 @@ class StepInputs:
     meta: AttentionMetadata
     sample: SamplePlan
     prompt_logprobs: PromptLogprobsPlan
+    # [P] int64 on the CPU: the tokens that are prompt tokens (None: none). The C++ CPU
+    # step keeps them off int8 activations.
+    prompt_rows: torch.Tensor | None = None
 
 
 @dataclass
