@@ -94,6 +94,10 @@
 #             fresh 1024-token prompts (profile-mixed.json), against its floor
 #   prefill-graphs  one-request prefill graphs: GPU test vs eager, TTFT of 16..512-token prompts on
 #             an idle 8B engine eager and with the graphs (prefill-graphs-{off,on}.json)
+#   gemv-fresh  a GPU without a GEMV table (the H100): the dense GEMV sweep at M = 1..8
+#             (gemv-bench.json, GEMV_BUDGET s, default 140), then GPU-A in one process with the
+#             defaults, the fresh table, and the table with the in-attention rotary + argmax
+#             kernel, alternated (decode-levers-fresh.json; FRESH_VARIANTS picks)
 #   rows-confirm  with the table that moved down_proj to the GEMV: 8B-shape GEMV tests, GPU-A
 #             defaults (gpu-a-rows-none.json), PDL on/off alternated (decode-pdl.json), the
 #             batch-1 graph profile (profile-decode1-graph-rows.json)
@@ -287,6 +291,9 @@ PY
       for mode in off on; do
         KVFLOW_PREFILL_GRAPHS=$mode timeout ${PG_PROBE_TIMEOUT:-150} python benchmarks/gpu/prefill_probe.py --input-lens 128,${PG_LENS:-16,32,64,256,512} --out "$OUT/prefill-graphs-$mode.json" 2>&1 | grep -E "^TTFT|rror" | tail -8
       done;;
+    gemv-fresh)
+      timeout $(( ${GEMV_BUDGET:-140} + 150 )) python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv-bench.json" --ms 1,2,4,8 --sweep --budget-s ${GEMV_BUDGET:-140} 2>&1 | grep -v "^INFO" | tail -30 || echo "gemv-bench failed"
+      timeout ${FRESH_LEVERS_TIMEOUT:-240} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-levers-fresh.json" --table "$OUT/gemv-bench.json" --variants ${FRESH_VARIANTS:-auto,auto+table,auto+table+rope+argmax,auto,auto+table,auto+table+rope+argmax} --iters 4 --budget-s $(( ${FRESH_LEVERS_TIMEOUT:-240} - 40 )) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8;;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     *) echo "unknown stage $stage"; exit 2;;
   esac
