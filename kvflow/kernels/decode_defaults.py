@@ -39,9 +39,11 @@ OFF: dict = {"pdl": False, "pdl_prefetch": 0, "attn_merge": "kernel", "attn_spli
 # H100: the one-request prefill graphs take a 128-token prompt's time to first token on an
 # idle 8B engine from 16.3 to 8.2 ms (GPU kernels 6.9 ms; 16..512 tokens 16-17 -> 7.3-14 ms,
 # results/prefill-graphs-{off,on}-h100.json); the fused merge measured even or slower
-# (results/decode-fused-tile-h100.json). The decode levers are unmeasured there (off).
+# (results/decode-fused-tile-h100.json); the rotary inside decode attention, with the
+# argmax kernel, +1.0-1.1 % GPU-A over the new GEMV table alone, alternated in one process
+# (176.0 -> 177.9 / 177.7 tokens/s, results/decode-levers-fresh-h100.json).
 MEASURED: dict[str, dict] = {"H200": {"rope_in_attn": True},
-                             "H100": {"prefill_graphs": True}}
+                             "H100": {"prefill_graphs": True, "rope_in_attn": True}}
 
 
 @functools.lru_cache(maxsize=8)

@@ -145,6 +145,12 @@ def balanced_rows(n: int, programs: int) -> int:
 # 32 x 256 GEMV now by 3 % over cuBLAS + its split-K reduce (so it leaves cuBLAS: +1.7-1.9 %
 # GPU-A decode in alternation, results/decode-rows-h200.json), and the unfused gate_up
 # GEMV lost (x0.92; the model takes the SiLU-fused forms there anyway).
+#
+# H100 (132 SMs, 3.35 TB/s): benchmarks/gpu/run.sh gemv-fresh at 4bcaf0b (bench_gemv.py --sweep,
+# budget 120 s; results/gemv-bench-sweep-h100.json). cuBLAS streams the 8B decode layers at
+# 1.9-2.9 TB/s there; the GEMV wins at every shape but a few M = 2..8 buckets (o 1.16x,
+# the 1 GB lm_head 1.27x at M = 1, qkv with the norm folded in 1.22x). GPU-A with this table
+# 165.1 -> 176.0 tokens/s, alternated in one process (results/decode-levers-fresh-h100.json).
 MEASURED: dict[str, dict[tuple[str, int, int], dict[int, GemvConfig | None]]] = {
     "H200": {
         # qkv
@@ -202,6 +208,64 @@ MEASURED: dict[str, dict[tuple[str, int, int], dict[int, GemvConfig | None]]] = 
             2: None,
             4: None,
             8: None,
+        },
+    },
+    "H100": {
+        # qkv
+        ("linear", 6144, 4096): {
+            1: _c(64, 256, 1, 4, 4),
+            2: _c(64, 256, 1, 4, 4),
+            4: _c(64, 256, 1, 4, 3),
+            8: _c(64, 128, 1, 4, 5),
+        },
+        # o
+        ("linear", 4096, 4096): {
+            1: _c(32, 256, 1, 4, 4),
+            2: _c(32, 256, 1, 4, 4),
+            4: _c(32, 256, 1, 4, 4),
+            8: _c(32, 256, 1, 4, 5),
+        },
+        # gate_up (unfused: the gated MLP takes the silu_mul forms)
+        ("linear", 28672, 4096): {
+            1: None,
+            2: _c(64, 128, 1, 4, 4),
+            4: None,
+            8: _c(64, 256, 1, 4, 4),
+        },
+        # gate_up + silu_and_mul
+        ("silu_mul", 14336, 4096): {
+            1: _c(64, 128, 1, 4, 3),
+            2: _c(64, 256, 1, 4, 3),
+            4: _c(64, 128, 1, 4, 3),
+            8: _c(64, 256, 1, 4, 3),
+        },
+        # down
+        ("linear", 4096, 14336): {
+            1: _c(16, 256, 1, 4, 5),
+            2: _c(32, 256, 1, 4, 5),
+            4: _c(32, 256, 1, 4, 5),
+            8: _c(32, 256, 1, 4, 5),
+        },
+        # lm_head
+        ("linear", 128256, 4096): {
+            1: _c(64, 256, 1, 4, 4),
+            2: _c(64, 256, 1, 4, 4),
+            4: _c(128, 128, 1, 8, 4),
+            8: _c(128, 128, 1, 4, 4),
+        },
+        # add + norm + qkv
+        ("norm_linear", 6144, 4096): {
+            1: _c(64, 256, 1, 4, 3),
+            2: None,
+            4: _c(64, 256, 1, 8, 3),
+            8: None,
+        },
+        # add + norm + gate_up + silu
+        ("norm_silu_mul", 14336, 4096): {
+            1: _c(64, 256, 1, 4, 3),
+            2: None,
+            4: None,
+            8: _c(64, 128, 1, 4, 3),
         },
     },
 }
