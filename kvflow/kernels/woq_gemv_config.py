@@ -145,6 +145,11 @@ def _c(bn: int, bk: int, split: int, warps: int, stages: int, deq: bool = False,
 # the register GEMV at M = 1 and 1.3-6.7x at M = 2-8 (which no longer collapses with M);
 # FP8: 1.2-2.2x the quantize + _scaled_mm path at every M; int8: w8a16_gemm (mma.sync
 # with x as the first operand) stays faster than the weight-first wgmma form everywhere.
+#
+# H100: the woq-gemv stage at 390faf4 (results/woq-gemv-bench-h100.json; 40 s of sweep, one
+# config per shape: the H200's, re-timed against the H100's previous paths). GPU-A in the
+# same call: int4 g128 318.1 tokens/s with it against 279.9 without (bf16 177.6), FP8 W8A8
+# 250.1 against 181.2 (the dequant path); results/gpu-a-woq-*-h100.json.
 MEASURED: dict[str, dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]]] = {
     "H200": {
         # qkv w4g128
@@ -275,6 +280,120 @@ MEASURED: dict[str, dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]]]
             2: None,  # x0.66 the previous path
             4: None,  # x0.77 the previous path
             8: None,  # x0.77 the previous path
+        },
+    },
+    "H100": {
+        # qkv w4g128
+        ('w4g128', 6144, 4096): {
+            1: _c(64, 256, 3, 4, 3, False),  # x1.02
+            2: _c(64, 256, 3, 4, 3, False),  # x1.30
+            4: _c(64, 256, 3, 4, 3, False),  # x2.28
+            8: _c(64, 256, 3, 4, 3, False),  # x4.86
+        },
+        # qkv fp8
+        ('fp8', 6144, 4096): {
+            1: _c(64, 256, 1, 4, 4, False),  # x1.53
+            2: _c(64, 256, 3, 4, 4, False),  # x1.08
+            4: _c(64, 256, 3, 4, 4, False),  # x1.10
+            8: _c(64, 256, 3, 4, 4, False),  # x1.04
+        },
+        # qkv int8
+        ('int8', 6144, 4096): {
+            1: None,  # x0.89 the previous path
+            2: None,  # x0.64 the previous path
+            4: None,  # x0.64 the previous path
+            8: None,  # x0.64 the previous path
+        },
+        # o w4g128
+        ('w4g128', 4096, 4096): {
+            1: _c(64, 256, 4, 4, 3, False),  # x1.07
+            2: _c(64, 256, 4, 4, 3, False),  # x1.39
+            4: _c(64, 256, 4, 4, 3, False),  # x2.37
+            8: _c(64, 256, 4, 4, 3, False),  # x5.18
+        },
+        # o fp8
+        ('fp8', 4096, 4096): {
+            1: _c(64, 256, 2, 4, 4, False),  # x1.60
+            2: _c(64, 256, 4, 4, 4, False),  # x1.50
+            4: _c(64, 256, 4, 4, 4, False),  # x1.52
+            8: _c(64, 256, 4, 4, 4, False),  # x1.45
+        },
+        # o int8
+        ('int8', 4096, 4096): {
+            1: None,  # x0.94 the previous path
+            2: None,  # x0.85 the previous path
+            4: None,  # x0.87 the previous path
+            8: None,  # x0.85 the previous path
+        },
+        # gate_up w4g128
+        ('w4g128', 28672, 4096): {
+            1: _c(64, 256, 2, 4, 3, False),  # x1.22
+            2: _c(64, 256, 1, 4, 3, False),  # x2.19
+            4: _c(64, 256, 1, 4, 3, False),  # x3.29
+            8: _c(64, 256, 1, 4, 3, False),  # x6.67
+        },
+        # gate_up fp8
+        ('fp8', 28672, 4096): {
+            1: _c(64, 256, 2, 4, 3, False),  # x1.11
+            2: None,  # x0.99 the previous path
+            4: None,  # x1.01 the previous path
+            8: None,  # x0.98 the previous path
+        },
+        # gate_up int8
+        ('int8', 28672, 4096): {
+            1: None,  # x0.90 the previous path
+            2: None,  # x0.86 the previous path
+            4: None,  # x0.84 the previous path
+            8: None,  # x0.85 the previous path
+        },
+        # gate_up_silu w4g128-silu
+        ('w4g128-silu', 14336, 4096): {
+            1: _c(64, 256, 2, 4, 3, False),  # x1.17
+            2: _c(64, 256, 2, 4, 3, False),  # x2.15
+            4: _c(64, 256, 2, 4, 3, False),  # x3.21
+            8: _c(64, 256, 2, 4, 3, False),  # x6.29
+        },
+        # gate_up_silu fp8-silu
+        ('fp8-silu', 14336, 4096): {
+            1: _c(64, 128, 2, 4, 3, False),  # x1.13
+            2: _c(64, 128, 2, 4, 4, False),  # x1.08
+            4: _c(64, 128, 2, 4, 4, False),  # x1.02
+            8: _c(64, 128, 2, 4, 4, False),  # x1.03
+        },
+        # gate_up_silu int8-silu
+        ('int8-silu', 14336, 4096): {
+            1: None,  # x0.97 the previous path
+            2: None,  # x0.90 the previous path
+            4: None,  # x0.91 the previous path
+            8: None,  # x0.91 the previous path
+        },
+        # down w4g128
+        ('w4g128', 4096, 14336): {
+            1: _c(64, 256, 8, 4, 3, False),  # x1.20
+            2: _c(64, 256, 5, 4, 3, False),  # x1.69
+            4: _c(64, 256, 5, 4, 3, False),  # x3.09
+            8: _c(64, 256, 5, 4, 3, False),  # x7.36
+        },
+        # down fp8
+        ('fp8', 4096, 14336): {
+            1: _c(64, 256, 2, 4, 4, False),  # x2.01
+            2: _c(64, 256, 5, 4, 4, False),  # x1.53
+            4: _c(64, 256, 5, 4, 4, False),  # x1.56
+            8: _c(64, 256, 5, 4, 4, False),  # x1.53
+        },
+        # down int8
+        ('int8', 4096, 14336): {
+            1: None,  # x0.93 the previous path
+            2: None,  # x0.72 the previous path
+            4: None,  # x0.72 the previous path
+            8: None,  # x0.73 the previous path
+        },
+        # lm_head int8
+        ('int8', 128256, 4096): {
+            1: None,  # x0.94 the previous path
+            2: None,  # x0.84 the previous path
+            4: None,  # x0.84 the previous path
+            8: None,  # x0.94 the previous path
         },
     },
 }
