@@ -287,6 +287,25 @@ def test_h200_table_is_the_recorded_benches():
     assert table == MEASURED["H200"]
 
 
+def test_h100_table_is_its_sweep(monkeypatch):
+    """The H100 entry is its sweep's table as measured (results/gemv-bench-sweep-h100.json),
+    and a device of that name gets it (an H100 NVL or PCIe too: the token is the family)."""
+    from pathlib import Path
+
+    from kvflow.kernels import gemv_config
+
+    results = Path(__file__).parents[2] / "benchmarks/results"
+    assert gemv_config.table_from_bench(str(results / "gemv-bench-sweep-h100.json")) == \
+        MEASURED["H100"]
+    monkeypatch.delenv("KVFLOW_GEMV_TABLE", raising=False)
+    gemv_config._device_table.cache_clear()
+    try:
+        assert gemv_config._device_table("NVIDIA H100 80GB HBM3") == MEASURED["H100"]
+        assert gemv_config._device_table("NVIDIA A100-SXM4-80GB") == {}
+    finally:
+        gemv_config._device_table.cache_clear()
+
+
 def test_gemv_table_env_overrides(monkeypatch, tmp_path):
     import json
 

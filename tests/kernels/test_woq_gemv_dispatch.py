@@ -135,6 +135,15 @@ def test_plan_is_empty_off_cuda_and_when_switched_off(monkeypatch):
         woq_gemv_config.plan("fp8", 64, 64, torch.device("cpu"))
 
 
+def test_h100_table_is_its_bench():
+    """The H100 entry is the woq-gemv stage's table as measured on it."""
+    from pathlib import Path
+
+    results = Path(__file__).parents[2] / "benchmarks/results"
+    assert woq_gemv_config.table_from_bench(str(results / "woq-gemv-bench-h100.json")) == \
+        woq_gemv_config.MEASURED["H100"]
+
+
 def test_auto_plan_follows_the_h200_table(monkeypatch):
     """On an H200: measured wins take the GEMV, buckets measured slower keep the previous
     path, unmeasured int4 shapes take the heuristic and unmeasured int8 ones w8a16."""
