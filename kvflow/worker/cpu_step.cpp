@@ -455,26 +455,24 @@ class DecodeStep {
       for (int64_t j = 0; j < t; ++j) mask.from[j] = st[tok_req[j]];
       mask.bits = tree_bits.data_ptr<int64_t>();
     }
-    prompt_idx_ = at::Tensor();
-    gen_idx_ = at::Tensor();
-    num_prompt_ = prompt_rows.numel();
-    if (num_prompt_) {
-      TORCH_CHECK(prompt_rows.scalar_type() == at::kLong && prompt_rows.dim() == 1 &&
-                      num_prompt_ <= t, "DecodeStep: prompt_rows [P <= T] int64");
-      prompt_idx_ = prompt_rows.contiguous();
-      if (num_prompt_ < t) {
+    PromptRows rows;
+    if (const int64_t p = prompt_rows.numel()) {
+      TORCH_CHECK(prompt_rows.scalar_type() == at::kLong && prompt_rows.dim() == 1 && p <= t,
+                  "DecodeStep: prompt_rows [P <= T] int64");
+      rows.prompt = prompt_rows.contiguous();
+      if (p < t) {
         at::Tensor keep = at::empty({t}, hidden.options().dtype(at::kBool));
         keep.fill_(true);
-        keep.index_fill_(0, prompt_idx_, false);
-        gen_idx_ = keep.nonzero().view({-1});
-        TORCH_CHECK(gen_idx_.numel() + num_prompt_ == t, "DecodeStep: prompt_rows repeat");
+        keep.index_fill_(0, rows.prompt, false);
+        rows.gen = keep.nonzero().view({-1});
+        TORCH_CHECK(rows.gen.numel() + p == t, "DecodeStep: prompt_rows repeat");
       }
     }
     at::Tensor out;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(),
                                     "kvflow_decode_step", [&] {
       out = run<scalar_t>(hidden, positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
-                          tok_req, tok_ctx, max_ctx, block_tables, mask);
+                          tok_req, tok_ctx, max_ctx, block_tables, mask, rows);
     });
     return out;
   }
@@ -536,24 +534,31 @@ class DecodeStep {
     }
   };
 
+  // A step's prompt rows and the other rows (see forward()); prompt undefined: none,
+  // gen undefined: every row is a prompt row.
+  struct PromptRows {
+    at::Tensor prompt, gen;
+  };
+
   // linear() with the step's prompt rows on the layer's own method where the layer
   // runs on int8 activations (forward's prompt_rows).
-  at::Tensor lin(const at::Tensor& x, const Linear& l, at::Tensor& buf) const {
-    if (!num_prompt_ || !l.kind4 || !l.int4() || l.dense() ||
-        x.size(0) > kvflow::kMaxQ8Rows)
+  static at::Tensor lin(const at::Tensor& x, const Linear& l, at::Tensor& buf,
+                        const PromptRows& rows) {
+    if (!rows.prompt.defined() || !l.kind4 || !l.int4() || l.dense())
       return linear(x, l, buf);
-    if (num_prompt_ == x.size(0)) return l.fn(x).cast<at::Tensor>().contiguous();
+    if (!rows.gen.defined()) return l.fn(x).cast<at::Tensor>().contiguous();
     at::Tensor y = at::empty({x.size(0), l.out_features()}, x.options());
-    at::Tensor part = buf.narrow(0, 0, gen_idx_.numel());
-    y.index_copy_(0, gen_idx_, linear(x.index_select(0, gen_idx_), l, part));
-    y.index_copy_(0, prompt_idx_, l.fn(x.index_select(0, prompt_idx_)).cast<at::Tensor>());
+    at::Tensor part = buf.narrow(0, 0, rows.gen.numel());
+    y.index_copy_(0, rows.gen, linear(x.index_select(0, rows.gen), l, part));
+    y.index_copy_(0, rows.prompt, l.fn(x.index_select(0, rows.prompt)).cast<at::Tensor>());
     return y;
   }
 
   template <typename T>
   at::Tensor run(const at::Tensor& hidden_in, const int64_t* pos, const int64_t* slots,
                  const std::vector<int32_t>& tok_req, const std::vector<int32_t>& tok_ctx,
-                 int32_t max_ctx, const at::Tensor& tables, const Mask& mask) {
+                 int32_t max_ctx, const at::Tensor& tables, const Mask& mask,
+                 const PromptRows& rows) {
     const int64_t t = hidden_in.size(0), e = hidden_in.size(1);
     const float eps = static_cast<float>(eps_);
     at::Tensor residual = hidden_in.clone();  // the residual stream [T, E]
@@ -573,20 +578,20 @@ class DecodeStep {
       T* res = residual.data_ptr<T>();
       if (li > 0) add_into<T>(hidden.data_ptr<T>(), res, t * e);
       rms_norm_rows<T>(res, L.in_norm.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
-      at::Tensor qkv = lin(normed, L.qkv, qkv_buf);  // [T, (H + 2 KVH) D]
+      at::Tensor qkv = lin(normed, L.qkv, qkv_buf, rows);  // [T, (H + 2 KVH) D]
       if (paged_kernel_reads(L.cache))
         attention_paged<T>(L, qkv, pos, slots, tok_req, tok_ctx, tables, mask, attn_buf);
       else
         attention<T>(qkv, L.cache, pos, slots, tok_req, tok_ctx, max_ctx, tables, mask,
                      attn_buf);  // [T, H D]
-      hidden = lin(attn_buf, L.o, o_buf);  // [T, E]
+      hidden = lin(attn_buf, L.o, o_buf, rows);  // [T, E]
       add_into<T>(hidden.data_ptr<T>(), res, t * e);
       rms_norm_rows<T>(res, L.post_norm.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
-      at::Tensor gu = lin(normed, L.gate_up, gu_buf);  // [T, 2 I]
+      at::Tensor gu = lin(normed, L.gate_up, gu_buf, rows);  // [T, 2 I]
       if (!act_buf.defined() || act_buf.size(1) != gu.size(1) / 2)
         act_buf = at::empty({t, gu.size(1) / 2}, opts);
       silu_mul<T>(gu, act_buf);
-      hidden = lin(act_buf, L.down, down_buf);  // [T, E]
+      hidden = lin(act_buf, L.down, down_buf, rows);  // [T, E]
     }
     add_into<T>(hidden.data_ptr<T>(), residual.data_ptr<T>(), t * e);
     auto out = at::empty_like(residual);
@@ -809,9 +814,6 @@ class DecodeStep {
   }
 
   KVKind kv_kind_ = KVKind::kModel;
-  // This step's prompt rows and the others (forward's prompt_rows; undefined: none).
-  at::Tensor prompt_idx_, gen_idx_;
-  int64_t num_prompt_ = 0;
   std::vector<Layer> layers_;
   at::Tensor final_norm_, cos_sin_;
   int64_t h_, kvh_, d_;
