@@ -27,6 +27,8 @@ import json
 import os
 import re
 
+from kvflow.bench.machine import save_result
+
 
 def _nearest(table: dict, key: int) -> tuple[int, dict] | None:
     if not table:
@@ -153,10 +155,7 @@ def main() -> int:
     out["gpu_result"] = ns.gpu
     out["eagle_result"] = ns.eagle
     out["cpu_results"] = files
-    text = json.dumps(out, indent=2)
-    if ns.out:
-        with open(ns.out, "w") as f:
-            f.write(text + "\n")
+    out = save_result(ns.out, out)
     for row in out["predictions"]:
         speedup = row.get("predicted_speedup")
         verdict = f"{speedup}x" if speedup is not None else \

@@ -16,6 +16,8 @@ import os
 import pytest
 import torch
 
+from kvflow.bench.machine import save_result
+
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 transformers = pytest.importorskip("transformers")
@@ -87,8 +89,8 @@ def test_llama31_8b_bf16_matches_transformers(hf_model):
         "median_top2_margin": float(torch.tensor(margins).median()),
     }
     if os.environ.get("KVFLOW_TEST_REPORT"):
-        with open(os.environ["KVFLOW_TEST_REPORT"], "w") as f:
-            json.dump(report, f, indent=2)
+        report = save_result(os.environ["KVFLOW_TEST_REPORT"], {
+            "command": "python -m pytest tests/test_gpu_parity.py -k llama31", **report})
     print(json.dumps(report, indent=2))
     # kvflow is within the bf16 noise floor of transformers.
     assert report["kvflow_vs_hf_bf16"]["mean"] <= 2.0 * report["hf_bf16_vs_hf_fp32"]["mean"]

@@ -237,7 +237,7 @@ def _save(ns, results: list[dict], first: str, start: float) -> None:
                                    / base["decode_tokens_per_s_per_seq"])
                 r["decode_only_over_first"] = (r["decode_only_tokens_per_s"]
                                                / base["decode_only_tokens_per_s"])
-    save_result(ns.out, {"command": "python " + " ".join(sys.argv),
+    save_result(ns.out, {
                          "quantization": ns.quantization,
                          "workload": {"batch_size": 1, "input_len": ns.input_len,
                                       "output_len": ns.output_len, "iters": ns.iters},

@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+from kvflow.bench.machine import save_result
+
 
 def _load(path: str) -> dict | None:
     try:
@@ -52,9 +54,7 @@ def main(out: str) -> int:
     quality = _load(os.path.join(out, "quality-cuda.json"))
     if quality:
         summary["quality"] = quality.get("methods", quality)
-    with open(os.path.join(out, "quant-summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    print(f"wrote {os.path.join(out, 'quant-summary.json')}")
+    save_result(os.path.join(out, "quant-summary.json"), summary)
     return 0
 
 

@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+from kvflow.bench.machine import save_result
+
 LAYERS = 32
 PER_LAYER = ("qkv", "o", "gate_up", "down")
 # lm_head of each model: --quantization int4 / int8 keep it int8 per channel, fp8 in bf16
@@ -82,8 +84,7 @@ def main() -> int:
         print(f"GPU-A {name:18s} {tps:7.1f} tokens/s" + (f"  x{tps / base:.2f} bf16" if base
                                                           else ""))
     out = ns.out or os.path.join(ns.out_dir, "woq-gemv-summary.json")
-    with open(out, "w") as f:
-        json.dump(summary, f, indent=1)
+    save_result(out, summary)
     return 0
 
 

@@ -76,11 +76,23 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
+def invocation() -> str:
+    """This process's command line as a user would type it: ``python benchmarks/x.py ...``
+    for a script of the repository's benchmarks/ or scripts/, else ``kvflow ...`` (the
+    CLI, also when its ``main`` is called in-process)."""
+    args = " ".join(shlex.quote(a) for a in sys.argv[1:])
+    prog = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for folder in ("benchmarks", "scripts"):
+        if prog.startswith(os.path.join(repo, folder) + os.sep):
+            return f"python {os.path.relpath(prog, repo)} {args}".rstrip()
+    return f"kvflow {args}".rstrip()
+
+
 def save_result(path: str | None, result: dict) -> dict:
     """Stamp a benchmark result with the exact command, commit, machine and date, and
     write it as JSON to ``path`` (when given). Returns the stamped result."""
-    result = {"command": "kvflow " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-              "commit": git_commit(), "machine": machine_info(),
+    result = {"command": invocation(), "commit": git_commit(), "machine": machine_info(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "loadavg": os.getloadavg(),
               # kvflow's switches (KVFLOW_GEMV, KVFLOW_WOQ_GEMV, ...): A/B runs differ here
