@@ -1,4 +1,4 @@
-"""The README's "Use it" examples, run as written against a live server (curl and the
+"""The README's "The API" examples, run as written against a live server (curl and the
 openai client) and in-process (LLM): each must give an on-topic answer that ends on its
 own (finish_reason "stop") on the first try, with no sampling settings of its own - the
 model's recommended defaults (kvflow's registry entry for the embedded SmolLM2) do that."""
@@ -21,16 +21,16 @@ README_URL = "http://127.0.0.1:8000"
 
 
 def readme_blocks(lang: str) -> list[str]:
-    """The fenced code blocks of one language in the README's "Use it" section."""
+    """The fenced code blocks of one language in the README's "The API" section."""
     with open(README, encoding="utf-8") as f:
         text = f.read()
-    section = text.split("## Use it", 1)[1].split("\n## ", 1)[0]
+    section = text.split("## The API", 1)[1].split("\n## ", 1)[0]
     return re.findall(rf"```{lang}\n(.*?)```", section, flags=re.S)
 
 
 def block_with(lang: str, needle: str) -> str:
     found = [b for b in readme_blocks(lang) if needle in b]
-    assert len(found) == 1, f"expected one {lang} block with {needle!r} in README's Use it"
+    assert len(found) == 1, f"expected one {lang} block with {needle!r} in README's The API"
     return found[0]
 
 
