@@ -48,51 +48,6 @@ def gemv_table() -> str | None:
     return os.environ.get("KVFLOW_GEMV_TABLE") or None
 
 
-def pdl_mode() -> str:
-    """KVFLOW_PDL: programmatic dependent launch of the decode Triton kernels
-    (kvflow/kernels/pdl.py): ``auto`` (default: where kvflow/kernels/decode_defaults.py
-    measured it faster on this GPU), ``on`` (compute capability >= 9) or ``off``."""
-    return _choice("KVFLOW_PDL", ("auto", "on", "off"))
-
-
-def pdl_prefetch_tiles() -> int | None:
-    """KVFLOW_PDL_PREFETCH: weight tiles each GEMV program prefetches into L2 before its
-    PDL wait (0 turns the prefetch off; unset: the GPU's measured default, else 0)."""
-    raw = os.environ.get("KVFLOW_PDL_PREFETCH")
-    if raw is None or raw == "":
-        return None
-    value = int(raw)
-    if not 0 <= value <= 32:
-        from kvflow.errors import InvalidParameterError
-
-        raise InvalidParameterError(f"KVFLOW_PDL_PREFETCH must be in 0..32, not {value}")
-    return value
-
-
-def attn_merge_mode() -> str:
-    """KVFLOW_ATTN_MERGE: how split-KV decode attention combines its splits: ``kernel`` (a
-    second launch), ``fused`` (the last split of each KV head merges,
-    kvflow/kernels/paged_attention.py) or ``auto`` (default: the GPU's measured best,
-    else ``kernel``)."""
-    return _choice("KVFLOW_ATTN_MERGE", ("auto", "kernel", "fused"))
-
-
-def attn_split_keys() -> int | None:
-    """KVFLOW_ATTN_SPLIT_KEYS: with the fused merge, a decode request's context is split on
-    device into at most the launch's split count, each split getting at least this many
-    keys (one split: no partials, no merge); 0 uses every split; unset: the GPU's
-    measured default, else 0."""
-    raw = os.environ.get("KVFLOW_ATTN_SPLIT_KEYS")
-    if raw is None or raw == "":
-        return None
-    value = int(raw)
-    if value < 0:
-        from kvflow.errors import InvalidParameterError
-
-        raise InvalidParameterError(f"KVFLOW_ATTN_SPLIT_KEYS must be >= 0, not {value}")
-    return value
-
-
 def rope_in_attention() -> str:
     """KVFLOW_ROPE_IN_ATTN: whether a decode-only step's rotary + KV-cache write runs inside
     the decode attention launch (kvflow/kernels/paged_attention.py, ``DecodeRope``)
@@ -117,15 +72,6 @@ def greedy_argmax_mode() -> str:
     return _choice("KVFLOW_GREEDY_ARGMAX", ("auto", "torch"))
 
 
-def gemv_norm_one_row() -> bool | None:
-    """KVFLOW_GEMV_NORM_ROW: ``1``: the norm-folded GEMV (kvflow/kernels/gemv_norm.py)
-    computes its x side (residual add, squares, norm weight) on the single row at M = 1
-    instead of on the dot's 16 padded rows; ``0``: the 16 rows; unset: the GPU's
-    measured default, else 0."""
-    raw = os.environ.get("KVFLOW_GEMV_NORM_ROW")
-    if raw is None or raw == "":
-        return None
-    return raw == "1"
 def woq_gemv_mode() -> str:
     """KVFLOW_WOQ_GEMV: whether decode rows (M <= 8) of int4 / int8 weight-only and FP8
     layers on CUDA take the low-bit tensor-core GEMVs (kvflow/kernels/gemv_w4.py,

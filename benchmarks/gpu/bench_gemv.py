@@ -244,7 +244,7 @@ def main() -> int:
                    "device": torch.cuda.get_device_name(), "hbm_bytes_per_s": HBM,
                    "seconds": time.time() - start,
                    "timing": "one CUDA graph over weight copies > L2, median per launch",
-                   # the decode switches in force (PDL makes the copies' launches overlap)
+                   # the decode switches in force
                    "env": {k: v for k, v in os.environ.items() if k.startswith("KVFLOW_")}})
     save_result(ns.out, result)
     print(f"wrote {ns.out}")

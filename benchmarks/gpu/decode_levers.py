@@ -7,17 +7,15 @@ run, over the 255 decode steps). The first variant runs again at the end, so dri
 between variants shows.
 
     python benchmarks/gpu/decode_levers.py --out $OUT/decode-levers.json \\
-        [--variants base,fused,pdl,...] [--table $OUT/gemv-bench.json]
+        [--variants base,rope,auto+table,...] [--table $OUT/gemv-bench.json]
 
 Variants (environment switches, kvflow/envs.py): ``base`` (every switch off), ``auto``
 (none set: this GPU's measured defaults, kvflow/kernels/decode_defaults.py),
-``fused`` (KVFLOW_ATTN_MERGE=fused), ``keysK`` (fused, KVFLOW_ATTN_SPLIT_KEYS=K), ``row`` (KVFLOW_GEMV_NORM_ROW=1), ``pdl``
-(KVFLOW_PDL=on), ``pdl0`` (PDL without the L2 weight prefetch), ``pdl8`` (8 tiles
-prefetched), ``rope`` (KVFLOW_ROPE_IN_ATTN=on: rotary + cache write inside the decode
+``rope`` (KVFLOW_ROPE_IN_ATTN=on: rotary + cache write inside the decode
 attention launch), ``argmax`` (KVFLOW_GREEDY_ARGMAX=auto: the split-row argmax kernel;
 ``base`` keeps torch's), ``down`` (down_proj at M = 1 on the 64 x 256 split-2 GEMV: the
 lever that ran before the H200 table took the 32 x 256 GEMV there), ``table`` (KVFLOW_GEMV_TABLE=--table; several files comma-separated: their measured wins
-merged), joined with ``+`` (``pdl+fused+row``). A variant starting ``auto+`` adds its
+merged), joined with ``+`` (``rope+argmax+table``). A variant starting ``auto+`` adds its
 levers to the defaults instead of to every switch off (``auto+table``).
 """
 
@@ -41,21 +39,16 @@ from kvflow.engine.args import EngineArgs  # noqa: E402
 from kvflow.engine.llm_engine import LLMEngine  # noqa: E402
 from kvflow.sampling_params import SamplingParams  # noqa: E402
 
-# down_proj (K 14336 -> N 4096) at M = 1 on a split-2 GEMV: the lever the PDL runs used
-# while the table kept cuBLAS there (within 2 %, results/gemv-bench-m1-h200.json; under
-# PDL a cuBLAS launch breaks the chain). The H200 table now takes the 32 x 256 GEMV at
+# down_proj (K 14336 -> N 4096) at M = 1 on a split-2 GEMV: the lever used while the table
+# kept cuBLAS there (within 2 %, results/gemv-bench-m1-h200.json). The H200 table now takes the 32 x 256 GEMV at
 # M = 1 itself (results/gemv-rows-down-h200.json), so this only swaps the tile.
 DOWN_M1 = {"block_n": 64, "block_k": 256, "split_k": 2, "dot": True, "num_warps": 4,
            "num_stages": 4}
-SWITCHES = ("KVFLOW_PDL", "KVFLOW_PDL_PREFETCH", "KVFLOW_ATTN_MERGE", "KVFLOW_ATTN_SPLIT_KEYS",
-            "KVFLOW_GEMV_NORM_ROW", "KVFLOW_GEMV_TABLE", "KVFLOW_ROPE_IN_ATTN",
-            "KVFLOW_GREEDY_ARGMAX")
+SWITCHES = ("KVFLOW_GEMV_TABLE", "KVFLOW_ROPE_IN_ATTN", "KVFLOW_GREEDY_ARGMAX")
 
 
 # every switch off: main's behaviour before them, whatever the GPU's measured defaults
-OFF = {"KVFLOW_PDL": "off", "KVFLOW_ATTN_MERGE": "kernel", "KVFLOW_ATTN_SPLIT_KEYS": "0",
-       "KVFLOW_GEMV_NORM_ROW": "0", "KVFLOW_ROPE_IN_ATTN": "off",
-       "KVFLOW_GREEDY_ARGMAX": "torch"}
+OFF = {"KVFLOW_ROPE_IN_ATTN": "off", "KVFLOW_GREEDY_ARGMAX": "torch"}
 
 
 def _env(variant: str, table: str | None, down_table: str) -> dict:
@@ -67,21 +60,10 @@ def _env(variant: str, table: str | None, down_table: str) -> dict:
     for part in variant.split("+"):
         if part in ("base", "auto"):
             continue
-        elif part == "fused":
-            env["KVFLOW_ATTN_MERGE"] = "fused"
-        elif part.startswith("keys"):  # fused merge, on-device split count
-            env["KVFLOW_ATTN_MERGE"] = "fused"
-            env["KVFLOW_ATTN_SPLIT_KEYS"] = part[4:]
-        elif part == "row":
-            env["KVFLOW_GEMV_NORM_ROW"] = "1"
         elif part == "rope":
             env["KVFLOW_ROPE_IN_ATTN"] = "on"
         elif part == "argmax":
             env["KVFLOW_GREEDY_ARGMAX"] = "auto"
-        elif part.startswith("pdl"):
-            env["KVFLOW_PDL"] = "on"
-            if part[3:]:
-                env["KVFLOW_PDL_PREFETCH"] = part[3:]
         elif part == "down":
             tables.append(down_table)
         elif part == "table":
@@ -109,16 +91,15 @@ def _merge_tables(paths: list[str]) -> str:
 
 def _apply(engine, env: dict) -> None:
     """Set the switches, drop every cached decision, re-plan the GEMVs, recapture."""
-    from kvflow.kernels import argmax, gemv_config, gemv_norm, paged_attention, pdl
+    from kvflow.kernels import argmax, gemv_config
     from kvflow.kernels.gemv_dispatch import plan_gemv
     from kvflow.layers.attention import triton_backend
 
     for k in SWITCHES:
         os.environ.pop(k, None)
     os.environ.update(env)
-    for fn in (pdl._enabled, pdl.prefetch_tiles_default, paged_attention.merge_mode,
-               paged_attention.split_keys, gemv_norm.one_row, gemv_config._device_table,
-               triton_backend.rope_in_attention, argmax._use_kernel):
+    for fn in (gemv_config._device_table, triton_backend.rope_in_attention,
+               argmax._use_kernel):
         fn.cache_clear()
     runner = engine.core.executor.runner
     for m in runner.model.modules():
@@ -169,10 +150,7 @@ def measure(engine, prompt: list[int], out_len: int, iters: int, tag: str) -> di
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variants", default="base,fused,row+table,pdl,pdl+fused,"
-                                          "pdl+fused+row+table,pdl+keys256+row+table,"
-                                          "pdl+fused+row+table+down,pdl0+fused+row+table,"
-                                          "pdl16+fused+row+table")
+    ap.add_argument("--variants", default="base,auto,rope+argmax,base,auto,rope+argmax")
     ap.add_argument("--table", default=None,
                     help="bench_gemv.py result(s) for 'table', comma-separated")
     ap.add_argument("--iters", type=int, default=3)

@@ -31,21 +31,6 @@
 #             auto-fresh: the table just measured; gpu-a-gemv-MODE.json); GEMV_PROFILE_MODES
 #             adds the batch-1 per-kernel profile per mode (profile-gemv-MODE.json);
 #             GEMV_PARITY=1 first runs the 8B bf16 parity test vs transformers, GEMV forced
-#   gemv2     batch-1 decode levers (~4 min, each sub-run under its own timeout): PDL / fused
-#             merge / one-row norm GEMV GPU tests; batch-1 attention micro-benchmark (splits,
-#             merge kernel vs fused, PDL; decode-attn.json); M = 1 tiles of qkv / o
-#             and down (GEMV2_CONFIGS: BLOCK_N 16..64), one-row norm GEMV (gemv2-sweep.json);
-#             the table's GEMVs
-#             with PDL on (gemv2-pdl.json); GPU-A with each lever on/off in one process
-#             (decode-levers.json; GEMV2_VARIANTS picks); GEMV2_PROFILE=1 adds the batch-1
-#             per-kernel profile of the CUDA graph with GEMV2_PROFILE_ENV's switches
-#             (profile-decode1-graph.json)
-#   gemv2-final  (<= 115 s) PDL with the late trigger: its GPU test, GPU-A base / PDL without and
-#             with the weight prefetch (decode-levers-late.json), qkv / o / down GEMVs at M = 1
-#             with PDL on and off (gemv2-pdl-on/off.json)
-#   gemv2-confirm  GPU-A by `kvflow bench latency` with every decode switch off, then with the
-#             defaults (gpu-a-gemv2-off/auto.json); GEMV2_PROFILE=1 adds the batch-1 profile
-#             (CUDA graph and eager) with the defaults (profile-decode1-gemv2.json)
 #   woq-gemv  low-bit decode GEMVs (<= WOQ_GEMV_STAGE_S, default 240 s): their gpu tests (<= 60 s);
 #             micro-benchmark vs bf16 cuBLAS and each format's previous path at the 8B shapes
 #             (lm_head as int8, which int4/int8/fp8 models keep), M = 1,2,4,8, int4-g128 / fp8 /
@@ -87,9 +72,6 @@
 #             ROWS_PROFILE=1 adds the batch-1 graph profile with it
 #   woq-rows  balanced grids in the low-bit GEMVs: their GPU tests, int4 g128 and FP8 W8A8 at
 #             M = 1 against each shape's table (woq-rows-bench.json, fp8-rows-bench.json)
-#   fused-merge  the split-KV merge inside the decode launch as one tile load: GPU tests, the batch-1
-#             attention micro-benchmark (decode-attn-tile.json), GPU-A with/without it
-#             alternated (decode-fused-tile.json)
 #   profile-mixed  per-kernel profile of GPU-B's typical step: 224 decodes at ~1k context beside two
 #             fresh 1024-token prompts (profile-mixed.json), against its floor
 #   prefill-graphs  one-request prefill graphs: GPU test vs eager, TTFT of 16..512-token prompts on
@@ -99,8 +81,8 @@
 #             defaults, the fresh table, and the table with the in-attention rotary + argmax
 #             kernel, alternated (decode-levers-fresh.json; FRESH_VARIANTS picks)
 #   rows-confirm  with the table that moved down_proj to the GEMV: 8B-shape GEMV tests, GPU-A
-#             defaults (gpu-a-rows-none.json), PDL on/off alternated (decode-pdl.json), the
-#             batch-1 graph profile (profile-decode1-graph-rows.json)
+#             defaults (gpu-a-rows-none.json), the batch-1 graph profile
+#             (profile-decode1-graph-rows.json)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/env.sh  # OUT, PYTHONPATH, KVFLOW_GIT_COMMIT, KV
@@ -163,28 +145,6 @@ for stage in "$@"; do
       for mode in ${GEMV_PROFILE_MODES:-}; do  # per-kernel breakdown of a batch-1 decode step
         KVFLOW_GEMV=$mode timeout 120 python benchmarks/gpu/profile_steps.py --cases decode1 --out "$OUT/profile-gemv-$mode.json" 2>&1 | grep -v "^INFO" | tail -18
       done;;
-    gemv2)
-      timeout ${GEMV2_TEST_TIMEOUT:-90} python -m pytest tests/kernels/test_pdl.py tests/kernels/test_paged_attention_kernel.py tests/kernels/test_gemv_kernel.py -q -x -k "pdl or fused or one_row or cuda_graph" 2>&1 | tail -4
-      timeout ${GEMV2_ATTN_TIMEOUT:-75} python benchmarks/gpu/bench_decode_attn.py --out "$OUT/decode-attn.json" --contexts ${GEMV2_CONTEXTS:-256,1024,4096} 2>&1 | grep -v "^INFO" | tail -32 || echo "decode-attn failed"
-      KVFLOW_GEMV_NORM_ROW=1 timeout ${GEMV2_SWEEP_TIMEOUT:-110} python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv2-sweep.json" --ms 1 --shapes qkv,o,down --sweep --sweep-kinds linear,norm_linear --configs ${GEMV2_CONFIGS:-64:256:1:4:4,32:256:1:4:4,32:256:1:4:3,32:128:1:4:6,16:256:1:4:4,16:256:1:4:6,16:512:1:4:3,16:256:1:2:4} 2>&1 | grep -v "^INFO" | tail -6 || echo "gemv2-sweep failed"
-      KVFLOW_PDL=on timeout ${GEMV2_PDL_TIMEOUT:-60} python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv2-pdl.json" --ms 1 2>&1 | grep -v "^INFO" | tail -10 || echo "gemv2-pdl failed"
-      timeout ${GEMV2_E2E_TIMEOUT:-180} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-levers.json" --table "$OUT/gemv2-sweep.json" --budget-s $(( ${GEMV2_E2E_TIMEOUT:-180} - 30 )) ${GEMV2_VARIANTS:+--variants "$GEMV2_VARIANTS"} 2>&1 | grep -v "^INFO" | tail -14 || echo "decode-levers failed"
-      if [ -n "${GEMV2_PROFILE:-}" ]; then
-        env ${GEMV2_PROFILE_ENV:-} timeout 100 python benchmarks/gpu/profile_steps.py --cases decode1-graph --out "$OUT/profile-decode1-graph.json" 2>&1 | grep -v "^INFO" | tail -18
-      fi;;
-    gemv2-final)  # <= 115 s: PDL with the late trigger (GPU test, GPU-A levers, GEMVs on/off)
-      timeout 30 python -m pytest tests/kernels/test_pdl.py -q -x 2>&1 | tail -3
-      timeout 55 python benchmarks/gpu/decode_levers.py --out "$OUT/decode-levers-late.json" --variants ${GEMV2_VARIANTS:-base,pdl0,pdl,pdl8} --budget-s 45 2>&1 | grep -v "^INFO" | tail -6 || echo "levers failed"
-      for p in on off; do
-        KVFLOW_PDL=$p timeout 15 python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv2-pdl-$p.json" --ms 1 --shapes qkv,o,down 2>&1 | grep -E "M=1|rror" | tail -5 || echo "gemv pdl $p failed"
-      done;;
-    gemv2-confirm)  # GPU-A by `kvflow bench latency`: every decode switch off, then the defaults
-      off="KVFLOW_PDL=off KVFLOW_ATTN_MERGE=kernel KVFLOW_ATTN_SPLIT_KEYS=0 KVFLOW_GEMV_NORM_ROW=0"
-      for mode in ${GEMV2_CONFIRM_MODES:-off auto}; do
-        env $([ $mode = off ] && echo $off) timeout ${GEMV2_E2E_TIMEOUT:-150} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --backend kvflow --max-num-seqs 8 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-gemv2-$mode.json" 2>&1 | grep -E "GEMV|tokens/s|rror|Traceback" | tail -6
-        echo "gpu-a-gemv2-$mode exit ${PIPESTATUS[0]}"
-      done
-      [ -n "${GEMV2_PROFILE:-}" ] && timeout 100 python benchmarks/gpu/profile_steps.py --cases decode1-graph,decode1 --out "$OUT/profile-decode1-gemv2.json" 2>&1 | grep -v "^INFO" | tail -36;;
     woq-gemv)
       t0=$SECONDS; budget=${WOQ_GEMV_STAGE_S:-240}
       [ "${WOQ_GEMV_TESTS:-1}" = 1 ] && timeout ${WOQ_GEMV_TEST_TIMEOUT:-60} python -m pytest tests/kernels/test_woq_gemv_kernel.py -q -x -m gpu ${WOQ_GEMV_TEST_K:+-k "$WOQ_GEMV_TEST_K"} 2>&1 | tail -4
@@ -261,11 +221,9 @@ PY
       [ "${ROWS_PROFILE:-0}" = 1 ] && KVFLOW_GEMV_TABLE="$OUT/gemv-rows-table.json" timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --out "$OUT/profile-decode1-graph-rows.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
     rows-confirm)
       # the table with down_proj on the GEMV at M = 1: the 8B-shape GEMV tests, GPU-A with the
-      # defaults by `kvflow bench latency` (gpu-a-rows-none.json), PDL on/off alternated now that
-      # no cuBLAS launch breaks a layer's chain (decode-pdl.json), the batch-1 graph profile
+      # defaults by `kvflow bench latency` (gpu-a-rows-none.json), the batch-1 graph profile
       timeout ${ROWS_TEST_TIMEOUT:-90} python -m pytest -q -x tests/kernels/test_gemv_kernel.py -k "llama8b or graph" 2>&1 | tail -2
       timeout 120 $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters ${ROWS_ITERS:-6} --backend kvflow --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-rows-none.json" 2>&1 | grep -E "tokens/s|rror|Traceback" | tail -3
-      timeout ${ROWS_LEVERS_TIMEOUT:-200} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-pdl.json" --variants ${ROWS_PDL_VARIANTS:-auto,auto+pdl0,auto,auto+pdl0} --iters ${ROWS_ITERS:-6} --budget-s $(( ${ROWS_LEVERS_TIMEOUT:-200} - 40 )) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8
       timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --out "$OUT/profile-decode1-graph-rows.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
     woq-rows)
       # balanced grids in the low-bit decode GEMVs (WoqGemvConfig.rows): their GPU tests, int4
@@ -274,14 +232,6 @@ PY
       timeout ${WOQ_ROWS_TEST_TIMEOUT:-120} python -m pytest -q tests/kernels/test_woq_gemv_kernel.py tests/kernels/test_gemv_fp8_kernel.py 2>&1 | tail -2
       timeout ${WOQ_ROWS_BENCH_TIMEOUT:-120} python benchmarks/gpu/bench_woq_gemv.py --out "$OUT/woq-rows-bench.json" --ms 1 --formats w4g128 --configs ${WOQ_ROWS_CONFIGS:-64:256:1:4:3:0:0:47,64:256:2:4:3:0:0:47,64:256:4:4:3:0:0:47,64:256:2:4:3:0:0:63,64:256:4:4:3:0:0:63,64:256:2:4:3:1:0:55,64:256:8:4:2:1:0:63} 2>&1 | grep -E "M=1|rror" | tail -6 || echo "woq-rows-bench failed"
       timeout ${WOQ_ROWS_BENCH_TIMEOUT:-120} python benchmarks/gpu/bench_fp8_gemv.py --out "$OUT/fp8-rows-bench.json" --ms 1 --configs ${FP8_ROWS_CONFIGS:-64:256:1:4:6:128:47,64:256:1:4:4:128:47,64:128:1:4:3:128:55,64:256:1:4:4:128:55,64:256:2:4:3:128:63,64:256:4:4:3:128:63} 2>&1 | grep -E "M=1|rror" | tail -6 || echo "fp8-rows-bench failed";;
-    fused-merge)
-      # the split-KV merge inside the decode launch, its partials loaded as one tile: GPU tests
-      # (with the rotary lever and PDL), the batch-1 attention micro-benchmark (merge kernel
-      # vs fused, decode-attn-tile.json), GPU-A defaults vs defaults + fused alternated
-      # (decode-fused-tile.json)
-      timeout ${FM_TEST_TIMEOUT:-90} python -m pytest -q tests/kernels/test_paged_attention_kernel.py tests/kernels/test_pdl.py -k "fused or rope or pdl" 2>&1 | tail -2
-      timeout ${FM_ATTN_TIMEOUT:-75} python benchmarks/gpu/bench_decode_attn.py --out "$OUT/decode-attn-tile.json" --contexts ${FM_CONTEXTS:-256,1024,4096} 2>&1 | grep -v "^INFO" | tail -20 || echo "decode-attn failed"
-      timeout ${FM_LEVERS_TIMEOUT:-200} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-fused-tile.json" --variants ${FM_VARIANTS:-auto,auto+fused,auto,auto+fused} --iters 6 --budget-s $(( ${FM_LEVERS_TIMEOUT:-200} - 40 )) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -6;;
     profile-mixed) timeout ${PROFILE_MIXED_TIMEOUT:-200} python benchmarks/gpu/profile_steps.py --cases mixed --out "$OUT/profile-mixed.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-24};;
     prefill-graphs)
       # one-request prefill graphs (KVFLOW_PREFILL_GRAPHS): the GPU test against the eager

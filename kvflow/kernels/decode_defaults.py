@@ -5,13 +5,6 @@ Each switch has an environment variable (``kvflow/envs.py``) that forces it; lef
 token of the device name), and on a GPU that is not listed, the behaviour before the
 switch existed. So an unmeasured GPU is never slower than before. The switches:
 
-- ``pdl``: programmatic dependent launch of the decode Triton kernels (``pdl.py``);
-- ``pdl_prefetch``: weight tiles a GEMV program prefetches into L2 before its PDL wait;
-- ``attn_merge``: ``kernel`` (a second launch merges split-KV partials) or ``fused``
-  (the last split of each KV head merges, ``paged_attention.py``);
-- ``attn_split_keys``: with the fused merge, the fewest keys per split (0: all splits);
-- ``gemv_norm_one_row``: the M = 1 norm-folded GEMV computes its x side on one row
-  (``gemv_norm.py``);
 - ``rope_in_attn``: a decode-only step rotates q / k and writes the new K/V inside the
   decode attention launch instead of a ``rotary_kv`` launch (``paged_attention.py``);
 - ``prefill_graphs``: a one-request step of at most 512 new tokens replays a CUDA graph
@@ -25,21 +18,16 @@ import functools
 
 import torch
 
-# The behaviour before the switches; the prefetch (only read with PDL on) defaults to 0
-# tiles, the best PDL variant measured on the H200 (results/decode-levers-late-h200.json).
-OFF: dict = {"pdl": False, "pdl_prefetch": 0, "attn_merge": "kernel", "attn_split_keys": 0,
-             "gemv_norm_one_row": False, "rope_in_attn": False, "prefill_graphs": False}
+# The behaviour before the switches.
+OFF: dict = {"rope_in_attn": False, "prefill_graphs": False}
 
 # device-name token -> the switches' measured best (each entry cites its result file).
-# H200: PDL, the fused merge, the split-keys and the one-row norm GEMV measured slower or
-# even in GPU-A (results/decode-levers-run1-h200.json, decode-levers-late-h200.json);
-# the rotary inside decode attention, with the argmax kernel, +1.7-2.9 % in bf16, FP8
+# H200: the rotary inside decode attention, with the argmax kernel, +1.7-2.9 % in bf16, FP8
 # and int4, each against the base runs beside it (results/decode-rope-*-h200.json;
 # docs/decode-gemv.md).
 # H100: the one-request prefill graphs take a 128-token prompt's time to first token on an
 # idle 8B engine from 16.3 to 8.2 ms (GPU kernels 6.9 ms; 16..512 tokens 16-17 -> 7.3-14 ms,
-# results/prefill-graphs-{off,on}-h100.json); the fused merge measured even or slower
-# (results/decode-fused-tile-h100.json); the rotary inside decode attention, with the
+# results/prefill-graphs-{off,on}-h100.json); the rotary inside decode attention, with the
 # argmax kernel, +1.0-1.1 % GPU-A over the new GEMV table alone, alternated in one process
 # (176.0 -> 177.9 / 177.7 tokens/s, results/decode-levers-fresh-h100.json).
 MEASURED: dict[str, dict] = {"H200": {"rope_in_attn": True},

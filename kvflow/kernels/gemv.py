@@ -41,8 +41,6 @@ import triton
 import triton.language as tl
 
 from kvflow.kernels.gemv_config import GemvConfig, default_config
-from kvflow.kernels.pdl import (launch_kw, pdl_enabled, pdl_trigger, pdl_wait,
-                                prefetch_tiles, prefetch_tiles_default)
 from kvflow.kernels.woq_config import LOCK_SLOTS, split_buffers, store_output
 
 MAX_M = 16  # activation rows of the DOT path (one MMA N-tile)
@@ -114,7 +112,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride
                  stride_om, split_k, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  SPLIT: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
-                 ROWS: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                 ROWS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -123,13 +121,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride
     per_split = tl.cdiv(k_tiles, split_k)
     t_start = pid_k * per_split
     t_end = tl.minimum(t_start + per_split, k_tiles)
-    if PDL:  # the weight does not depend on the previous kernel: start it streaming
-        prefetch_tiles(w_ptr, offs_n.to(tl.int64)[:, None] * K, offs_n < N, t_start, t_end,
-                       BLOCK_K, PREFETCH)
-    pdl_wait(PDL)
     acc = _partial(x_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_xm, t_start, t_end,
                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT, UPCAST)
-    pdl_trigger(PDL)  # in the tail: the next kernel may become resident
     if HAS_BIAS:  # added by the first split only (the others' partials exclude it)
         b = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         acc += tl.where(pid_k == 0, 1.0, 0.0) * b[None, :]
@@ -141,8 +134,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride
 def _gemv_silu_mul_kernel(x_ptr, w_ptr, wu_ptr, out_ptr, ws_ptr, lock_ptr, M, D, K, stride_xm,
                           stride_om, split_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-                          DOT: tl.constexpr, UPCAST: tl.constexpr, ROWS: tl.constexpr,
-                          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                          DOT: tl.constexpr, UPCAST: tl.constexpr, ROWS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -151,16 +143,10 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, wu_ptr, out_ptr, ws_ptr, lock_ptr, M, D,
     per_split = tl.cdiv(k_tiles, split_k)
     t_start = pid_k * per_split
     t_end = tl.minimum(t_start + per_split, k_tiles)
-    if PDL:  # gate and up rows: weights, independent of the previous kernel
-        rows_w = offs_n.to(tl.int64)[:, None] * K
-        prefetch_tiles(w_ptr, rows_w, offs_n < D, t_start, t_end, BLOCK_K, PREFETCH // 2)
-        prefetch_tiles(wu_ptr, rows_w, offs_n < D, t_start, t_end, BLOCK_K, PREFETCH // 2)
-    pdl_wait(PDL)
     gate = _partial(x_ptr, w_ptr, offs_m, offs_n, M, D, K, stride_xm, t_start, t_end,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT, UPCAST)
     up = _partial(x_ptr, wu_ptr, offs_m, offs_n, M, D, K, stride_xm,
                   t_start, t_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT, UPCAST)
-    pdl_trigger(PDL)
     store_silu_pair(gate, up, out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, D, stride_om,
                     pid_n, pid_k, split_k, SPLIT)
 
@@ -255,15 +241,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         cfg.split_k, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SPLIT=ws is not None,
         DOT=cfg.dot, UPCAST=_interp(x), ROWS=cfg.tile_rows, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **_pdl_args(x.device))
+        num_stages=cfg.num_stages)
     return out
-
-
-def _pdl_args(device: torch.device) -> dict:
-    """PDL constexprs and the launch attribute (kvflow/kernels/pdl.py), when on."""
-    if not pdl_enabled(device):
-        return {}
-    return {"PDL": True, "PREFETCH": prefetch_tiles_default(), **launch_kw(True)}
 
 
 def silu_buffers(config, m: int, d: int, device: torch.device
@@ -313,5 +292,5 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
         x.stride(0), d, cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SPLIT=ws is not None,
         DOT=cfg.dot, UPCAST=_interp(x), ROWS=cfg.tile_rows, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **_pdl_args(x.device))
+        num_stages=cfg.num_stages)
     return out

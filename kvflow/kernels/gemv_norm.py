@@ -24,16 +24,13 @@ weight tile per step) and r written once.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kvflow.kernels.gemv import MAX_M, _pdl_args, tile_rows
+from kvflow.kernels.gemv import MAX_M, tile_rows
 from kvflow.kernels.gemv_config import GemvConfig
-from kvflow.kernels.pdl import pdl_trigger, pdl_wait, prefetch_tiles
 from kvflow.kernels.woq_config import LOCK_SLOTS, split_buffers
 
 
@@ -43,8 +40,7 @@ def _gemv_norm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, wu_ptr, out_ptr, r_out_ptr,
                       eps, HAS_RES: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                       SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                      ROWS: tl.constexpr, PDL: tl.constexpr = False,
-                      PREFETCH: tl.constexpr = 0, X_ROWS: tl.constexpr = 16):
+                      ROWS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -56,28 +52,16 @@ def _gemv_norm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, wu_ptr, out_ptr, r_out_ptr,
     per_split = tl.cdiv(k_tiles, split_k)
     t_start = pid_k * per_split
     t_end = tl.minimum(t_start + per_split, k_tiles)
-    if PDL:  # weights first (no kernel writes them), then wait for x and the residual
-        if ACT:
-            prefetch_tiles(w_ptr, rows_w, n_ok, t_start, t_end, BLOCK_K, PREFETCH // 2)
-            prefetch_tiles(wu_ptr, rows_w, n_ok, t_start, t_end, BLOCK_K, PREFETCH // 2)
-        else:
-            prefetch_tiles(w_ptr, rows_w, n_ok, t_start, t_end, BLOCK_K, PREFETCH)
-    pdl_wait(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    # X_ROWS: activation rows the x side computes on, BLOCK_M, or 1 when M == 1 (the x side
-    # as [1, BK] vectors, zero-padded to the dot's 16 rows only at the dot: 1/16 of the
-    # loads' registers and of the add/square/scale work per step).
-    offs_xm = tl.arange(0, X_ROWS)
-    xm_ok = offs_xm < M
-    ssq = tl.zeros((X_ROWS,), dtype=tl.float32)
-    first_col = (offs_xm * 0 + pid_n) == 0  # [XR]: this program writes r
+    ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    first_col = (offs_m * 0 + pid_n) == 0  # [BM]: this program writes r
     # The x side (x, residual, norm weight) does not feed tl.dot as loaded, so the
     # pipeliner leaves its loads synchronous: an L2 round trip per K step, exposed. It is
-    # prefetched by hand one step ahead instead (registers: [XR, BK] each).
+    # prefetched by hand one step ahead instead (registers: [BM, BK] each).
     ar_k = tl.arange(0, BLOCK_K)
     k_end = t_end * BLOCK_K
-    x_nxt, res_nxt, nw_nxt = _load_x_side(x_ptr, res_ptr, nw_ptr, offs_xm, xm_ok,
+    x_nxt, res_nxt, nw_nxt = _load_x_side(x_ptr, res_ptr, nw_ptr, offs_m, m_ok,
                                           t_start * BLOCK_K + ar_k, K, k_end, stride_xm,
                                           stride_rm, HAS_RES)
     for t in range(t_start, t_end):
@@ -87,22 +71,20 @@ def _gemv_norm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, wu_ptr, out_ptr, r_out_ptr,
             w_mask = n_ok[:, None]
         else:
             w_mask = n_ok[:, None] & k_ok[None, :]
-        x_mask = xm_ok[:, None] & k_ok[None, :]
+        x_mask = m_ok[:, None] & k_ok[None, :]
         w = tl.load(w_ptr + rows_w + offs_k[None, :], mask=w_mask, other=0.0,
                     eviction_policy="evict_first")  # [BN, BK]
-        x, res, nw = x_nxt, res_nxt, nw_nxt  # [XR, BK], [XR, BK], [BK]
-        x_nxt, res_nxt, nw_nxt = _load_x_side(x_ptr, res_ptr, nw_ptr, offs_xm, xm_ok,
+        x, res, nw = x_nxt, res_nxt, nw_nxt  # [BM, BK], [BM, BK], [BK]
+        x_nxt, res_nxt, nw_nxt = _load_x_side(x_ptr, res_ptr, nw_ptr, offs_m, m_ok,
                                               offs_k + BLOCK_K, K, k_end, stride_xm,
                                               stride_rm, HAS_RES)
         if HAS_RES:
             x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
-            tl.store(r_out_ptr + offs_xm[:, None] * K + offs_k[None, :], x,
+            tl.store(r_out_ptr + offs_m[:, None] * K + offs_k[None, :], x,
                      mask=x_mask & first_col[:, None])
         xf = x.to(tl.float32)
         ssq += tl.sum(xf * xf, axis=1)
-        a = (xf * nw.to(tl.float32)[None, :]).to(x.dtype)  # [XR, BK] activation, unscaled
-        if X_ROWS == 1:  # [1, BK] -> the dot's [BM, BK], rows past the first zero
-            a = tl.where((offs_m == 0)[:, None], a, tl.zeros((BLOCK_M, BLOCK_K), a.dtype))
+        a = (xf * nw.to(tl.float32)[None, :]).to(x.dtype)  # [BM, BK] activation, unscaled
         if UPCAST:  # CPU interpreter: its tl.dot multiplies bf16 as raw uint16
             acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
         else:
@@ -115,9 +97,6 @@ def _gemv_norm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, wu_ptr, out_ptr, r_out_ptr,
                                 input_precision="ieee")
             else:
                 acc_u += tl.dot(wu, tl.trans(a))
-    pdl_trigger(PDL)  # in the tail: the next kernel may become resident
-    if X_ROWS == 1:
-        ssq = tl.where(offs_m == 0, tl.sum(ssq, axis=0), 0.0)  # [BM]
     gate = tl.trans(acc)  # [BM, BN]
     up = tl.trans(acc_u)
     o_mask = m_ok[:, None] & n_ok[None, :]
@@ -178,18 +157,6 @@ def _epilogue(gate, up, ssq, K, eps, out_ptr, offs_m, offs_n, stride_om, o_mask,
         tl.store(ptrs, (gate * rstd).to(dt), mask=o_mask)
 
 
-@functools.lru_cache(maxsize=1)
-def one_row() -> bool:
-    """``KVFLOW_GEMV_NORM_ROW`` (``kvflow.envs.gemv_norm_one_row``, else the GPU's measured
-    default): the x side of an M = 1 launch as [1, BK] vectors (on) or as the dot's full
-    16 rows (off)."""
-    from kvflow import envs
-    from kvflow.kernels.decode_defaults import measured
-
-    value = envs.gemv_norm_one_row()
-    return measured()["gemv_norm_one_row"] if value is None else value
-
-
 def gemv_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                       eps: float, weight: torch.Tensor, silu_and_mul: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,6 +208,5 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
         HAS_RES=residual is not None, ACT=silu_and_mul, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         SPLIT=ws is not None, UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
-        X_ROWS=1 if m == 1 and one_row() else cfg.block_m, ROWS=cfg.tile_rows,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_args(x.device))
+        ROWS=cfg.tile_rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, r_out

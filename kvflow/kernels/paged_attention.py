@@ -25,12 +25,9 @@ Algorithm (one kernel body, two launches):
   num_kv_splits = S > 1, split s handles keys [s*c, (s+1)*c) with
   ``c = roundup(cdiv(seq_len, S), BLOCK_N)`` (computed on device per request), and
   writes a normalised partial output and its log2-sum-exp (float32) to a workspace; a
-  second kernel, grid ``(num_decodes, H)``, merges the S partials. With the fused merge
-  (``KVFLOW_ATTN_MERGE=fused``) there is no second kernel: each split bumps an arrival
-  counter per (request, KV head) after storing its partial, and the last one merges the
-  S partials of its G heads (same online combine, split order) and resets the counter;
-  ``KVFLOW_ATTN_SPLIT_KEYS=K`` then also lowers S per request on device to
-  ``cdiv(seq_len, K)`` (one split: the output directly, no partials).
+  second kernel, grid ``(num_decodes, H)``, merges the S partials. (Merging in the last
+  split instead of a second launch, with per-request split counts, measured even or
+  slower on the H200 and the H100 and was removed: docs/decode-gemv.md.)
 * Decode-only steps may pass ``rope`` (``DecodeRope``): q and the new token's k / v
   arrive unrotated and uncached. Every decode program rotates its q rows (rotate-half,
   cos/sin row ``seq_len - 1``); the program whose key range holds the new token rotates
@@ -81,8 +78,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from kvflow.kernels.pdl import launch_kw, pdl_enabled, pdl_enter, pdl_trigger, pdl_wait
 
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 256
@@ -232,21 +227,19 @@ def _add_key(acc, l_i, m_i, q, k, v, qk_scale, rows):
     return acc * alpha[:, None] + pv, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["req_offset", "num_splits", "split_keys"])
+@triton.jit(do_not_specialize=["req_offset", "num_splits"])
 def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
         req_offset, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
         stride_bt, stride_kb, stride_kt, stride_kh, ks_ptr, vs_ptr, out_scale,
-        stride_sb, stride_st, stride_sh, tree_bits_ptr, tree_start_ptr, lock_ptr, split_keys,
+        stride_sb, stride_st, stride_sh, tree_bits_ptr, tree_start_ptr,
         cs_ptr, stride_cs, kn_ptr, vn_ptr, stride_knt, stride_knh, stride_vnt,
         stride_vnh, slot_ptr, n_slots,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr, QUANT: tl.constexpr, TREE: tl.constexpr,
-        FUSED_MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
-        ROPE: tl.constexpr = False, S_PAD: tl.constexpr = 1, GP: tl.constexpr = 1):
-    pdl_wait(PDL)  # before the early returns: completion must imply the predecessor's
+        ROPE: tl.constexpr = False):
     num_qb = tl.num_programs(0)
     qb = num_qb - 1 - tl.program_id(0)  # longest causal range first
     req = tl.program_id(1) + req_offset
@@ -288,16 +281,7 @@ def _paged_attn_kernel(
     hi = tl.minimum(seq_len, ctx + (qb + 1) * BLOCK_Q)
     lo = 0
     if SPLIT:
-        # The splits this request uses: all of them, or (fused merge with split_keys > 0)
-        # as many as give each at least split_keys keys; the rest exit here. One split
-        # writes the output itself: no partials, no merge.
-        eff = num_splits
-        if FUSED_MERGE:
-            if split_keys > 0:
-                eff = tl.minimum(tl.maximum(tl.cdiv(hi, split_keys), 1), num_splits)
-        if split >= eff:
-            return
-        chunk = tl.cdiv(tl.cdiv(hi, eff), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(hi, lo + chunk)
     if ROPE:
@@ -344,72 +328,26 @@ def _paged_attn_kernel(
     if ROPE:
         acc, l_i, m_i = _add_key(acc, l_i, m_i, q, k_new, v_new, qk_scale, own & row_ok)
 
-    pdl_trigger(PDL)  # the K/V loop is done: the next kernel may become resident
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty split or empty context -> zeros
     o = acc * (out_scale / l_safe)[:, None]  # out_scale: fp8's V scale, else 1
     if SPLIT:
-        out_off = row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        if eff == 1:  # (fused merge only) the whole context in this program
-            tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=q_mask)
-        else:
-            # Partials of decode request `req`: [num_decodes, H, S, D_PAD] and [.., S].
-            num_heads = tl.num_programs(2) // num_splits * GROUP
-            part_row = (req.to(tl.int64) * num_heads + head) * num_splits + split
-            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-            tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
-            tl.store(part_o_ptr + part_row[:, None] * D_PAD + offs_d[None, :], o,
-                     mask=row_ok[:, None])
-            if FUSED_MERGE:  # the last split of this (request, KV head) to finish merges
-                tl.debug_barrier()  # every thread's partials are written before the release
-                slot = req * (tl.num_programs(2) // num_splits) + kvh
-                arrived = tl.atomic_add(lock_ptr + slot, 1, sem="acq_rel", scope="gpu")
-                if arrived == eff - 1:
-                    # a decode launch: one query (BLOCK_Q = 1), at row q_start
-                    _merge_group(part_o_ptr, part_lse_ptr, out_ptr, req, kvh, num_heads,
-                                 num_splits, eff, q_start, stride_ot, stride_oh, GROUP, GP,
-                                 S_PAD, HEAD_DIM, D_PAD)
-                    tl.atomic_xchg(lock_ptr + slot, 0)  # zero again for the next launch
+        # Partials of decode request `req`: [num_decodes, H, S, D_PAD] and [.., S].
+        num_heads = tl.num_programs(2) // num_splits * GROUP
+        part_row = (req.to(tl.int64) * num_heads + head) * num_splits + split
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
+        tl.store(part_o_ptr + part_row[:, None] * D_PAD + offs_d[None, :], o,
+                 mask=row_ok[:, None])
     else:
         tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh
                  + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
-def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, req, kvh, num_heads, num_splits, eff,
-                 q_start, stride_ot, stride_oh, GROUP: tl.constexpr, GP: tl.constexpr,
-                 S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """The merge of ``_merge_splits_kernel`` for one (decode request, KV head): the GROUP
-    query heads' partials of splits 0..eff-1 loaded as one [S_PAD, GP, D_PAD] tile (one
-    L2 round trip, read at L2 (.cg) where the other programs wrote them), weighted by
-    2^(lse - max) and summed, as the merge kernel does."""
-    offs_s = tl.arange(0, S_PAD)
-    offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D_PAD)
-    head = kvh * GROUP + offs_g  # [GP]
-    rows = (req.to(tl.int64) * num_heads + head) * num_splits  # split 0's partial row
-    idx = rows[None, :] + offs_s[:, None]  # [S, GP]
-    ok = (offs_s[:, None] < eff) & (offs_g[None, :] < GROUP)
-    lse = tl.load(part_lse_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    o = tl.load(part_o_ptr + idx[:, :, None] * D_PAD + offs_d[None, None, :],
-                mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # [S, GP, D]
-    m = tl.max(lse, axis=0)  # [GP]
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m[None, :])  # empty splits weigh 0
-    den = tl.sum(w, axis=0)
-    den = tl.where(den == 0.0, 1.0, den)
-    res = tl.sum(o * w[:, :, None], axis=0) / den[:, None]  # [GP, D]
-    out = (out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * stride_oh
-           + offs_d[None, :])
-    tl.store(out, res.to(out_ptr.dtype.element_ty),
-             mask=(offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
-
-
-@triton.jit
 def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits,
                          stride_ot, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         S_PAD: tl.constexpr, PDL: tl.constexpr = False):
+                         S_PAD: tl.constexpr):
     """out[req, h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)."""
-    pdl_enter(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + req)
@@ -593,8 +531,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                   DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
                   UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16, QUANT=quant)
 
-    pdl = pdl_enabled(q.device)
-    pdl_kw = {"PDL": True, **launch_kw(True)} if pdl else {}
     # (cos/sin, k, v, their strides, slots, n_slots) of the decode launch's rotary;
     # placeholders (never read) without it and in the prefill launch
     no_rope = (seq_lens, 0, q, q, 0, 0, 0, 0, seq_lens, 0)
@@ -611,9 +547,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                      rope.slot_mapping.shape[0])
     if num_decodes > 0:
         splits = max(1, int(num_kv_splits))
-        locks = None
-        if splits > 1 and merge_mode() == "fused":
-            locks = _merge_locks(q.device, num_decodes * num_kv_heads)
         if splits > 1:
             part_o = torch.empty((num_decodes, num_heads, splits, d_pad), dtype=torch.float32,
                                  device=q.device)
@@ -623,19 +556,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             part_o = part_lse = out  # unused
         _paged_attn_kernel[(1, num_decodes, num_kv_heads * splits)](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-            part_o, part_lse, 0, splits, *common, seq_lens, seq_lens,
-            out if locks is None else locks, 0 if locks is None else split_keys(),
-            *rope_args,
+            part_o, part_lse, 0, splits, *common, seq_lens, seq_lens, *rope_args,
             G_PAD=max(g_pad, dec_cfg.block_m), BLOCK_Q=1, BLOCK_N=dec_cfg.block_n,
             SPLIT=splits > 1, num_warps=dec_cfg.num_warps, num_stages=dec_cfg.num_stages,
-            TREE=False, **({"FUSED_MERGE": True, "S_PAD": triton.next_power_of_2(splits),
-                            "GP": g_pad} if locks is not None else {}), **pdl_kw,
-            **({"ROPE": True} if rope is not None else {}), **consts)
-        if splits > 1 and locks is None:
+            TREE=False, **({"ROPE": True} if rope is not None else {}), **consts)
+        if splits > 1:
             _merge_splits_kernel[(num_decodes, num_heads)](
                 part_o, part_lse, out, query_start_loc, splits, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=triton.next_power_of_2(splits),
-                num_warps=4 if splits * d_pad <= 4096 else 8, **pdl_kw)
+                num_warps=4 if splits * d_pad <= 4096 else 8)
 
     num_prefills = num_reqs - num_decodes
     if num_prefills > 0 and max_query_len > 0:
@@ -643,53 +572,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         grid = (triton.cdiv(max_query_len, block_q), num_prefills, num_kv_heads)
         _paged_attn_kernel[grid](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-            out, out, num_decodes, 1, *common, *tree_args, out, 0,
-            *no_rope,
+            out, out, num_decodes, 1, *common, *tree_args, *no_rope,
             G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=pre_cfg.block_n, SPLIT=False,
             num_warps=pre_cfg.num_warps, num_stages=pre_cfg.num_stages,
-            TREE=tree is not None, **pdl_kw, **consts)
+            TREE=tree is not None, **consts)
     return out
-
-
-MERGE_LOCK_SLOTS = 1024  # (request, KV head) pairs of a fused-merge launch (splits > 1
-# only below ~4 programs per SM, so far fewer in practice)
-_merge_lock_bufs: dict[torch.device, torch.Tensor] = {}
-
-
-@functools.lru_cache(maxsize=1)
-def merge_mode() -> str:
-    """``KVFLOW_ATTN_MERGE`` (``kvflow.envs.attn_merge_mode``; ``auto``: the GPU's
-    measured default, ``kvflow/kernels/decode_defaults.py``), read once per process."""
-    from kvflow import envs
-    from kvflow.kernels.decode_defaults import measured
-
-    mode = envs.attn_merge_mode()
-    return measured()["attn_merge"] if mode == "auto" else mode
-
-
-@functools.lru_cache(maxsize=1)
-def split_keys() -> int:
-    """``KVFLOW_ATTN_SPLIT_KEYS`` (``kvflow.envs.attn_split_keys``), read once per process:
-    with the fused merge, the fewest keys per split the decode launch uses on device
-    (0: every split of the launch)."""
-    from kvflow import envs
-    from kvflow.kernels.decode_defaults import measured
-
-    value = envs.attn_split_keys()
-    return measured()["attn_split_keys"] if value is None else value
-
-
-def _merge_locks(device: torch.device, slots: int) -> torch.Tensor | None:
-    """Arrival counters of the fused merge (zeroed once, reset by the kernel: a launch
-    adds no memset and captures in a CUDA graph; the first, uncaptured, warm-up call
-    allocates them), or None (too many pairs: the merge kernel runs instead)."""
-    if slots > MERGE_LOCK_SLOTS:
-        return None
-    locks = _merge_lock_bufs.get(device)
-    if locks is None:
-        locks = _merge_lock_bufs[device] = torch.zeros(MERGE_LOCK_SLOTS, dtype=torch.int32,
-                                                       device=device)
-    return locks
 
 
 def attention_bytes_flops(q_lens: list[int], seq_lens: list[int], num_heads: int,

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from kvflow.kernels.fp8_quant import fp8_scale, fp8_values, interpreting
-from kvflow.kernels.pdl import launch_kw, pdl_enabled, pdl_enter
 
 _TILE_ELEMS = 4096  # elements a program holds; 16 per thread at 8 warps
 
@@ -33,9 +32,8 @@ _TILE_ELEMS = 4096  # elements a program holds; 16 per thread at 8 warps
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_inner, hidden,
                      stride_xa, stride_xb, eps, scale_ptr,
                      HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PDL: tl.constexpr = False, FP8_OUT: tl.constexpr = False,
+                     FP8_OUT: tl.constexpr = False,
                      EMULATE: tl.constexpr = False):
-    pdl_enter(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     row_ok = rows < n_rows
@@ -96,7 +94,6 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         n_rows, x3.shape[1], hidden, x3.stride(0), x3.stride(1), eps,
         scale if scale is not None else out,
         HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_N=block_n, num_warps=num_warps,
-        **({"PDL": True, **launch_kw(True)} if pdl_enabled(x.device) else {}),
         **({"FP8_OUT": True, "EMULATE": interpreting(x.device)} if scale is not None
            else {}))
 

@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.kernels.pdl import launch_kw, pdl_enabled, pdl_enter
 
 
 @triton.jit
@@ -104,9 +103,7 @@ def _rotary_cache_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, kc_ptr, vc_ptr, s
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_cs, stride_c_slot, stride_c_head, stride_s_slot,
                          H_PAD: tl.constexpr, KVH_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-                         QUANT: tl.constexpr, EMULATED: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    pdl_enter(PDL)  # everything below reads the qkv GEMV's output
+                         QUANT: tl.constexpr, EMULATED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c = tl.arange(0, HALF_PAD)
@@ -188,9 +185,6 @@ def rotary_and_cache_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Te
         H_PAD=heads_pad, KVH_PAD=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(half), QUANT=quant,
         EMULATED=q.device.type == "cpu",
-        num_warps=4 if heads_pad * d <= 4096 else 8, **_pdl(q.device))
+        num_warps=4 if heads_pad * d <= 4096 else 8)
     return q_out, k_out
 
-
-def _pdl(device: torch.device) -> dict:
-    return {"PDL": True, **launch_kw(True)} if pdl_enabled(device) else {}

@@ -215,30 +215,6 @@ def test_gemv_rms_norm(device, cfg, m, res, act):
         assert r is x  # the first layer: the residual is the input itself
 
 
-@pytest.mark.parametrize("cfg", [GemvConfig(32, 32, 3), GemvConfig(16, 64, 1)],
-                         ids=["split3", "nosplit"])
-@pytest.mark.parametrize("res,act", [(True, False), (False, True), (True, True)])
-def test_gemv_rms_norm_one_row(device, monkeypatch, cfg, res, act):
-    """KVFLOW_GEMV_NORM_ROW=1: at M = 1 the x side runs on the one row (then padded for
-    the dot): the same results and the same residual as the 16-row form."""
-    from kvflow.kernels import gemv_norm
-
-    monkeypatch.setenv("KVFLOW_GEMV_NORM_ROW", "1")
-    gemv_norm.one_row.cache_clear()
-    try:
-        n, k = 40, 160
-        g = torch.Generator().manual_seed(7 + act)
-        x = torch.randn(1, k, generator=g).to(torch.bfloat16).to(device)
-        residual = torch.randn(1, k, generator=g).to(torch.bfloat16).to(device) if res else None
-        nw = (torch.rand(k, generator=g) + 0.5).to(torch.bfloat16).to(device)
-        w = torch.randn(n, k, generator=g).to(torch.bfloat16).to(device)
-        y, r = gemv_norm.gemv_rms_norm(x, residual, nw, 1e-5, w, cfg, silu_and_mul=act)
-        _check_normed(y, r, x, residual, nw, w, act)
-    finally:
-        monkeypatch.delenv("KVFLOW_GEMV_NORM_ROW")
-        gemv_norm.one_row.cache_clear()
-
-
 def test_normed_seam(device):
     """forward_normed: the GEMV with the norm folded in where planned (and the norm in
     kernel mode), else the norm module then the layer, with identical residuals."""

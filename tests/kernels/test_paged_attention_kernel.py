@@ -125,54 +125,6 @@ def test_decode_only(device, num_kv_splits):
     _check(batch, batch.run(num_kv_splits), torch.float16)
 
 
-@pytest.fixture
-def fused_merge(monkeypatch):
-    """KVFLOW_ATTN_MERGE=fused for one test (the mode is read once per process); the
-    returned function sets KVFLOW_ATTN_SPLIT_KEYS."""
-    from kvflow.kernels import paged_attention as pa
-
-    def keys(n: int) -> None:
-        monkeypatch.setenv("KVFLOW_ATTN_SPLIT_KEYS", str(n))
-        pa.split_keys.cache_clear()
-    monkeypatch.setenv("KVFLOW_ATTN_MERGE", "fused")
-    pa.merge_mode.cache_clear()
-    keys(0)
-    yield keys
-    monkeypatch.delenv("KVFLOW_ATTN_MERGE")
-    monkeypatch.delenv("KVFLOW_ATTN_SPLIT_KEYS")
-    pa.merge_mode.cache_clear()
-    pa.split_keys.cache_clear()
-
-
-@pytest.mark.parametrize("num_kv_splits,split_keys", [(3, 0), (16, 0), (16, 64), (4, 256)])
-def test_decode_fused_merge(device, fused_merge, num_kv_splits, split_keys):
-    """The last split of each (request, KV head) merges in the attention launch: same
-    result as the merge kernel, with empty splits, a 1-key context, GQA 4; the arrival
-    counters are left at zero for the next launch. With split_keys the request uses
-    cdiv(context, split_keys) splits at most (1: no partials at all)."""
-    from kvflow.kernels import paged_attention as pa
-
-    fused_merge(split_keys)
-    rng = random.Random(3)
-    seq_lens = [1, 64, 65, rng.randint(100, 300)]
-    batch = Batch([1] * 4, seq_lens, 4, 8, 2, 64, 16, torch.bfloat16, device, 3)
-    for _ in range(2):  # twice: the counters must have been reset
-        _check(batch, batch.run(num_kv_splits), torch.bfloat16)
-    assert int(pa._merge_lock_bufs[batch.q.device].abs().sum()) == 0  # cuda:0, not cuda
-
-
-def test_padded_decodes_fused_merge(device, fused_merge):
-    batch = Batch([1, 1, 0, 0], [40, 90, 0, 0], 2, 8, 2, 64, 16, torch.float16, device, 2)
-    t = batch.qsl[-1]
-    out = torch.full((t + 3, 8, 64), 7.0, dtype=torch.float16, device=device)
-    q = torch.cat([batch.q, torch.zeros(3, 8, 64, dtype=torch.float16, device=device)])
-    paged_attention(q, batch.kv_cache, batch.block_tables, batch.query_start_loc,
-                    batch.seq_lens_t, batch.scale, num_decodes=4, max_query_len=1,
-                    max_seq_len=90, num_kv_splits=4, out=out)
-    torch.testing.assert_close(out[:t], batch.ref(), **TOL[torch.float16])
-    assert bool((out[t:] == 7.0).all())
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_only(device, dtype):
     batch = Batch([70, 20, 130], [70, 150, 131], 0, 8, 2, 64, 16, dtype, device, 5)
@@ -365,10 +317,10 @@ def test_decode_rope_in_attention(device, dtype, heads, num_kv_splits):
 
 @pytest.mark.parametrize("heads,num_kv_splits", [((8, 2, 64), 16), ((6, 2, 48), 3)],
                          ids=["GQA4-16splits", "GQA3-D48-3splits"])
-def test_decode_rope_in_attention_fused_merge(device, fused_merge, heads, num_kv_splits):
-    """Both decode levers at once: the rotary inside the launch and the last split merging
-    the group's partials as one tile (a group of 3 padded to 4 heads, head_dim 48 padded
-    to 64, empty splits): the separate rotary launch + merge kernel's result."""
+def test_decode_rope_in_attention_splits(device, heads, num_kv_splits):
+    """The rotary inside a split launch whose group and head dim need padding (a group of
+    3 padded to 4 heads, head_dim 48 padded to 64, empty splits): the separate rotary
+    launch's result."""
     from kvflow.kernels.paged_attention import DecodeRope
     from kvflow.kernels.rotary_kv import rotary_and_cache_write
 
