@@ -36,23 +36,25 @@ def disable_triton() -> bool:
 
 def gemv_mode() -> str:
     """KVFLOW_GEMV: which decode linears (M <= 8 rows, dense bf16/fp16 on CUDA) take the
-    Triton GEMV instead of cuBLAS: ``auto`` (default: where the per-GPU table in
-    kvflow/kernels/gemv_config.py measured it faster), ``off`` (cuBLAS everywhere) or
+    Triton GEMV instead of cuBLAS: ``auto`` (default: where the GPU's measured table in
+    kvflow/kernels/tuning/ says it is faster), ``off`` (cuBLAS everywhere) or
     ``force`` (every shape, heuristic tiles; benchmarks and tests)."""
     return _choice("KVFLOW_GEMV", ("auto", "off", "force"))
 
 
-def gemv_table() -> str | None:
-    """KVFLOW_GEMV_TABLE: a ``benchmarks/gpu/bench_gemv.py`` result JSON whose measured
-    table replaces the built-in one for the shapes it lists (``auto`` mode)."""
-    return os.environ.get("KVFLOW_GEMV_TABLE") or None
+def tuning_file() -> str | None:
+    """KVFLOW_TUNING_FILE: measured tuning data overlaid on the GPU's own file in
+    kvflow/kernels/tuning/ (comma-separated paths): files of that form, or the result
+    files of benchmarks/gpu/bench_gemv.py, bench_woq_gemv.py or bench_fp8_gemv.py (their
+    measured tables)."""
+    return os.environ.get("KVFLOW_TUNING_FILE") or None
 
 
 def rope_in_attention() -> str:
     """KVFLOW_ROPE_IN_ATTN: whether a decode-only step's rotary + KV-cache write runs inside
     the decode attention launch (kvflow/kernels/paged_attention.py, ``DecodeRope``)
     instead of as its own kernel: ``auto`` (default: where
-    kvflow/kernels/decode_defaults.py measured it faster on this GPU), ``on`` or ``off``."""
+    this GPU's tuning data in kvflow/kernels/tuning/ measured it faster), ``on`` or ``off``."""
     return _choice("KVFLOW_ROPE_IN_ATTN", ("auto", "on", "off"))
 
 
@@ -60,7 +62,7 @@ def prefill_graphs() -> str:
     """KVFLOW_PREFILL_GRAPHS: whether a step with one request of at most 512 new tokens (a
     short prompt on an idle engine: its TTFT) replays a CUDA graph captured at startup
     instead of launching its kernels eagerly (kvflow/worker/cuda_graphs.py): ``auto``
-    (default: where kvflow/kernels/decode_defaults.py measured it on this GPU), ``on`` or
+    (default: where this GPU's tuning data in kvflow/kernels/tuning/ measured it faster), ``on`` or
     ``off``."""
     return _choice("KVFLOW_PREFILL_GRAPHS", ("auto", "on", "off"))
 
@@ -75,7 +77,7 @@ def greedy_argmax_mode() -> str:
 def woq_gemv_mode() -> str:
     """KVFLOW_WOQ_GEMV: whether decode rows (M <= 8) of int4 / int8 weight-only and FP8
     layers on CUDA take the low-bit tensor-core GEMVs (kvflow/kernels/gemv_w4.py,
-    gemv_w8.py): ``auto`` (default: the per-GPU table in woq_gemv_config.py, heuristic
+    gemv_w8.py): ``auto`` (default: the GPU's table in kvflow/kernels/tuning/, heuristic
     tiles for shapes it lacks), ``off`` (the previous kernels: the register GEMV /
     w8a16 tiles, and W8A8 ``_scaled_mm`` for FP8) or ``force`` (every M <= 8)."""
     return _choice("KVFLOW_WOQ_GEMV", ("auto", "off", "force"))
@@ -84,17 +86,11 @@ def woq_gemv_mode() -> str:
 def fp8_decode_mode() -> str:
     """KVFLOW_FP8_DECODE: how decode rows (M <= 8) of FP8 layers on CUDA multiply:
     ``auto`` (default: W8A8 on the FP8 tensor cores, kvflow/kernels/gemv_fp8.py, where the
-    per-GPU table in woq_gemv_config.py measured it faster, else the weight-dequant GEMV),
+    GPU's table in kvflow/kernels/tuning/ measured it faster, else the weight-dequant GEMV),
     ``w8a8`` (the FP8 x FP8 GEMV at every M <= 8, heuristic tiles where the table has
     none) or ``dequant`` (bf16 activations times the FP8 weights widened: the path before
     the W8A8 GEMV existed)."""
     return _choice("KVFLOW_FP8_DECODE", ("auto", "w8a8", "dequant"))
-
-
-def woq_gemv_table() -> str | None:
-    """KVFLOW_WOQ_GEMV_TABLE: a ``benchmarks/gpu/bench_woq_gemv.py`` result JSON whose
-    measured table replaces the built-in one for the shapes it lists."""
-    return os.environ.get("KVFLOW_WOQ_GEMV_TABLE") or None
 
 
 def no_progress_bar() -> bool:

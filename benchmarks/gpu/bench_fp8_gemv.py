@@ -13,7 +13,7 @@ first), alone and with the ``quantize_fp8`` launch in front (what a layer whose 
 comes from no norm pays); the best config's error against ``gemv_fp8_ref`` and, for
 ``promote`` 0 / 128 / 64 / 32, against the exact float64 product. Each time is the median
 per launch over one CUDA graph of launches over weight copies > 4x the L2.
-``table``: per case the best W8A8 config (the form ``woq_gemv_config.MEASURED`` reads,
+``table``: per case the best W8A8 config (the rows of the ``woq_gemv`` tuning data,
 format ``fp8a8`` / ``fp8a8-silu``).
 
 ``--configs`` replaces the W8A8 sweep (not ``--chain``'s): each case times the table's
@@ -88,11 +88,11 @@ def _parse_config(text: str) -> WoqGemvConfig:
 
 
 def _table_config(fmt: str, n: int, k: int, m: int) -> WoqGemvConfig | None:
-    """The config the table in force (built-in, ``KVFLOW_WOQ_GEMV_TABLE``) has for this
+    """The config the table in force (the GPU's tuning data, ``KVFLOW_TUNING_FILE``) has for this
     case, or None (not measured, or measured slower than the weight-dequant GEMV)."""
     from kvflow import envs
 
-    table = _device_table(torch.cuda.get_device_name(), envs.woq_gemv_table())
+    table = _device_table(torch.cuda.get_device_name(), envs.tuning_file())
     return table.get((fmt, n, k), {}).get(_bucket(m))
 
 
@@ -289,6 +289,9 @@ def main() -> int:
                          "of the sweep: BN:BK:SPLIT:WARPS:STAGES[:PROMOTE[:ROWS]],... "
                          "(PROMOTE: 0 or a power of two <= BK; ROWS: output rows per "
                          "program, WoqGemvConfig.rows); not with --chain")
+    ap.add_argument("--write-tuning", default=None, metavar="FILE",
+                    help="merge the measured table into this tuning data file "
+                         "(kvflow/kernels/tuning/<gpu>.json; created if missing)")
     args = ap.parse_args()
     try:
         configs = [_parse_config(c) for c in args.configs.split(",") if c] or None
@@ -303,6 +306,10 @@ def main() -> int:
     save_result(args.out, {"command": "python benchmarks/gpu/bench_fp8_gemv.py " + " ".join(
         sys.argv[1:]), **res, "timing": "one CUDA graph over weight copies > 4x L2, "
         "median per launch"})
+    if args.write_tuning:
+        from kvflow.kernels import tuning
+
+        tuning.write_bench(args.write_tuning, res, os.path.relpath(args.out))
     return 0
 
 

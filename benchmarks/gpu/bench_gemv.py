@@ -17,8 +17,8 @@ Without ``--sweep`` each case times the built-in table's configurations for its 
 (every M bucket's) and the heuristic. ``--sweep`` (``--sweep-kinds`` picks the kinds)
 also times a grid of tile configurations per case, most promising first, until
 ``--budget-s`` runs out. The ``table`` lists per case the best configuration where it beat
-cuBLAS by at least 2 % (else null: keep cuBLAS): the input to ``gemv_config.MEASURED``, or
-read directly with ``KVFLOW_GEMV_TABLE=<this file>``.
+cuBLAS by at least 2 % (else null: keep cuBLAS): ``--write-tuning kvflow/kernels/tuning/<gpu>.json``
+merges it into the GPU's tuning data, ``KVFLOW_TUNING_FILE=<this file>`` tries it as it is.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
+from kvflow import envs  # noqa: E402
 from kvflow.bench.machine import save_result  # noqa: E402
+from kvflow.kernels import tuning  # noqa: E402
 from kvflow.kernels.gemv import (gemv, gemv_ref, gemv_silu_and_mul,  # noqa: E402
                                  gemv_silu_and_mul_ref)
 from kvflow.kernels.gemv_config import (GemvConfig, _device_table,  # noqa: E402
@@ -149,7 +151,8 @@ def bench(sweep: bool, budget_s: float, sweep_kinds: set[str] | None = None,
         case = {"shape": name, "kind": kind, "k": k, "n": n, "m": m, "bytes": total}
         rows.append({**case, "impl": "cublas", "ms": cub_ms, "gb_per_s": total / cub_ms / 1e6,
                      "hbm_fraction": total / cub_ms / 1e-3 / HBM})
-        known = _device_table(torch.cuda.get_device_name()).get((kind, n_out, k), {})
+        known = _device_table(torch.cuda.get_device_name(),
+                              envs.tuning_file()).get((kind, n_out, k), {})
         own = known.get(m)
         if swept(kind) and configs:  # a given list: each one timed, no budget cut
             grid = [c for c in [own, *configs] if c is not None]
@@ -220,6 +223,9 @@ def _parse_config(text: str) -> GemvConfig:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--write-tuning", default=None, metavar="FILE",
+                   help="merge the measured table into this tuning data file "
+                        "(kvflow/kernels/tuning/<gpu>.json; created if missing)")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--ms", default="1,2,4,8", help="activation row counts")
     p.add_argument("--sweep-kinds", default="",
@@ -247,6 +253,8 @@ def main() -> int:
                    # the decode switches in force
                    "env": {k: v for k, v in os.environ.items() if k.startswith("KVFLOW_")}})
     save_result(ns.out, result)
+    if ns.write_tuning:
+        tuning.write_bench(ns.write_tuning, result, os.path.relpath(ns.out))
     print(f"wrote {ns.out}")
     return 0
 

@@ -12,11 +12,11 @@ cases, batch 1 weighted 6x; ``--other-m-share``). Each time is the median per la
 launches over several weight copies (> 4x the 50 MB L2, so the weights come from HBM),
 as GB/s of the bytes the launch must move and as a fraction of the H200's 4.8 TB/s (4.2
 measured by a read). ``table`` has per case the best config when it beat the previous
-path by >= 2 % (else None): the form ``KVFLOW_WOQ_GEMV_TABLE`` and
-``woq_gemv_config.MEASURED`` read.
+path by >= 2 % (else None): ``--write-tuning kvflow/kernels/tuning/<gpu>.json`` merges it
+into the GPU's tuning data, ``KVFLOW_TUNING_FILE=<this file>`` tries it as it is.
 
 ``--configs`` replaces the sweep: each case times the heuristic, the table's config in
-force for it (``woq_gemv_config``'s, with ``KVFLOW_WOQ_GEMV_TABLE``) and exactly the
+force for it (``woq_gemv_config``'s, with ``KVFLOW_TUNING_FILE``) and exactly the
 configs given, with no budget cut: ``BN:BK:SPLIT:WARPS:STAGES[:DEQ:XA[:ROWS]]`` (DEQ,
 XA 0 or 1; ROWS: output rows per program, ``WoqGemvConfig.rows``, a grid balanced over
 the SMs); ``--shapes`` picks the shapes (a ROWS suits one N).
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from kvflow.bench.machine import save_result  # noqa: E402
+from kvflow.kernels import tuning  # noqa: E402
 from kvflow.kernels.gemv_w4 import gemv_w4, gemv_w4_ref  # noqa: E402
 from kvflow.kernels.gemv_w8 import gemv_w8, gemv_w8_ref  # noqa: E402
 from kvflow.kernels.w4a16_gemm import pack_int4, w4a16_gemm  # noqa: E402
@@ -151,11 +152,11 @@ def _parse_config(text: str) -> WoqGemvConfig:
 
 
 def _table_config(kfmt: str, n: int, k: int, m: int) -> WoqGemvConfig | None:
-    """The config the table in force (built-in, ``KVFLOW_WOQ_GEMV_TABLE``) has for this
+    """The config the table in force (the GPU's tuning data, ``KVFLOW_TUNING_FILE``) has for this
     case, or None."""
     from kvflow import envs
 
-    table = _device_table(torch.cuda.get_device_name(), envs.woq_gemv_table())
+    table = _device_table(torch.cuda.get_device_name(), envs.tuning_file())
     return table.get((kfmt, n, k), {}).get(_bucket(m))
 
 
@@ -289,6 +290,9 @@ def bench(budget_s: float, ms: tuple[int, ...], formats: tuple[str, ...],
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--write-tuning", default=None, metavar="FILE",
+                   help="merge the measured table into this tuning data file "
+                        "(kvflow/kernels/tuning/<gpu>.json; created if missing)")
     p.add_argument("--ms", default="1,2,4,8")
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--budget-s", type=float, default=60.0,
@@ -318,6 +322,8 @@ def main() -> int:
                    "seconds": time.time() - start,
                    "timing": "one CUDA graph over weight copies > 4x L2, median per launch"})
     save_result(ns.out, result)
+    if ns.write_tuning:
+        tuning.write_bench(ns.write_tuning, result, os.path.relpath(ns.out))
     print(f"wrote {ns.out}")
     print(json.dumps({"seconds": result["seconds"]}))
     return 0

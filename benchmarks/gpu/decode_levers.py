@@ -14,7 +14,7 @@ Variants (environment switches, kvflow/envs.py): ``base`` (every switch off), ``
 ``rope`` (KVFLOW_ROPE_IN_ATTN=on: rotary + cache write inside the decode
 attention launch), ``argmax`` (KVFLOW_GREEDY_ARGMAX=auto: the split-row argmax kernel;
 ``base`` keeps torch's), ``down`` (down_proj at M = 1 on the 64 x 256 split-2 GEMV: the
-lever that ran before the H200 table took the 32 x 256 GEMV there), ``table`` (KVFLOW_GEMV_TABLE=--table; several files comma-separated: their measured wins
+lever that ran before the H200 table took the 32 x 256 GEMV there), ``table`` (KVFLOW_TUNING_FILE=--table; several files comma-separated: their measured wins
 merged), joined with ``+`` (``rope+argmax+table``). A variant starting ``auto+`` adds its
 levers to the defaults instead of to every switch off (``auto+table``).
 """
@@ -44,7 +44,7 @@ from kvflow.sampling_params import SamplingParams  # noqa: E402
 # M = 1 itself (results/gemv-rows-down-h200.json), so this only swaps the tile.
 DOWN_M1 = {"block_n": 64, "block_k": 256, "split_k": 2, "dot": True, "num_warps": 4,
            "num_stages": 4}
-SWITCHES = ("KVFLOW_GEMV_TABLE", "KVFLOW_ROPE_IN_ATTN", "KVFLOW_GREEDY_ARGMAX")
+SWITCHES = ("KVFLOW_TUNING_FILE", "KVFLOW_ROPE_IN_ATTN", "KVFLOW_GREEDY_ARGMAX")
 
 
 # every switch off: main's behaviour before them, whatever the GPU's measured defaults
@@ -52,7 +52,7 @@ OFF = {"KVFLOW_ROPE_IN_ATTN": "off", "KVFLOW_GREEDY_ARGMAX": "torch"}
 
 
 def _env(variant: str, table: str | None, down_table: str) -> dict:
-    if variant == "auto":  # nothing set: the defaults (decode_defaults.MEASURED)
+    if variant == "auto":  # nothing set: the defaults (the GPU's file in kvflow/kernels/tuning/)
         return {}
     # "auto+...": the defaults plus the levers named; otherwise every switch off plus them
     env: dict[str, str] = {} if variant.startswith("auto+") else dict(OFF)
@@ -74,7 +74,7 @@ def _env(variant: str, table: str | None, down_table: str) -> dict:
         else:
             raise SystemExit(f"unknown lever {part!r}")
     if tables:
-        env["KVFLOW_GEMV_TABLE"] = _merge_tables(tables)
+        env["KVFLOW_TUNING_FILE"] = _merge_tables(tables)
     return env
 
 
@@ -91,14 +91,14 @@ def _merge_tables(paths: list[str]) -> str:
 
 def _apply(engine, env: dict) -> None:
     """Set the switches, drop every cached decision, re-plan the GEMVs, recapture."""
-    from kvflow.kernels import argmax, gemv_config
+    from kvflow.kernels import argmax, gemv_config, tuning
     from kvflow.kernels.gemv_dispatch import plan_gemv
     from kvflow.layers.attention import triton_backend
 
     for k in SWITCHES:
         os.environ.pop(k, None)
     os.environ.update(env)
-    for fn in (gemv_config._device_table, triton_backend.rope_in_attention,
+    for fn in (gemv_config._device_table, tuning.for_device, triton_backend.rope_in_attention,
                argmax._use_kernel):
         fn.cache_clear()
     runner = engine.core.executor.runner

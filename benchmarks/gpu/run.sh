@@ -139,7 +139,7 @@ for stage in "$@"; do
       fi
       for mode in ${GEMV_MODES:-off auto}; do  # auto-fresh: auto with the table measured just now
         table=$([ $mode = auto-fresh ] && echo "$OUT/gemv-bench.json")
-        KVFLOW_GEMV=${mode%-fresh} KVFLOW_GEMV_TABLE=$table timeout ${GEMV_E2E_TIMEOUT:-150} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --max-num-seqs 8 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-gemv-$mode.json" 2>&1 | grep -E "GEMV|tokens/s|rror|Traceback" | tail -6
+        KVFLOW_GEMV=${mode%-fresh} KVFLOW_TUNING_FILE=$table timeout ${GEMV_E2E_TIMEOUT:-150} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --max-num-seqs 8 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-gemv-$mode.json" 2>&1 | grep -E "GEMV|tokens/s|rror|Traceback" | tail -6
         echo "gpu-a-gemv-$mode exit ${PIPESTATUS[0]}"
       done
       for mode in ${GEMV_PROFILE_MODES:-}; do  # per-kernel breakdown of a batch-1 decode step
@@ -155,7 +155,7 @@ for stage in "$@"; do
         [ $left -lt ${WOQ_GEMV_RUN_S:-35} ] && { echo "gpu-a-woq-$q-$mode skipped (stage time)"; continue; }
         group=$([ $q = int4 ] && echo "--quantization-group-size 128")
         table=$([ $mode = auto-fresh ] && [ -f "$OUT/woq-gemv-bench.json" ] && echo "$OUT/woq-gemv-bench.json")
-        KVFLOW_WOQ_GEMV=${mode%-fresh} KVFLOW_WOQ_GEMV_TABLE=$table timeout $(( left < 70 ? left : 70 )) $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 2 --backend kvflow --quantization $q $group --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-woq-$q-$mode.json" 2>&1 | grep -E "weights:|tokens/s|rror|Traceback" | tail -4
+        KVFLOW_WOQ_GEMV=${mode%-fresh} KVFLOW_TUNING_FILE=$table timeout $(( left < 70 ? left : 70 )) $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 2 --backend kvflow --quantization $q $group --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-woq-$q-$mode.json" 2>&1 | grep -E "weights:|tokens/s|rror|Traceback" | tail -4
         echo "gpu-a-woq-$q-$mode exit ${PIPESTATUS[0]} at $(( SECONDS - t0 )) s"
       done
       python benchmarks/gpu/woq_gemv_summary.py "$OUT" 2>&1 | tail -24;;
@@ -176,10 +176,10 @@ for stage in "$@"; do
       for run in none:bf16 ${FP8_DECODE_MODES:-dequant auto chain}; do
         q=fp8; mode=$run; [ $run = none:bf16 ] && { q=none; mode=bf16; }
         table=$([ $mode = chain ] && [ -f "$OUT/fp8-chain-bench.json" ] && echo "$OUT/fp8-chain-bench.json")
-        KVFLOW_WOQ_GEMV_TABLE=$table KVFLOW_FP8_DECODE=$(case $mode in bf16|chain) echo auto;; *) echo $mode;; esac) timeout ${FP8_DECODE_RUN_TIMEOUT:-90} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters ${FP8_DECODE_ITERS:-6} --backend kvflow --quantization $q --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-fp8-$mode.json" 2>&1 | grep -E "weights:|tokens/s|rror|Traceback" | tail -4
+        KVFLOW_TUNING_FILE=$table KVFLOW_FP8_DECODE=$(case $mode in bf16|chain) echo auto;; *) echo $mode;; esac) timeout ${FP8_DECODE_RUN_TIMEOUT:-90} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters ${FP8_DECODE_ITERS:-6} --backend kvflow --quantization $q --max-num-seqs 1 --max-model-len 4096 --save-result "$OUT/gpu-a-fp8-$mode.json" 2>&1 | grep -E "weights:|tokens/s|rror|Traceback" | tail -4
         echo "gpu-a-fp8-$mode exit ${PIPESTATUS[0]}"
       done
-      KVFLOW_WOQ_GEMV_TABLE=$([ -f "$OUT/fp8-chain-bench.json" ] && echo "$OUT/fp8-chain-bench.json") timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization fp8 --out "$OUT/profile-decode1-graph-fp8.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
+      KVFLOW_TUNING_FILE=$([ -f "$OUT/fp8-chain-bench.json" ] && echo "$OUT/fp8-chain-bench.json") timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --quantization fp8 --out "$OUT/profile-decode1-graph-fp8.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
     decode-rope)
       # rotary + cache write inside decode attention, the split-row greedy argmax: their GPU
       # tests and the FP8 decode tests (rope-tests.log), GPU-A with each lever on and off in
@@ -218,7 +218,7 @@ json.dump({"table": rows}, open(os.path.join(sys.argv[1], "gemv-rows-table.json"
 print("gemv-rows-table:", [(r["shape"], r["kind"], r["config"]) for r in rows])
 PY
       timeout ${ROWS_LEVERS_TIMEOUT:-220} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-rows.json" --table "$OUT/gemv-rows-table.json" --variants ${ROWS_VARIANTS:-auto,auto+table,auto,auto+table} --iters ${ROWS_ITERS:-6} --budget-s $(( ${ROWS_LEVERS_TIMEOUT:-220} - 40 )) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8
-      [ "${ROWS_PROFILE:-0}" = 1 ] && KVFLOW_GEMV_TABLE="$OUT/gemv-rows-table.json" timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --out "$OUT/profile-decode1-graph-rows.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
+      [ "${ROWS_PROFILE:-0}" = 1 ] && KVFLOW_TUNING_FILE="$OUT/gemv-rows-table.json" timeout ${PROFILE_GRAPH_TIMEOUT:-90} python benchmarks/gpu/profile_steps.py --cases decode1-graph --out "$OUT/profile-decode1-graph-rows.json" 2>&1 | grep -v "^INFO" | tail -${PROFILE_LINES:-14};;
     rows-confirm)
       # the table with down_proj on the GEMV at M = 1: the 8B-shape GEMV tests, GPU-A with the
       # defaults by `kvflow bench latency` (gpu-a-rows-none.json), the batch-1 graph profile

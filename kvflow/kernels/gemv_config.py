@@ -4,9 +4,10 @@ per-shape table that decides, per GPU, where it replaces cuBLAS.
 The dense linear path (``UnquantizedLinearMethod``) asks ``dispatch_configs`` once per layer
 after loading; it gets {M: config} for the activation row counts 1..8 where the GEMV
 measured faster than cuBLAS on this GPU at this (N, K), and keeps cuBLAS (``F.linear``)
-for every other M and shape. The table holds only measured entries (``MEASURED``, filled
-from ``benchmarks/gpu/bench_gemv.py --sweep`` on the named GPU): an unmeasured GPU or shape
-keeps cuBLAS. ``KVFLOW_GEMV`` (``kvflow.envs.gemv_mode``) overrides: ``off`` keeps cuBLAS
+for every other M and shape. The table holds only measured entries: the ``gemv`` part of
+the GPU's data file in ``kvflow/kernels/tuning/`` (written by ``benchmarks/gpu/bench_gemv.py
+--sweep --write-tuning`` on that GPU, overlaid by ``KVFLOW_TUNING_FILE``); an unmeasured
+GPU or shape keeps cuBLAS. ``KVFLOW_GEMV`` (``kvflow.envs.gemv_mode``) overrides: ``off`` keeps cuBLAS
 everywhere, ``force`` takes the GEMV for every M <= 8 (the table's config where it
 measured a win, else the heuristic ``default_config``; benchmarks, tests), ``auto``
 (default) the table's wins only.
@@ -94,7 +95,7 @@ def default_config(m: int, n: int, k: int, device: torch.device, pairs: bool = F
     up per program, three). BLOCK_N 64 or 32, whichever fills the last wave of programs
     better (ties: 64). Split-K only when even 32-row tiles leave over half the SMs idle:
     on the H200 the in-launch reduction cost more than idle SMs at every 8B shape but
-    o_proj (``MEASURED``)."""
+    o_proj (its tuning data, ``kvflow/kernels/tuning/h200.json``)."""
     sms = sms or _sms(device)
     bk = 256 if k >= 512 else max(16, triton.next_power_of_2(k) // 2)
 
@@ -111,164 +112,10 @@ def default_config(m: int, n: int, k: int, device: torch.device, pairs: bool = F
     return GemvConfig(bn, bk, split, True, 4, 3 if pairs else 4)
 
 
-def _c(bn: int, bk: int, split: int, warps: int, stages: int, dot: bool = True,
-       rows: int = 0) -> GemvConfig:
-    return GemvConfig(bn, bk, split, dot, warps, stages, rows)
-
-
 def balanced_rows(n: int, programs: int) -> int:
     """Rows per program that spread n rows over at most ``programs`` programs as evenly
     as whole rows allow (``GemvConfig.rows``)."""
     return -(-n // programs)
-
-
-# Measured tables: device-name token -> {(kind, N, K): {M bucket: config, or None for
-# cuBLAS}}. kind "linear" (y = x W^T), "silu_mul" (gate/up with the activation fused,
-# N = d, the output width), "norm_linear" / "norm_silu_mul" (the same with residual add +
-# RMSNorm folded in, against cuBLAS + fused_add_rms_norm). Each entry is the best
-# configuration of a sweep on that GPU where it beat cuBLAS (for silu_mul: cuBLAS + the
-# silu_and_mul kernel) by >= 2 % at that M.
-#
-# H200 (132 SMs, 4.8 TB/s): benchmarks/gpu/bench_gemv.py --sweep (budget 100 s) at commit
-# 5d978fb, results/gemv-bench-sweep-h200.json. What the sweep taught: split-K rarely pays
-# here (its workspace round trip and last-program tail cost more than idle SMs: qkv at 96
-# programs beats 288; only down at M = 1 and 8 keeps 2-3 splits), BLOCK_N 32 wins where
-# 64 leaves too few programs (o_proj), and the 1 GB lm_head reaches 4.39 TB/s (the
-# launch's fixed cost is what holds the 33-50 MB layers near 3 TB/s). The norm-folded
-# gate_up lost then (its x side was not pipelined). The M = 1 buckets are overlaid from
-# the later bench at e3b684715 (results/gemv-bench-m1-h200.json: every table config per
-# shape re-timed, a 20 s sweep of the norm-folded gate_up, which now wins 1.15x with its
-# x side prefetched; down at M = 1 fell under 2 % and kept cuBLAS). The M = 1 buckets of
-# qkv, o, gate_up and down are then overlaid from the balanced-grid bench at 44f39f6
-# (results/gemv-rows-*-h200.json: each table config against configs with
-# GemvConfig.rows): no balanced grid won anywhere; the table configs won again, down's
-# 32 x 256 GEMV now by 3 % over cuBLAS + its split-K reduce (so it leaves cuBLAS: +1.7-1.9 %
-# GPU-A decode in alternation, results/decode-rows-h200.json), and the unfused gate_up
-# GEMV lost (x0.92; the model takes the SiLU-fused forms there anyway).
-#
-# H100 (132 SMs, 3.35 TB/s): benchmarks/gpu/run.sh gemv-fresh at 4bcaf0b (bench_gemv.py --sweep,
-# budget 120 s; results/gemv-bench-sweep-h100.json). cuBLAS streams the 8B decode layers at
-# 1.9-2.9 TB/s there; the GEMV wins at every shape but a few M = 2..8 buckets (o 1.16x,
-# the 1 GB lm_head 1.27x at M = 1, qkv with the norm folded in 1.22x). GPU-A with this table
-# 165.1 -> 176.0 tokens/s, alternated in one process (results/decode-levers-fresh-h100.json).
-MEASURED: dict[str, dict[tuple[str, int, int], dict[int, GemvConfig | None]]] = {
-    "H200": {
-        # qkv
-        ("linear", 6144, 4096): {
-            1: _c(64, 256, 1, 4, 4),
-            2: _c(64, 256, 1, 4, 4),
-            4: _c(64, 256, 1, 4, 5),
-            8: _c(64, 128, 1, 4, 5),
-        },
-        # o
-        ("linear", 4096, 4096): {
-            1: _c(32, 256, 1, 4, 5),
-            2: _c(64, 256, 2, 4, 3),
-            4: _c(32, 256, 1, 4, 5),
-            8: _c(32, 256, 1, 4, 5),
-        },
-        # gate_up (unfused: the gated MLP takes the silu_mul forms)
-        ("linear", 28672, 4096): {
-            1: None,
-            2: None,
-            4: _c(128, 256, 1, 8, 3),
-            8: _c(64, 128, 1, 4, 4),
-        },
-        # gate_up + silu_and_mul
-        ("silu_mul", 14336, 4096): {
-            1: _c(64, 128, 1, 4, 3),
-            2: None,
-            4: _c(64, 128, 1, 4, 3),
-            8: _c(64, 128, 1, 4, 3),
-        },
-        # down
-        ("linear", 4096, 14336): {
-            1: _c(32, 256, 1, 4, 5),
-            2: None,
-            4: _c(32, 256, 1, 4, 5),
-            8: _c(32, 128, 3, 4, 4),
-        },
-        # lm_head
-        ("linear", 128256, 4096): {
-            1: _c(32, 256, 1, 4, 4),
-            2: _c(64, 128, 1, 4, 5),
-            4: _c(128, 128, 1, 8, 3),
-            8: _c(128, 128, 1, 4, 3),
-        },
-        # add + norm + qkv
-        ("norm_linear", 6144, 4096): {
-            1: _c(64, 256, 1, 4, 4),
-            2: None,
-            4: None,
-            8: None,
-        },
-        # add + norm + gate_up + silu
-        ("norm_silu_mul", 14336, 4096): {
-            1: _c(64, 128, 1, 4, 3),
-            2: None,
-            4: None,
-            8: None,
-        },
-    },
-    "H100": {
-        # qkv
-        ("linear", 6144, 4096): {
-            1: _c(64, 256, 1, 4, 4),
-            2: _c(64, 256, 1, 4, 4),
-            4: _c(64, 256, 1, 4, 3),
-            8: _c(64, 128, 1, 4, 5),
-        },
-        # o
-        ("linear", 4096, 4096): {
-            1: _c(32, 256, 1, 4, 4),
-            2: _c(32, 256, 1, 4, 4),
-            4: _c(32, 256, 1, 4, 4),
-            8: _c(32, 256, 1, 4, 5),
-        },
-        # gate_up (unfused: the gated MLP takes the silu_mul forms)
-        ("linear", 28672, 4096): {
-            1: None,
-            2: _c(64, 128, 1, 4, 4),
-            4: None,
-            8: _c(64, 256, 1, 4, 4),
-        },
-        # gate_up + silu_and_mul
-        ("silu_mul", 14336, 4096): {
-            1: _c(64, 128, 1, 4, 3),
-            2: _c(64, 256, 1, 4, 3),
-            4: _c(64, 128, 1, 4, 3),
-            8: _c(64, 256, 1, 4, 3),
-        },
-        # down
-        ("linear", 4096, 14336): {
-            1: _c(16, 256, 1, 4, 5),
-            2: _c(32, 256, 1, 4, 5),
-            4: _c(32, 256, 1, 4, 5),
-            8: _c(32, 256, 1, 4, 5),
-        },
-        # lm_head
-        ("linear", 128256, 4096): {
-            1: _c(64, 256, 1, 4, 4),
-            2: _c(64, 256, 1, 4, 4),
-            4: _c(128, 128, 1, 8, 4),
-            8: _c(128, 128, 1, 4, 4),
-        },
-        # add + norm + qkv
-        ("norm_linear", 6144, 4096): {
-            1: _c(64, 256, 1, 4, 3),
-            2: None,
-            4: _c(64, 256, 1, 8, 3),
-            8: None,
-        },
-        # add + norm + gate_up + silu
-        ("norm_silu_mul", 14336, 4096): {
-            1: _c(64, 256, 1, 4, 3),
-            2: None,
-            4: None,
-            8: _c(64, 128, 1, 4, 3),
-        },
-    },
-}
 
 
 def _bucket(m: int) -> int:
@@ -278,41 +125,18 @@ def _bucket(m: int) -> int:
     raise ValueError(f"no GEMV bucket for {m} rows")
 
 
-def table_from_bench(path: str) -> dict[tuple[str, int, int], dict[int, GemvConfig | None]]:
-    """The ``table`` of a ``bench_gemv.py`` result file, in ``MEASURED``'s form."""
-    import json
-
-    with open(path) as f:
-        rows = json.load(f)["table"]
-    out: dict[tuple[str, int, int], dict[int, GemvConfig | None]] = {}
-    for r in rows:
-        n = r["n"] // 2 if r["kind"].endswith("silu_mul") else r["n"]  # key: output width
-        cfg = r["config"]
-        out.setdefault((r["kind"], n, r["k"]), {})[r["m"]] = (
-            None if cfg is None else GemvConfig(**cfg))
-    return out
+def device_table(tuning) -> dict[tuple[str, int, int], dict[int, GemvConfig | None]]:
+    """A device's measured table (``kvflow.kernels.tuning``) as {(kind, N, K): {M bucket:
+    config, or None for cuBLAS}}."""
+    return {key: {m: None if c is None else GemvConfig(**c) for m, c in buckets.items()}
+            for key, buckets in tuning.gemv.items()}
 
 
 @functools.lru_cache(maxsize=16)
-def _device_table(name: str) -> dict:
-    from kvflow import envs
+def _device_table(name: str, overrides: str | None = None) -> dict:
+    from kvflow.kernels import tuning
 
-    path = envs.gemv_table()
-    return overlay_table(MEASURED, name, table_from_bench(path) if path else {})
-
-
-def overlay_table(measured: dict[str, dict], gpu_name: str, fresh: dict) -> dict:
-    """The built-in table of the first ``measured`` GPU whose token is in ``gpu_name``
-    (empty if none), with the buckets of a fresh measurement (``fresh``, in the same
-    {key: {bucket: config}} form) replacing the built-in buckets they have."""
-    table: dict = {}
-    for token, entries in measured.items():
-        if token in gpu_name:
-            table = dict(entries)
-            break
-    for key, buckets in fresh.items():
-        table[key] = {**table.get(key, {}), **buckets}
-    return table
+    return device_table(tuning.for_device(name, overrides))
 
 
 def dispatch_configs(kind: str, n: int, k: int, dtype: torch.dtype, device: torch.device,
@@ -321,7 +145,10 @@ def dispatch_configs(kind: str, n: int, k: int, dtype: torch.dtype, device: torc
     (empty: cuBLAS for all). ``mode`` is ``kvflow.envs.gemv_mode()``."""
     if mode == "off" or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return {}
-    table = _device_table(torch.cuda.get_device_name(device)).get((kind, n, k), {})
+    from kvflow import envs
+
+    table = _device_table(torch.cuda.get_device_name(device),
+                          envs.tuning_file()).get((kind, n, k), {})
     out = {}
     for m in range(1, DISPATCH_MAX_M + 1):
         cfg = table.get(_bucket(m))

@@ -11,8 +11,9 @@ paths everywhere), ``auto`` (default: the measured table's entries for this GPU,
 there, and the fused-SiLU forms, which stay unfused there; a bucket measured slower than the previous path, stored as None, keeps that path) or ``force`` (the new kernels at every
 M <= 8: table config where there is one, else the heuristic).
 
-``KVFLOW_WOQ_GEMV_TABLE`` names a ``benchmarks/gpu/bench_woq_gemv.py`` result whose
-``table`` replaces the built-in entries it has (a fresh measurement on this machine).
+The table is the ``woq_gemv`` part of the GPU's data file in ``kvflow/kernels/tuning/``
+(written by ``benchmarks/gpu/bench_woq_gemv.py --write-tuning``); ``KVFLOW_TUNING_FILE``
+overlays a fresh measurement (a bench result file) on it.
 
 Table keys: (format, N, K) with format ``w4g<G>`` (int4, G inputs per group), ``int8``,
 ``fp8`` (the weight-dequant GEMV) or ``fp8a8`` (FP8 W8A8, ``gemv_fp8.py``; chosen by
@@ -30,10 +31,9 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-# The dense GEMV's dispatch bound, M buckets, SM count and table overlay: the low-bit GEMVs
-# take the same decode rows and keep their tables the same way.
-from kvflow.kernels.gemv_config import (DISPATCH_MAX_M, _bucket, _sms, check_tile,
-                                        overlay_table)
+# The dense GEMV's dispatch bound, M buckets and SM count: the low-bit GEMVs take the same
+# decode rows.
+from kvflow.kernels.gemv_config import DISPATCH_MAX_M, _bucket, _sms, check_tile
 
 
 @dataclass(frozen=True)
@@ -130,293 +130,19 @@ def _default(fmt: str, m: int, n: int, k: int, device: torch.device,
     return WoqGemvConfig(bn, bk, split, 4, 3 if fmt.startswith("w4") else 4, deq)
 
 
-def _c(bn: int, bk: int, split: int, warps: int, stages: int, deq: bool = False,
-       xa: bool = False, promote: int = 0, rows: int = 0) -> WoqGemvConfig:
-    return WoqGemvConfig(bn, bk, split, warps, stages, deq, xa, promote, rows)
-
-
-# Measured tables: device-name token -> {(format, N, K): {M bucket: config or None}}; each
-# entry the best config of a benchmarks/gpu/bench_woq_gemv.py sweep where it beat the
-# format's previous path by >= 2 % (comment: its speed-up over that path), None where the
-# previous path stays.
-#
-# H200: the woq-gemv stage at b861354 (results/woq-gemv-bench-h200.json; 40 s of sweep on
-# M = 1, 8-18 configs per shape there; M = 2/4/8 mostly the heuristic). int4: 1.05-1.23x
-# the register GEMV at M = 1 and 1.3-6.7x at M = 2-8 (which no longer collapses with M);
-# FP8: 1.2-2.2x the quantize + _scaled_mm path at every M; int8: w8a16_gemm (mma.sync
-# with x as the first operand) stays faster than the weight-first wgmma form everywhere.
-#
-# H100: the woq-gemv stage at 390faf4 (results/woq-gemv-bench-h100.json; 40 s of sweep, one
-# config per shape: the H200's, re-timed against the H100's previous paths). GPU-A in the
-# same call: int4 g128 318.1 tokens/s with it against 279.9 without (bf16 177.6), FP8 W8A8
-# 250.1 against 181.2 (the dequant path); results/gpu-a-woq-*-h100.json.
-MEASURED: dict[str, dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]]] = {
-    "H200": {
-        # qkv w4g128
-        ('w4g128', 6144, 4096): {
-            1: _c(64, 256, 4, 4, 3, False),  # x1.15
-            2: _c(64, 256, 3, 4, 3, False),  # x1.29
-            4: _c(64, 256, 3, 4, 3, False),  # x2.21
-            8: _c(64, 256, 3, 4, 3, False),  # x4.69
-        },
-        # qkv fp8
-        ('fp8', 6144, 4096): {
-            1: _c(64, 256, 1, 4, 4, False),  # x1.59
-            2: _c(64, 256, 1, 4, 4, False),  # x1.54
-            4: _c(64, 256, 1, 4, 3, False),  # x1.52
-            8: _c(64, 256, 3, 4, 4, False),  # x1.09
-        },
-        # qkv int8
-        ('int8', 6144, 4096): {
-            1: None,  # x0.82 the previous path
-            2: None,  # x0.59 the previous path
-            4: None,  # x0.76 the previous path
-            8: None,  # x0.59 the previous path
-        },
-        # o w4g128
-        ('w4g128', 4096, 4096): {
-            1: _c(64, 256, 4, 4, 3, False),  # x1.05
-            2: _c(64, 256, 4, 4, 3, False),  # x1.39
-            4: _c(64, 256, 4, 4, 3, False),  # x2.39
-            8: _c(64, 256, 4, 4, 3, False),  # x5.10
-        },
-        # o fp8
-        ('fp8', 4096, 4096): {
-            1: _c(64, 256, 2, 4, 4, False),  # x1.64
-            2: _c(64, 256, 2, 4, 3, False),  # x1.62
-            4: _c(64, 256, 2, 4, 4, False),  # x1.61
-            8: _c(64, 256, 4, 4, 4, False),  # x1.49
-        },
-        # o int8
-        ('int8', 4096, 4096): {
-            1: None,  # x0.88 the previous path
-            2: None,  # x0.84 the previous path
-            4: None,  # x0.84 the previous path
-            8: None,  # x0.83 the previous path
-        },
-        # gate_up w4g128
-        ('w4g128', 28672, 4096): {
-            1: _c(64, 256, 2, 4, 3, True),  # x1.20
-            2: _c(64, 256, 1, 4, 3, False),  # x2.10
-            4: _c(64, 256, 1, 4, 3, False),  # x3.27
-            8: _c(64, 256, 1, 4, 3, False),  # x6.56
-        },
-        # gate_up fp8
-        ('fp8', 28672, 4096): {
-            1: _c(64, 128, 1, 4, 3, False),  # x1.17
-            2: _c(64, 128, 1, 4, 4, False),  # x1.13
-            4: _c(64, 256, 1, 4, 4, False),  # x1.04
-            8: _c(64, 256, 1, 4, 4, False),  # x1.05
-        },
-        # gate_up int8
-        ('int8', 28672, 4096): {
-            1: None,  # x0.80 the previous path
-            2: None,  # x0.78 the previous path
-            4: None,  # x0.69 the previous path
-            8: None,  # x0.70 the previous path
-        },
-        # down w4g128
-        ('w4g128', 4096, 14336): {
-            1: _c(64, 256, 8, 4, 2, True),  # x1.23
-            2: _c(64, 256, 8, 4, 3, False),  # x1.69
-            4: _c(64, 256, 5, 4, 3, False),  # x3.11
-            8: _c(64, 256, 5, 4, 3, False),  # x6.73
-        },
-        # down fp8
-        ('fp8', 4096, 14336): {
-            1: _c(64, 256, 2, 4, 4, False),  # x2.23
-            2: _c(64, 256, 2, 4, 4, False),  # x2.22
-            4: _c(64, 256, 5, 4, 4, False),  # x1.76
-            8: _c(64, 256, 5, 4, 4, False),  # x1.57
-        },
-        # down int8
-        ('int8', 4096, 14336): {
-            1: None,  # x0.84 the previous path
-            2: None,  # x0.77 the previous path
-            4: None,  # x0.61 the previous path
-            8: None,  # x0.62 the previous path
-        },
-        # FP8 W8A8 on the FP8 tensor cores (gemv_fp8.py; activations quantized per
-        # token in the norm that precedes qkv and gate/up, by a quantize launch before o
-        # and down): benchmarks/gpu/bench_fp8_gemv.py at 23106f0
-        # (results/fp8-gemv-bench-h200.json, M = 1 and 8; buckets 2 and 4 take M = 1's
-        # and M = 8's tile). promote 128 (a float32 promotion per 128 inputs, as
-        # _scaled_mm's): 18-25x less error than the compiler's default, which sums all of K
-        # in the MMA's reduced precision (0.12-0.35 % of the output's range), for 0-1.4 us.
-        # Comments: the GEMV's time at promote 128 against the weight-dequant GEMV's.
-        ('fp8a8', 6144, 4096): {  # qkv: 10.6 vs 14.4 us (M 1), 11.4 vs 19.8 (M 8)
-            1: _c(64, 256, 1, 4, 6, promote=128), 2: _c(64, 256, 1, 4, 6, promote=128),
-            4: _c(64, 256, 1, 4, 6, promote=128), 8: _c(64, 256, 1, 4, 6, promote=128),
-        },
-        # o: 9.2 + 3.1 us of quantize launch against 11.0 (M 1): the dequant GEMV stays
-        ('fp8a8', 4096, 4096): {1: None, 2: None, 4: None, 8: None},
-        ('fp8a8', 28672, 4096): {  # gate_up: 31.8 vs 42.6 (M 1), 32.9 vs 50.6 (M 8)
-            1: _c(64, 128, 1, 4, 3, promote=128), 2: _c(64, 128, 1, 4, 3, promote=128),
-            4: _c(128, 128, 1, 4, 4, promote=128), 8: _c(128, 128, 1, 4, 4, promote=128),
-        },
-        ('fp8a8-silu', 14336, 4096): {  # gate_up + SiLU: 31.6 vs 43.7 (M 1, promote 0)
-            1: _c(64, 256, 1, 4, 4, promote=128), 2: _c(64, 256, 1, 4, 4, promote=128),
-            4: _c(64, 256, 1, 4, 3, promote=128), 8: _c(64, 256, 1, 4, 3, promote=128),
-        },
-        ('fp8a8', 4096, 14336): {  # down: 19.8 vs 25.1 (M 1), 20.0 vs 33.1 (M 8)
-            1: _c(64, 256, 4, 4, 3, promote=128), 2: _c(64, 256, 4, 4, 3, promote=128),
-            4: _c(64, 256, 2, 4, 6, promote=128), 8: _c(64, 256, 2, 4, 6, promote=128),
-        },
-        # The gated MLP as one FP8 chain (fp8.py _apply_mlp): gate/up + SiLU writing FP8
-        # per 128-input group, down reading the groups; bench_fp8_gemv.py --chain at
-        # 1b011c1 (results/fp8-chain-bench-h200.json): 55.9 us at M = 1 (58.6 at M = 8)
-        # against 64.4 (65.0) for gate/up + SiLU, the quantize launch and down.
-        ('fp8a8-siluq', 14336, 4096): {
-            1: _c(128, 256, 1, 8, 3, promote=128), 2: _c(128, 256, 1, 8, 3, promote=128),
-            4: _c(128, 128, 1, 8, 6, promote=128), 8: _c(128, 128, 1, 8, 6, promote=128),
-        },
-        ('fp8a8-xg', 4096, 14336): {
-            1: _c(64, 128, 6, 4, 4), 2: _c(64, 128, 6, 4, 4),
-            4: _c(64, 128, 6, 4, 4), 8: _c(64, 128, 6, 4, 4),
-        },
-        # lm_head int8
-        ('int8', 128256, 4096): {
-            1: None,  # x0.85 the previous path
-            2: None,  # x0.66 the previous path
-            4: None,  # x0.77 the previous path
-            8: None,  # x0.77 the previous path
-        },
-    },
-    "H100": {
-        # qkv w4g128
-        ('w4g128', 6144, 4096): {
-            1: _c(64, 256, 3, 4, 3, False),  # x1.02
-            2: _c(64, 256, 3, 4, 3, False),  # x1.30
-            4: _c(64, 256, 3, 4, 3, False),  # x2.28
-            8: _c(64, 256, 3, 4, 3, False),  # x4.86
-        },
-        # qkv fp8
-        ('fp8', 6144, 4096): {
-            1: _c(64, 256, 1, 4, 4, False),  # x1.53
-            2: _c(64, 256, 3, 4, 4, False),  # x1.08
-            4: _c(64, 256, 3, 4, 4, False),  # x1.10
-            8: _c(64, 256, 3, 4, 4, False),  # x1.04
-        },
-        # qkv int8
-        ('int8', 6144, 4096): {
-            1: None,  # x0.89 the previous path
-            2: None,  # x0.64 the previous path
-            4: None,  # x0.64 the previous path
-            8: None,  # x0.64 the previous path
-        },
-        # o w4g128
-        ('w4g128', 4096, 4096): {
-            1: _c(64, 256, 4, 4, 3, False),  # x1.07
-            2: _c(64, 256, 4, 4, 3, False),  # x1.39
-            4: _c(64, 256, 4, 4, 3, False),  # x2.37
-            8: _c(64, 256, 4, 4, 3, False),  # x5.18
-        },
-        # o fp8
-        ('fp8', 4096, 4096): {
-            1: _c(64, 256, 2, 4, 4, False),  # x1.60
-            2: _c(64, 256, 4, 4, 4, False),  # x1.50
-            4: _c(64, 256, 4, 4, 4, False),  # x1.52
-            8: _c(64, 256, 4, 4, 4, False),  # x1.45
-        },
-        # o int8
-        ('int8', 4096, 4096): {
-            1: None,  # x0.94 the previous path
-            2: None,  # x0.85 the previous path
-            4: None,  # x0.87 the previous path
-            8: None,  # x0.85 the previous path
-        },
-        # gate_up w4g128
-        ('w4g128', 28672, 4096): {
-            1: _c(64, 256, 2, 4, 3, False),  # x1.22
-            2: _c(64, 256, 1, 4, 3, False),  # x2.19
-            4: _c(64, 256, 1, 4, 3, False),  # x3.29
-            8: _c(64, 256, 1, 4, 3, False),  # x6.67
-        },
-        # gate_up fp8
-        ('fp8', 28672, 4096): {
-            1: _c(64, 256, 2, 4, 3, False),  # x1.11
-            2: None,  # x0.99 the previous path
-            4: None,  # x1.01 the previous path
-            8: None,  # x0.98 the previous path
-        },
-        # gate_up int8
-        ('int8', 28672, 4096): {
-            1: None,  # x0.90 the previous path
-            2: None,  # x0.86 the previous path
-            4: None,  # x0.84 the previous path
-            8: None,  # x0.85 the previous path
-        },
-        # gate_up_silu w4g128-silu
-        ('w4g128-silu', 14336, 4096): {
-            1: _c(64, 256, 2, 4, 3, False),  # x1.17
-            2: _c(64, 256, 2, 4, 3, False),  # x2.15
-            4: _c(64, 256, 2, 4, 3, False),  # x3.21
-            8: _c(64, 256, 2, 4, 3, False),  # x6.29
-        },
-        # gate_up_silu fp8-silu
-        ('fp8-silu', 14336, 4096): {
-            1: _c(64, 128, 2, 4, 3, False),  # x1.13
-            2: _c(64, 128, 2, 4, 4, False),  # x1.08
-            4: _c(64, 128, 2, 4, 4, False),  # x1.02
-            8: _c(64, 128, 2, 4, 4, False),  # x1.03
-        },
-        # gate_up_silu int8-silu
-        ('int8-silu', 14336, 4096): {
-            1: None,  # x0.97 the previous path
-            2: None,  # x0.90 the previous path
-            4: None,  # x0.91 the previous path
-            8: None,  # x0.91 the previous path
-        },
-        # down w4g128
-        ('w4g128', 4096, 14336): {
-            1: _c(64, 256, 8, 4, 3, False),  # x1.20
-            2: _c(64, 256, 5, 4, 3, False),  # x1.69
-            4: _c(64, 256, 5, 4, 3, False),  # x3.09
-            8: _c(64, 256, 5, 4, 3, False),  # x7.36
-        },
-        # down fp8
-        ('fp8', 4096, 14336): {
-            1: _c(64, 256, 2, 4, 4, False),  # x2.01
-            2: _c(64, 256, 5, 4, 4, False),  # x1.53
-            4: _c(64, 256, 5, 4, 4, False),  # x1.56
-            8: _c(64, 256, 5, 4, 4, False),  # x1.53
-        },
-        # down int8
-        ('int8', 4096, 14336): {
-            1: None,  # x0.93 the previous path
-            2: None,  # x0.72 the previous path
-            4: None,  # x0.72 the previous path
-            8: None,  # x0.73 the previous path
-        },
-        # lm_head int8
-        ('int8', 128256, 4096): {
-            1: None,  # x0.94 the previous path
-            2: None,  # x0.84 the previous path
-            4: None,  # x0.84 the previous path
-            8: None,  # x0.94 the previous path
-        },
-    },
-}
-
-
-def table_from_bench(path: str) -> dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]]:
-    """The ``table`` of a ``bench_woq_gemv.py`` result file, in ``MEASURED``'s form (every
-    field a config has, ``rows`` included; files written before it existed lack it: 0)."""
-    import json
-
-    with open(path) as f:
-        rows = json.load(f)["table"]
-    out: dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]] = {}
-    for r in rows:
-        cfg = r["config"]
-        out.setdefault((r["format"], r["n"], r["k"]), {})[r["m"]] = (
-            None if cfg is None else WoqGemvConfig(**cfg))
-    return out
+def device_table(tuning) -> dict[tuple[str, int, int], dict[int, WoqGemvConfig | None]]:
+    """A device's measured table (``kvflow.kernels.tuning``) as {(format, N, K): {M bucket:
+    config, or None where the previous path stays}} (configs written before a field
+    existed lack it: its default)."""
+    return {key: {m: None if c is None else WoqGemvConfig(**c) for m, c in buckets.items()}
+            for key, buckets in tuning.woq_gemv.items()}
 
 
 @functools.lru_cache(maxsize=16)
-def _device_table(name: str, path: str | None) -> dict:
-    return overlay_table(MEASURED, name, table_from_bench(path) if path else {})
+def _device_table(name: str, overrides: str | None = None) -> dict:
+    from kvflow.kernels import tuning
+
+    return device_table(tuning.for_device(name, overrides))
 
 
 def plan(fmt: str, n: int, k: int, device: torch.device) -> dict[int, WoqGemvConfig]:
@@ -428,7 +154,7 @@ def plan(fmt: str, n: int, k: int, device: torch.device) -> dict[int, WoqGemvCon
     mode = envs.woq_gemv_mode()
     if mode == "off" or device.type != "cuda" or envs.disable_triton():
         return {}
-    table = _device_table(torch.cuda.get_device_name(device), envs.woq_gemv_table())
+    table = _device_table(torch.cuda.get_device_name(device), envs.tuning_file())
     buckets = table.get((fmt, n, k))
     if fmt.startswith("fp8a8"):
         # FP8 W8A8 decode rows follow KVFLOW_FP8_DECODE: ``auto`` only where the table

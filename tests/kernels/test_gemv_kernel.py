@@ -8,8 +8,9 @@ import torch
 
 from kvflow.kernels.gemv import (gemv, gemv_ref, gemv_silu_and_mul,
                                  gemv_silu_and_mul_ref)
-from kvflow.kernels.gemv_config import (GemvConfig, MEASURED, balanced_rows,
-                                        default_config, dispatch_configs)
+from kvflow.kernels import tuning
+from kvflow.kernels.gemv_config import (GemvConfig, balanced_rows, default_config,
+                                        device_table, dispatch_configs)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -98,7 +99,9 @@ def test_dispatch_keeps_cublas_off_cuda_and_unmeasured():
     cpu = torch.device("cpu")
     assert dispatch_configs("linear", 4096, 4096, torch.bfloat16, cpu, "force") == {}
     assert dispatch_configs("linear", 4096, 4096, torch.float32, cpu, "auto") == {}
-    for table in MEASURED.values():  # every measured entry is a config or an explicit None
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        table = device_table(tuning.for_device(name))  # configs or explicit Nones
+        assert table
         for buckets in table.values():
             assert all(c is None or isinstance(c, GemvConfig) for c in buckets.values())
 
@@ -245,44 +248,51 @@ def test_normed_seam(device):
     _check_normed(y, r, x, res, norm.weight, mlp.weight, True)
 
 
+def _bench_table(path) -> dict:
+    """A recorded bench_gemv.py result's table, as the GEMV dispatch reads tables."""
+    import json
+
+    with open(path) as f:
+        return device_table(tuning.Tuning("bench", gemv=tuning.parse(json.load(f))["gemv"]))
+
+
+RESULTS = __import__("pathlib").Path(__file__).parents[2] / "benchmarks/results"
+
+
 def test_h200_table_is_the_recorded_benches():
-    """The built-in H200 entries are exactly the tables of the recorded GPU runs: the
-    sweep at M = 1..8, its M = 1 buckets replaced by the later M = 1 bench and then by
-    the balanced-grid benches (no hand-picked or assumed configs)."""
-    from pathlib import Path
-
-    from kvflow.kernels.gemv_config import table_from_bench
-
-    results = Path(__file__).parents[2] / "benchmarks/results"
-    table = table_from_bench(str(results / "gemv-bench-sweep-h200.json"))
+    """The H200's data file (kvflow/kernels/tuning/h200.json) is exactly the tables of the
+    recorded GPU runs its ``sources`` name: the sweep at M = 1..8, its M = 1 buckets
+    replaced by the later M = 1 bench and then by the balanced-grid benches (no
+    hand-picked or assumed configs)."""
+    table = _bench_table(RESULTS / "gemv-bench-sweep-h200.json")
     later = ["gemv-bench-m1-h200.json"] + [f"gemv-rows-{s}-h200.json"
                                            for s in ("qkv", "o", "gate_up", "down")]
     for name in later:
-        for key, buckets in table_from_bench(str(results / name)).items():
+        for key, buckets in _bench_table(RESULTS / name).items():
             table[key] = {**table[key], **buckets}
-    assert table == MEASURED["H200"]
+    assert table == device_table(tuning.for_device("NVIDIA H200"))
+    sources = tuning._load(tuning.device_file("NVIDIA H200"))["sources"]["gemv"]
+    assert {p.rsplit("/", 1)[1] for p in sources} == {"gemv-bench-sweep-h200.json", *later}
 
 
 def test_h100_table_is_its_sweep(monkeypatch):
-    """The H100 entry is its sweep's table as measured (results/gemv-bench-sweep-h100.json),
-    and a device of that name gets it (an H100 NVL or PCIe too: the token is the family)."""
-    from pathlib import Path
-
+    """The H100's file is its sweep's table as measured (results/gemv-bench-sweep-h100.json),
+    and a device of that name gets it (an H100 NVL or PCIe too: the token is the family);
+    a GPU without a file gets no table (cuBLAS everywhere)."""
     from kvflow.kernels import gemv_config
 
-    results = Path(__file__).parents[2] / "benchmarks/results"
-    assert gemv_config.table_from_bench(str(results / "gemv-bench-sweep-h100.json")) == \
-        MEASURED["H100"]
-    monkeypatch.delenv("KVFLOW_GEMV_TABLE", raising=False)
+    h100 = device_table(tuning.for_device("NVIDIA H100 80GB HBM3"))
+    assert _bench_table(RESULTS / "gemv-bench-sweep-h100.json") == h100
+    monkeypatch.delenv("KVFLOW_TUNING_FILE", raising=False)
     gemv_config._device_table.cache_clear()
     try:
-        assert gemv_config._device_table("NVIDIA H100 80GB HBM3") == MEASURED["H100"]
+        assert gemv_config._device_table("NVIDIA H100 PCIe") == h100
         assert gemv_config._device_table("NVIDIA A100-SXM4-80GB") == {}
     finally:
         gemv_config._device_table.cache_clear()
 
 
-def test_gemv_table_env_overrides(monkeypatch, tmp_path):
+def test_tuning_file_overlays_a_bench_result(monkeypatch, tmp_path):
     import json
 
     from kvflow.kernels import gemv_config
@@ -292,13 +302,51 @@ def test_gemv_table_env_overrides(monkeypatch, tmp_path):
     path.write_text(json.dumps({"table": [
         {"kind": "silu_mul", "n": 28672, "k": 4096, "m": 1, "config": cfg.as_dict()},
         {"kind": "linear", "n": 4096, "k": 4096, "m": 1, "config": None}]}))
-    monkeypatch.setenv("KVFLOW_GEMV_TABLE", str(path))
+    monkeypatch.setenv("KVFLOW_TUNING_FILE", str(path))
     gemv_config._device_table.cache_clear()
     try:
-        table = gemv_config._device_table("NVIDIA H200")
+        table = gemv_config._device_table("NVIDIA H200", str(path))
     finally:
         gemv_config._device_table.cache_clear()
+    built_in = device_table(tuning.for_device("NVIDIA H200"))
     assert table[("silu_mul", 14336, 4096)][1] == cfg  # keyed by the output width d
     o_proj = table[("linear", 4096, 4096)]  # a fresh loss replaces that bucket's win only
-    assert o_proj == {**MEASURED["H200"][("linear", 4096, 4096)], 1: None}
-    assert table[("linear", 6144, 4096)] == MEASURED["H200"][("linear", 6144, 4096)]
+    assert o_proj == {**built_in[("linear", 4096, 4096)], 1: None}
+    assert table[("linear", 6144, 4096)] == built_in[("linear", 6144, 4096)]
+
+
+def test_write_merges_a_measured_table(tmp_path):
+    """--write-tuning: a new file for a new GPU, then a second bench's buckets replacing
+    only theirs; the file reads back as written and names both sources."""
+    path = tmp_path / "a100.json"
+    cfg = GemvConfig(64, 256, 1).as_dict()
+    tuning.write(str(path), "A100", "gemv", {("linear", 4096, 4096): {1: cfg, 2: None}}, "r1")
+    tuning.write(str(path), "A100", "gemv", {("linear", 4096, 4096): {2: cfg}}, "r2")
+    import json
+
+    data = json.loads(path.read_text())
+    assert data["match"] == "A100" and data["sources"]["gemv"] == ["r1", "r2"]
+    parsed = tuning.parse(data)["gemv"]
+    assert parsed == {("linear", 4096, 4096): {1: cfg, 2: cfg}}
+    assert tuning.match_token("NVIDIA A100-SXM4-80GB") == "A100"
+    assert tuning.match_token("NVIDIA H100 80GB HBM3") == "H100"
+
+
+def test_decode_switch_defaults_come_from_the_tuning_files(caplog):
+    """The decode switches measured on each GPU are its data file's; a GPU without a file
+    keeps every switch off and is told how to measure it."""
+    import logging
+
+    from kvflow.kernels.decode_defaults import OFF
+
+    assert tuning.for_device("NVIDIA H100 80GB HBM3").switches == {
+        "prefill_graphs": True, "rope_in_attn": True}
+    assert tuning.for_device("NVIDIA H200").switches == {"rope_in_attn": True}
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        assert set(tuning.for_device(name).switches) <= set(OFF)
+    tuning.for_device.cache_clear()
+    with caplog.at_level(logging.INFO, logger="kvflow.kernels.tuning"):
+        unknown = tuning.for_device("NVIDIA L40S")
+    assert unknown.switches == {} and unknown.gemv == {} and unknown.files == ()
+    assert "no measured tuning data for GPU 'NVIDIA L40S'" in caplog.text
+    assert "--write-tuning" in caplog.text

@@ -135,13 +135,28 @@ def test_plan_is_empty_off_cuda_and_when_switched_off(monkeypatch):
         woq_gemv_config.plan("fp8", 64, 64, torch.device("cpu"))
 
 
+def _bench_table(path) -> dict:
+    import json
+
+    from kvflow.kernels import tuning
+
+    with open(path) as f:
+        parsed = tuning.parse(json.load(f))
+    return woq_gemv_config.device_table(tuning.Tuning("bench", woq_gemv=parsed["woq_gemv"]))
+
+
+def _device(name: str) -> dict:
+    from kvflow.kernels import tuning
+
+    return woq_gemv_config.device_table(tuning.for_device(name))
+
+
 def test_h100_table_is_its_bench():
-    """The H100 entry is the woq-gemv stage's table as measured on it."""
+    """The H100's low-bit table is the woq-gemv stage's table as measured on it."""
     from pathlib import Path
 
     results = Path(__file__).parents[2] / "benchmarks/results"
-    assert woq_gemv_config.table_from_bench(str(results / "woq-gemv-bench-h100.json")) == \
-        woq_gemv_config.MEASURED["H100"]
+    assert _bench_table(results / "woq-gemv-bench-h100.json") == _device("NVIDIA H100 80GB HBM3")
 
 
 def test_auto_plan_follows_the_h200_table(monkeypatch):
@@ -154,7 +169,7 @@ def test_auto_plan_follows_the_h200_table(monkeypatch):
     woq_gemv_config._device_table.cache_clear()
     try:
         qkv = woq_gemv_config.plan("w4g128", 6144, 4096, cuda)
-        assert qkv[1] == woq_gemv_config.MEASURED["H200"][("w4g128", 6144, 4096)][1]
+        assert qkv[1] == _device("NVIDIA H200")[("w4g128", 6144, 4096)][1]
         assert set(qkv) == set(range(1, 9))
         assert woq_gemv_config.plan("int8", 6144, 4096, cuda) == {}  # measured slower
         assert woq_gemv_config.plan("int8", 512, 512, cuda) == {}  # unmeasured int8
@@ -167,7 +182,7 @@ def test_auto_plan_follows_the_h200_table(monkeypatch):
         woq_gemv_config._device_table.cache_clear()
 
 
-def test_table_from_bench_round_trip(tmp_path):
+def test_bench_table_round_trip(tmp_path):
     import json
 
     cfg = woq_gemv_config.WoqGemvConfig(128, 256, 3, 4, 4, True)
@@ -175,7 +190,7 @@ def test_table_from_bench_round_trip(tmp_path):
             {"format": "w4g128", "n": 4096, "k": 4096, "m": 2, "config": None}]
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"table": rows}))
-    table = woq_gemv_config.table_from_bench(str(path))
+    table = _bench_table(path)
     assert table[("w4g128", 4096, 4096)] == {1: cfg, 2: None}
     # balanced rows travel with the config; a file written before the field has none
     rows_cfg = woq_gemv_config.WoqGemvConfig(64, 256, 4, 4, 3, rows=47)
@@ -183,7 +198,7 @@ def test_table_from_bench_round_trip(tmp_path):
     path.write_text(json.dumps({"table": [
         {"format": "w4g128", "n": 6144, "k": 4096, "m": 1, "config": rows_cfg.as_dict()},
         {"format": "w4g128", "n": 6144, "k": 4096, "m": 2, "config": old}]}))
-    table = woq_gemv_config.table_from_bench(str(path))
+    table = _bench_table(path)
     assert table[("w4g128", 6144, 4096)] == {1: rows_cfg, 2: cfg}
     assert table[("w4g128", 6144, 4096)][1].tile_rows == 47
 
