@@ -39,14 +39,14 @@
 #include <immintrin.h>
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-#define KVFLOW_INT4_AVX2 1
+#define HAVE_INT4_AVX2 1
 #endif
 
 namespace kvflow {
 
 namespace {
 
-#ifdef KVFLOW_INT4_AVX2
+#ifdef HAVE_INT4_AVX2
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -73,24 +73,24 @@ void rows_avx2(const float* xs, int64_t k2, const int32_t* q, const float* sb,
       __m256 acc_a[R][M], acc_b[R][M];
       for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m) acc_a[r][m] = acc_b[r][m] = _mm256_setzero_ps();
-#define KVFLOW_LANE(J, ACC, WORD_EXPR)                                                   \
+#define Q4_LANE(J, ACC, WORD_EXPR)                                                   \
       for (int r = 0; r < R; ++r) {                                                      \
         const __m256 w = _mm256_cvtepi32_ps(WORD_EXPR);                                  \
         for (int m = 0; m < M; ++m)                                                      \
           ACC[r][m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs + m * k2 + b * 64 + J * 8),   \
                                       ACC[r][m]);                                        \
       }
-      KVFLOW_LANE(0, acc_a, _mm256_and_si256(word[r], _mm256_set1_epi32(0xF)))
-      KVFLOW_LANE(1, acc_a, _mm256_and_si256(word[r], _mm256_set1_epi32(0xF0)))
-      KVFLOW_LANE(2, acc_a, _mm256_and_si256(word[r], _mm256_set1_epi32(0xF00)))
-      KVFLOW_LANE(3, acc_a, _mm256_and_si256(word[r], _mm256_set1_epi32(0xF000)))
-      KVFLOW_LANE(4, acc_b, _mm256_and_si256(word[r], _mm256_set1_epi32(0xF0000)))
-      KVFLOW_LANE(5, acc_b, _mm256_and_si256(word[r], _mm256_set1_epi32(0xF00000)))
-      KVFLOW_LANE(6, acc_b, _mm256_and_si256(word[r], _mm256_set1_epi32(0xF000000)))
+      Q4_LANE(0, acc_a, _mm256_and_si256(word[r], _mm256_set1_epi32(0xF)))
+      Q4_LANE(1, acc_a, _mm256_and_si256(word[r], _mm256_set1_epi32(0xF0)))
+      Q4_LANE(2, acc_a, _mm256_and_si256(word[r], _mm256_set1_epi32(0xF00)))
+      Q4_LANE(3, acc_a, _mm256_and_si256(word[r], _mm256_set1_epi32(0xF000)))
+      Q4_LANE(4, acc_b, _mm256_and_si256(word[r], _mm256_set1_epi32(0xF0000)))
+      Q4_LANE(5, acc_b, _mm256_and_si256(word[r], _mm256_set1_epi32(0xF00000)))
+      Q4_LANE(6, acc_b, _mm256_and_si256(word[r], _mm256_set1_epi32(0xF000000)))
       // The top nibble as a signed int32 would be negative: shift it down by 4 first.
-      KVFLOW_LANE(7, acc_b, _mm256_and_si256(_mm256_srli_epi32(word[r], 4),
+      Q4_LANE(7, acc_b, _mm256_and_si256(_mm256_srli_epi32(word[r], 4),
                                              _mm256_set1_epi32(0xF000000)))
-#undef KVFLOW_LANE
+#undef Q4_LANE
       for (int r = 0; r < R; ++r) {
         const float* sr = sb + (j + r) * groups * 2;
         const __m256 sa = _mm256_set1_ps(sr[2 * ga]), sbv = _mm256_set1_ps(sr[2 * gb]);
@@ -183,7 +183,7 @@ void int4_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sb, i
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     const int64_t j0 = t0 * 4, j1 = std::min(n, t1 * 4), cnt = j1 - j0;
     std::vector<float> tot(m * cnt);  // [M, cnt]
-#ifdef KVFLOW_INT4_AVX2
+#ifdef HAVE_INT4_AVX2
     // Chunk [m0, m0 + M) over outputs [s0, s1): whole 4-row tiles, the tail one at a time.
     auto run = [&](auto mc, int64_t m0, int64_t s0, int64_t s1) {
       constexpr int M = decltype(mc)::value;
@@ -221,7 +221,7 @@ void int4_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sb, i
 
 // Whether this build has the AVX2/FMA kernel (else the plain loops).
 bool int4_gemv_simd() {
-#ifdef KVFLOW_INT4_AVX2
+#ifdef HAVE_INT4_AVX2
   return true;
 #else
   return false;
@@ -330,7 +330,7 @@ void q8_rows_scalar(const QRows& a, int64_t m, int64_t k, const uint8_t* w, int 
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define KVFLOW_Q8_VNNI 1
+#define HAVE_Q8_VNNI 1
 
 // MC activation rows [m0, m0 + MC) times R output rows [j, j + R), into y [M, N].
 // Registers: R * MC accumulators + 3 R for the weights' values, scales and biases.
@@ -406,8 +406,8 @@ void q8_rows_vnni(const QRows& a, int64_t m, int64_t k, const uint8_t* w, int64_
 }
 #endif
 
-#if !defined(KVFLOW_Q8_VNNI) && defined(KVFLOW_INT4_AVX2) && defined(__F16C__)
-#define KVFLOW_Q8_AVX2 1
+#if !defined(HAVE_Q8_VNNI) && defined(HAVE_INT4_AVX2) && defined(__F16C__)
+#define HAVE_Q8_AVX2 1
 
 // AVX2 without VNNI: vpmaddubsw multiplies 32 u8 weights by 32 s8 activations and adds
 // neighbours into 16 int16, vpmaddwd widens those to 8 int32: exact, since a pair of
@@ -537,13 +537,13 @@ void q8_gemv(const at::Tensor& x, const at::Tensor& w, int64_t bits, bool simd, 
   const int64_t grain = std::max<int64_t>(4, 16384 / std::max<int64_t>(1, k));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     const int64_t j0 = t0 * 4, j1 = std::min(n, t1 * 4);
-#ifdef KVFLOW_Q8_VNNI
+#ifdef HAVE_Q8_VNNI
     if (simd) {
       if (bits == 4) q8_rows_vnni<4>(a, m, k, wp, j0, j1, yp, n);
       else q8_rows_vnni<8>(a, m, k, wp, j0, j1, yp, n);
       return;
     }
-#elif defined(KVFLOW_Q8_AVX2)
+#elif defined(HAVE_Q8_AVX2)
     if (simd) {
       if (bits == 4) q8_rows_avx2<4>(a, m, k, wp, j0, j1, yp, n);
       else q8_rows_avx2<8>(a, m, k, wp, j0, j1, yp, n);
@@ -616,7 +616,7 @@ void q8_refine_top(const at::Tensor& x, const at::Tensor& w, int64_t bits, at::T
 // Whether this build has a SIMD kernel for q8_gemv, AVX512-VNNI or AVX2 (else it runs the
 // plain loops), and which.
 bool q8_gemv_simd() {
-#if defined(KVFLOW_Q8_VNNI) || defined(KVFLOW_Q8_AVX2)
+#if defined(HAVE_Q8_VNNI) || defined(HAVE_Q8_AVX2)
   return true;
 #else
   return false;
@@ -624,9 +624,9 @@ bool q8_gemv_simd() {
 }
 
 std::string q8_gemv_isa() {
-#if defined(KVFLOW_Q8_VNNI)
+#if defined(HAVE_Q8_VNNI)
   return "AVX512-VNNI";
-#elif defined(KVFLOW_Q8_AVX2)
+#elif defined(HAVE_Q8_AVX2)
   return "AVX2";
 #else
   return "";
