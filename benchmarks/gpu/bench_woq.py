@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from kvflow.bench.machine import save_result  # noqa: E402
-from kvflow.kernels.w4a16_gemm import pack_int4, w4a16_gemm, w4a16_ref  # noqa: E402
+from kvflow.kernels.int4_layout import pack_int4  # noqa: E402
+from kvflow.kernels.w4a16_gemm import w4a16_gemm, w4a16_ref  # noqa: E402
 from kvflow.kernels.w8a16_gemm import w8a16_gemm, w8a16_ref  # noqa: E402
 from kvflow.kernels.woq_config import WoqConfig, choose_config  # noqa: E402
 

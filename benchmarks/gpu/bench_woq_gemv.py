@@ -41,7 +41,8 @@ from kvflow.bench.machine import save_result  # noqa: E402
 from kvflow.kernels import tuning  # noqa: E402
 from kvflow.kernels.gemv_w4 import gemv_w4, gemv_w4_ref  # noqa: E402
 from kvflow.kernels.gemv_w8 import gemv_w8, gemv_w8_ref  # noqa: E402
-from kvflow.kernels.w4a16_gemm import pack_int4, w4a16_gemm  # noqa: E402
+from kvflow.kernels.int4_layout import pack_int4  # noqa: E402
+from kvflow.kernels.w4a16_gemm import w4a16_gemm  # noqa: E402
 from kvflow.kernels.w8a16_gemm import w8a16_gemm  # noqa: E402
 from kvflow.kernels.woq_gemv_config import (WoqGemvConfig, _bucket,  # noqa: E402
                                             _device_table, default_config)

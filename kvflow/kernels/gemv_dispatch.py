@@ -9,19 +9,24 @@ has no measured win.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from kvflow import envs
-from kvflow.kernels.gemv_config import GemvConfig, dispatch_configs
 
+if TYPE_CHECKING:  # the tables (and Triton) load only where a layer plans its GEMVs
+    from kvflow.kernels.gemv_config import GemvConfig
 
 KINDS = ("linear", "silu_mul", "norm_linear", "norm_silu_mul")
+# a layer without decode GEMV configurations (CPU, quantized, unmeasured shapes)
+NO_GEMV: dict[str, dict] = {kind: {} for kind in KINDS}
 
 
 def plan_gemv(layer: nn.Module) -> dict[str, dict[int, GemvConfig]]:
     """Per form ("linear": x W^T; "silu_mul": silu(gate) * up of a merged [gate; up]
     layer; "norm_*": the same with residual add + RMSNorm in the prologue), {M: config}."""
-    from kvflow.layers.linear import NO_GEMV
+    from kvflow.kernels.gemv_config import dispatch_configs
 
     plan: dict[str, dict[int, GemvConfig]] = {kind: {} for kind in KINDS}
     w = getattr(layer, "weight", None)

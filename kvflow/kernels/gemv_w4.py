@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 from kvflow.kernels.woq_gemv_config import WoqGemvConfig
-from kvflow.kernels.w4a16_gemm import PACK_K, PLANE, w4a16_ref
+from kvflow.kernels.int4_layout import PACK_K, PLANE
+from kvflow.kernels.w4a16_gemm import w4a16_ref
 from kvflow.kernels.woq_config import store_output
 from kvflow.kernels.gemv import gemv_outputs, store_silu_pair, tile_rows
 

@@ -9,7 +9,7 @@ weight costs 2.5 bytes per weight of traffic (read 0.5, write 2), once per linea
 step, and the GEMM then runs at cuBLAS speed: for gate_up (N 28672, K 4096) about 294
 MB, some 80 us at 3.5 TB/s, against cuBLAS's 104 us at M = 256 and its 57 us at M = 16.
 
-Reference: ``w4a16_gemm.dequantize_int4`` (float32), rounded to the output dtype.
+Reference: ``int4_layout.dequantize_int4`` (float32), rounded to the output dtype.
 Grid: (cdiv(N, BLOCK_N), 256-input tiles); each program unpacks one [BLOCK_N, 32] word
 tile (16 bytes per thread) plane by plane and stores [BLOCK_N, 32] values per plane
 (8 bytes per thread in bf16): no reductions and no layout changes.
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflow.kernels.w4a16_gemm import PACK_K, PLANE, dequantize_int4, nibble_plane
+from kvflow.kernels.int4_layout import PACK_K, PLANE, dequantize_int4, nibble_plane
 
 
 @triton.jit

@@ -21,14 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.errors import ModelLoadError
+from kvflow.kernels.gemv_dispatch import NO_GEMV
 
 if TYPE_CHECKING:
     from kvflow.layers.quantization import QuantizationConfig
 
-
-# a layer without decode GEMV configurations (CPU, quantized, unmeasured shapes)
-NO_GEMV: dict[str, dict] = {"linear": {}, "silu_mul": {}, "norm_linear": {},
-                            "norm_silu_mul": {}}
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

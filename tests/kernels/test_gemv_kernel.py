@@ -121,7 +121,8 @@ def test_linear_seam_uses_configs(device):
     """The dense linear method takes the GEMV for the row counts in its plan and cuBLAS /
     F.linear otherwise; the merged gate/up layer fuses silu_and_mul the same way."""
     from kvflow.layers.activation import SiluAndMul
-    from kvflow.layers.linear import NO_GEMV, MergedLinear, ReplicatedLinear
+    from kvflow.kernels.gemv_dispatch import NO_GEMV
+    from kvflow.layers.linear import MergedLinear, ReplicatedLinear
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -222,7 +223,8 @@ def test_normed_seam(device):
     """forward_normed: the GEMV with the norm folded in where planned (and the norm in
     kernel mode), else the norm module then the layer, with identical residuals."""
     from kvflow.layers.activation import SiluAndMul
-    from kvflow.layers.linear import NO_GEMV, MergedLinear
+    from kvflow.kernels.gemv_dispatch import NO_GEMV
+    from kvflow.layers.linear import MergedLinear
     from kvflow.layers.norm import RMSNorm
 
     torch.manual_seed(1)

@@ -7,8 +7,8 @@ import torch
 import triton
 
 from kvflow.kernels.int4_dequant import int4_dequant, int4_dequant_ref
-from kvflow.kernels.w4a16_gemm import (dequantize_int4, pack_int4, unpack_int4, w4a16_gemm,
-                                       w4a16_ref)
+from kvflow.kernels.int4_layout import dequantize_int4, pack_int4, unpack_int4
+from kvflow.kernels.w4a16_gemm import w4a16_gemm, w4a16_ref
 from kvflow.kernels.woq_config import WoqConfig, choose_config
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -11,7 +11,7 @@ import torch
 
 from kvflow.kernels.gemv_w4 import gemv_w4, gemv_w4_ref
 from kvflow.kernels.gemv_w8 import gemv_w8, gemv_w8_ref
-from kvflow.kernels.w4a16_gemm import dequantize_int4, pack_int4
+from kvflow.kernels.int4_layout import dequantize_int4, pack_int4
 from kvflow.kernels.woq_gemv_config import WoqGemvConfig, default_config
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

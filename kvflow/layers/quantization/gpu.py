@@ -101,7 +101,7 @@ def repack_groups(layer: torch.nn.Module, g: Int4Groups, dtype: torch.dtype,
                   device: torch.device) -> TritonWeight:
     """Register the Triton form of ``g`` on ``layer`` (``qweight``, ``scales``,
     ``offsets``) on ``device``; returns what ``apply`` needs."""
-    from kvflow.kernels.w4a16_gemm import pack_int4
+    from kvflow.kernels.int4_layout import pack_int4
 
     cdt = compute_dtype(dtype)
     values = g.values.to(device)
