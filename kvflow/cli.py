@@ -39,12 +39,13 @@ def _sampling_params(ns: argparse.Namespace, **extra):
 def _torchrun_worker(engine_args: EngineArgs) -> int | None:
     """Under torchrun, a rank other than 0 runs rank 0's steps instead of the command;
     returns its exit code (None: this process runs the command)."""
-    from kvflow.distributed.torchrun import run_worker, torchrun_rank
+    from kvflow.distributed.torchrun import torchrun_rank
+    from kvflow.worker.rank_proc import run_torchrun_rank
 
     tr = torchrun_rank()
     if tr is None or tr.rank == 0:
         return None
-    return run_worker(engine_args.create_engine_config(), tr)
+    return run_torchrun_rank(engine_args.create_engine_config(), tr)
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ place by environment variables (read in kvflow/envs.py) instead of kvflow's flag
 its GPU, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` give the number of nodes and this
 node's index, ``MASTER_ADDR``/``MASTER_PORT`` the rendezvous. RANK 0 runs the engine
 (scheduler, rank 0 of the model, the HTTP server); every other rank runs the rank loop
-of kvflow/worker/rank_proc.py in its own process. kvflow starts no processes of its own.
+of kvflow/worker/rank_proc.py in its own process (``run_torchrun_rank`` there). kvflow starts no processes of its own.
 """
 
 from __future__ import annotations
@@ -68,16 +68,3 @@ def torchrun_rank() -> TorchrunRank | None:
                         local_world_size=local_world,
                         node_rank=num("GROUP_RANK", rank // local_world),
                         master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=port)
-
-
-def run_worker(config, tr: TorchrunRank) -> int:
-    """A torchrun rank other than 0: serve rank 0's steps until it stops; the exit code
-    (0 on a clean stop) tells torchrun how it went."""
-    from kvflow.logger import init_logger
-    from kvflow.worker.rank_proc import run_rank
-
-    try:
-        return run_rank(config, tr.rank, tr.local_rank, tr.master_port)
-    except Exception as e:
-        init_logger(__name__).error("rank %d stopped: %s: %s", tr.rank, type(e).__name__, e)
-        return 1

@@ -19,7 +19,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.sched_output import SchedulerOutput
 from kvflow.layers.rejection_sampler import RejectionSampler
 from kvflow.layers.sampler import SamplingMetadata, gather_logprobs
-from kvflow.spec_decode.proposer import make_proposer
+from kvflow.spec_decode.registry import make_proposer
 from kvflow.worker.step_inputs import PLACEHOLDER
 from kvflow.worker.transfer import to_device
 

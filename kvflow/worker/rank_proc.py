@@ -23,6 +23,17 @@ from kvflow.logger import init_logger
 logger = init_logger("kvflow.worker.rank_proc")  # __name__ is __main__ under -m
 
 
+def run_torchrun_rank(config, tr) -> int:
+    """A torchrun rank other than 0 (``kvflow.distributed.torchrun.TorchrunRank``): serve
+    rank 0's steps until it stops; the exit code (0 on a clean stop) tells torchrun how
+    it went."""
+    try:
+        return run_rank(config, tr.rank, tr.local_rank, tr.master_port)
+    except Exception as e:
+        logger.error("rank %d stopped: %s: %s", tr.rank, type(e).__name__, e)
+        return 1
+
+
 def run_rank(config, rank: int, local_rank: int, port: int) -> int:
     from kvflow.distributed import destroy_parallel_state, init_parallel_state
     from kvflow.distributed.messages import ExecuteStep, Setup, broadcast_message
