@@ -37,12 +37,79 @@ def torch_dtype(name: str):
     return getattr(torch, _TORCH_DTYPE_NAMES[name])
 
 
+# Rope scalings layers/rotary.py computes (kept here so config checks stay torch-free).
+_ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope", "freq_factors")
+
+
+_WINDOWED = ("MistralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def _hf_window_fields(cfg: dict, arch: str) -> dict:
+    """ModelArchConfig's window, soft-capping and Gemma fields from a config.json, and
+    the refusal of attention features kvflow lacks (a model computed without them would
+    be silently wrong)."""
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    for where in (cfg, rope, *(v for v in rope.values() if isinstance(v, dict))):
+        prf = where.get("partial_rotary_factor")
+        require(prf in (None, 1, 1.0), "partial_rotary_factor",
+                f"kvflow rotates the whole head (1.0), got {prf}")
+    require(not cfg.get("mlp_bias"), "mlp_bias", "biases on the MLP are not supported")
+    require(not cfg.get("use_bidirectional_attention"), "use_bidirectional_attention",
+            "kvflow runs causal attention only")
+    require(cfg.get("attention_chunk_size") is None, "attention_chunk_size",
+            "chunked attention is not supported")
+    out: dict = {}
+    window = None
+    if arch in _WINDOWED:
+        window = cfg.get("sliding_window")
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        window = cfg.get("sliding_window")
+    if window is not None:
+        n = cfg["num_hidden_layers"]
+        types = cfg.get("layer_types")
+        if types is None and arch == "Gemma2ForCausalLM":
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        elif types is None and arch == "Gemma3ForCausalLM":
+            pattern = cfg.get("sliding_window_pattern", 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                     for i in range(n)]
+        elif types is None and arch.startswith("Qwen"):
+            first = cfg.get("max_window_layers", 0)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        out["sliding_window"] = window
+        out["layer_types"] = tuple(types) if types is not None else None
+    if arch in _GEMMA:
+        out["attn_logit_softcapping"] = cfg.get("attn_logit_softcapping")
+        out["final_logit_softcapping"] = cfg.get("final_logit_softcapping")
+        out["query_pre_attn_scalar"] = cfg.get("query_pre_attn_scalar")
+    if arch == "Gemma3ForCausalLM":
+        local = rope.get("sliding_attention") or {}
+        require(local.get("rope_type", "default") == "default", "rope_parameters",
+                f"scaled rope on sliding layers is not supported, got {local}")
+        out["rope_local_base_freq"] = float(local.get("rope_theta")
+                                            or cfg.get("rope_local_base_freq") or 10000.0)
+    return out
+
+
+def _rope_scaling_items(scaling: dict, cfg: dict) -> tuple[tuple[str, object], ...]:
+    """Rope scaling as sorted, hashable (key, value) pairs; Phi-3 keeps
+    original_max_position_embeddings beside the dict, longrope and YaRN read it inside."""
+    scaling = {k: tuple(v) if isinstance(v, list) else v for k, v in scaling.items()
+               if k not in ("rope_theta", "partial_rotary_factor")}
+    if "original_max_position_embeddings" not in scaling and cfg.get(
+            "original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    return tuple(sorted(scaling.items()))
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
     """Hyperparameters of a Llama-family model (names follow Hugging Face's config.json)."""
 
     architecture: str
-    """HF class name: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM."""
+    """HF class name: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -63,11 +130,58 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    """The MLP's gate activation: silu, or gelu_pytorch_tanh (Gemma's GeGLU)."""
+    sliding_window: int | None = None
+    """Keys a query of a windowed layer sees, itself included (Mistral v0.1, Gemma's local
+    layers, Phi-3); None: no windowed layer."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer: sliding_attention or full_attention; None: every layer is windowed when
+    ``sliding_window`` is set."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores become cap * tanh(score / cap) before the mask (Gemma 2)."""
+    final_logit_softcapping: float | None = None
+    """Logits become cap * tanh(logit / cap) (Gemma 2)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scale is this ** -0.5 instead of head_dim ** -0.5 (Gemma)."""
+    rope_local_base_freq: float | None = None
+    """Rope base of the sliding layers, unscaled (Gemma 3); None: ``rope_theta``."""
+    rope_context_len: int | None = None
+    """The longest sequence the engine runs (its max_model_len, set at load): longrope
+    picks its long factors and dynamic NTK its base from it; None: the table length."""
 
     def __post_init__(self) -> None:
-        require(self.hidden_act == "silu", "hidden_act", f"must be silu, got {self.hidden_act}")
+        require(self.hidden_act in ("silu", "gelu_pytorch_tanh"), "hidden_act",
+                f"must be silu or gelu_pytorch_tanh, got {self.hidden_act}")
         require(self.num_attention_heads % self.num_key_value_heads == 0,
                  "num_key_value_heads", "must divide num_attention_heads")
+        if self.sliding_window is not None:
+            require(isinstance(self.sliding_window, int) and self.sliding_window >= 1,
+                    "sliding_window", f"must be an integer >= 1, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            require(len(self.layer_types) == self.num_hidden_layers, "layer_types",
+                    f"must name {self.num_hidden_layers} layers, got {len(self.layer_types)}")
+            bad = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
+            require(not bad, "layer_types", f"kvflow runs sliding_attention and "
+                    f"full_attention layers, not {', '.join(bad)}")
+            require(self.sliding_window is not None or "sliding_attention"
+                    not in self.layer_types, "sliding_window",
+                    "is needed by the sliding_attention layers of layer_types")
+        if self.rope_scaling:
+            from_rope = dict(self.rope_scaling)
+            kind = from_rope.get("rope_type", from_rope.get("type"))
+            require(kind in _ROPE_TYPES, "rope_scaling.rope_type",
+                    f"{kind!r} is not supported (supported: "
+                    f"{', '.join(t for t in _ROPE_TYPES if t != 'freq_factors')})")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: the layer attends to the whole context)."""
+        if self.sliding_window is None:
+            return (None,) * self.num_hidden_layers
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_hidden_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None
+                     for t in self.layer_types)
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -96,12 +210,17 @@ class ModelArchConfig:
         arch = archs[0] if archs else {
             "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+            "phi3": "Phi3ForCausalLM",
         }.get(cfg.get("model_type", ""), "LlamaForCausalLM")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
         rope_params = cfg.get("rope_parameters")  # transformers >= 5 layout
+        dense = _hf_window_fields(cfg, arch)  # windows, soft-capping, Gemma; refusals
+        if isinstance(rope_params, dict) and "full_attention" in rope_params:
+            rope_params = rope_params["full_attention"]  # Gemma 3: one dict per layer type
         if isinstance(rope_params, dict):
             rope_theta = rope_theta or rope_params.get("rope_theta")
             if rope_params.get("rope_type", "default") != "default":
@@ -110,8 +229,7 @@ class ModelArchConfig:
                 None, "default"):
             rope_scaling = None
         if rope_scaling:
-            rope_scaling = tuple(sorted((k, v) for k, v in rope_scaling.items()
-                                        if k != "rope_theta"))
+            rope_scaling = _rope_scaling_items(rope_scaling, cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -129,10 +247,11 @@ class ModelArchConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            hidden_act=cfg.get("hidden_act", "silu"),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"),
+            **dense,
         )
 
 

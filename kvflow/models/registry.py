@@ -25,6 +25,9 @@ MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("kvflow.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("kvflow.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("kvflow.models.llama", "LlamaForCausalLM"),
+    "Gemma2ForCausalLM": ("kvflow.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("kvflow.models.gemma", "GemmaForCausalLM"),
+    "Phi3ForCausalLM": ("kvflow.models.phi3", "Phi3ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 
@@ -88,6 +91,40 @@ PRESETS: dict[str, dict] = {
         rope_scaling=dict(_LLAMA31_ROPE, original_max_position_embeddings=256),
         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
         eos_token_id=2),
+        # Windows, local/global layers, soft-capping and fused checkpoints (models/gemma.py,
+    # models/phi3.py): windows of 8 so that test prompts run past them.
+    "tiny-mistral-window": dict(
+        architectures=["MistralForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+        sliding_window=8, max_position_embeddings=2048, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2),
+    "tiny-gemma2": dict(
+        architectures=["Gemma2ForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=8,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=2,
+        eos_token_id=1),
+    "tiny-gemma3": dict(
+        architectures=["Gemma3ForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, sliding_window_pattern=3,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16, sliding_window=8,
+        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=2,
+        eos_token_id=1),
+    "tiny-phi3": dict(
+        architectures=["Phi3ForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=12,
+        max_position_embeddings=2048, original_max_position_embeddings=1024,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5,
+                                                                3.0, 3.5],
+                      "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 9.0]},
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     # The embedded model's depth, vocabulary and head layout with almost no arithmetic
     # (hidden 64): a step costs what the host spends issuing it (the overhead meter).
     "smollm2-135m-h64": dict(
