@@ -745,6 +745,11 @@ class EngineConfig:
         require(self.speculative is None or self.parallel.world_size == 1,
                 "speculative_config", "cannot be combined with tensor or pipeline "
                 "parallelism yet (use one rank)")
+        arch = self.model.arch
+        require(self.speculative is None or self.speculative.method != "medusa" or not (
+            arch.sliding_window or arch.attn_logit_softcapping or arch.rope_local_base_freq),
+            "speculative_config.method", "medusa's candidate trees are not supported on "
+            "windowed or soft-capped attention layers (use ngram or draft_model)")
         needs_draft = self.speculative is not None and self.speculative.method == "draft_model"
         require(needs_draft == (self.draft_model is not None), "speculative_config.model",
                 "a draft model config goes with method draft_model and only with it")

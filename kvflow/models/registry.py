@@ -83,6 +83,44 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
         max_position_embeddings=32768, tie_word_embeddings=False, bos_token_id=1,
         eos_token_id=2),
+    # Windowed and local/global models (shapes of the released configs; dummy weights).
+    "mistral-7b-v0.1": dict(
+        architectures=["MistralForCausalLM"], vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+        sliding_window=4096, max_position_embeddings=32768, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2),
+    "gemma-2-9b": dict(
+        architectures=["Gemma2ForCausalLM"], vocab_size=256000, hidden_size=3584,
+        intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=2,
+        eos_token_id=[1, 107]),
+    "gemma-3-12b": dict(  # the text model of gemma-3-12b-it
+        architectures=["Gemma3ForCausalLM"], vocab_size=262208, hidden_size=3840,
+        intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+        sliding_window=1024, sliding_window_pattern=6, max_position_embeddings=131072,
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 106]),
+    "phi-3-mini": dict(  # Phi-3-mini-4k-instruct
+        architectures=["Phi3ForCausalLM"], vocab_size=32064, hidden_size=3072,
+        intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=2047,
+        max_position_embeddings=4096, original_max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=[32000, 32007]),
+    # A Gemma-3-shaped model small enough for CPU decode benchmarks (~100M parameters).
+    "gemma3-small": dict(
+        architectures=["Gemma3ForCausalLM"], vocab_size=32000, hidden_size=640,
+        intermediate_size=2048, num_hidden_layers=12, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
+        max_position_embeddings=32768, tie_word_embeddings=True, bos_token_id=2,
+        eos_token_id=1, pad_token_id=0),
     # Small shapes for tests (random weights only).
     "tiny-llama": dict(
         architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64,
