@@ -34,6 +34,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             else:
                 yield name, tensor
                 continue
+            if tensor.dim() == 0:  # a GGUF matrix's type tag: the same for each part
+                for part in names:
+                    yield name.replace(f".{fused}.", f".{part}."), tensor
+                continue
             if tensor.shape[0] != sum(parts):
                 raise ModelLoadError(f"{name} has {tensor.shape[0]} rows, expected "
                                      f"{sum(parts)} for this config")
