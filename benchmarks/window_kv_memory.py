@@ -95,7 +95,7 @@ def main() -> None:
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "benchmark": "window_kv_memory", "model_config": CONFIG, "dtype": "float32",
         "runs": runs, "summary": summary,
-        "notes": "CPU, dummy weights, one request alone; held KV read from the block pool "
+        "notes": "CPU, dummy weights, one request alone, KVFLOW_CPU_CPP_STEP=0 in this run (both variants decode eagerly; the windowed one always does); held KV read from the block pool "
                  "after every schedule() call (peak includes the prefill chunk being "
                  "written). Runs alternate window / no window on a machine shared with "
                  "other engineers' tests: memory is exact, elapsed_s is noisy."})
