@@ -1,6 +1,6 @@
 """Windowed Mistral, Gemma 2, Gemma 3 and Phi-3 against transformers on the same random
 weights (float32 on CPU), prompts longer than the window (8 or 12 tokens), batched with
-chunked prefill (16-token steps), then again in a cache small enough to preempt.
+chunked prefill (16-token steps) in a cache small enough to preempt.
 
 Gemma 2 covers soft-capped scores and logits and alternating local/global layers; Gemma 3
 q/k norms, a local rope base beside a linearly scaled global one, and a 2:1 pattern;
@@ -54,19 +54,15 @@ def test_matches_transformers_past_the_window(tmp_path, name):
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in PROMPT_LENS * 2]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                             logprobs=0, prompt_logprobs=0)
-    # First 3 prompts in a roomy cache; then all 6 in 16 blocks of 4 (one max_model_len),
-    # where they preempt each other even when blocks behind the window are freed.
-    for batch, blocks in ((prompts[:3], None), (prompts, 16)):
-        llm = LLM(str(tmp_path), max_model_len=64, block_size=4, max_num_batched_tokens=16,
-                  kv_cache_memory="16MiB", num_gpu_blocks_override=blocks, device="cpu")
-        check(hf, batch, llm.generate(batch, params, use_tqdm=False))
-        sched = llm.engine.core.scheduler
-        # Every layer windowed (Mistral, Phi-3): blocks behind the window are given back.
-        assert (sched.kv.num_window_freed > 0) == (name in ("tiny-mistral-window",
-                                                            "tiny-phi3"))
-        if blocks is not None:
-            assert sched.num_preemptions > 0
-        del llm
+    # All 6 in 16 blocks of 4 (one max_model_len): they preempt each other even where
+    # blocks behind the window are freed.
+    llm = LLM(str(tmp_path), max_model_len=64, block_size=4, max_num_batched_tokens=16,
+              kv_cache_memory="16MiB", num_gpu_blocks_override=16, device="cpu")
+    check(hf, prompts, llm.generate(prompts, params, use_tqdm=False))
+    sched = llm.engine.core.scheduler
+    assert sched.num_preemptions > 0
+    # Every layer windowed (Mistral, Phi-3): blocks behind the window are given back.
+    assert (sched.kv.num_window_freed > 0) == (name in ("tiny-mistral-window", "tiny-phi3"))
 
 
 def test_the_window_changes_the_result(tmp_path):

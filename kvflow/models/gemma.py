@@ -136,6 +136,8 @@ class GemmaModel(nn.Module):
         if cfg.rope_local_base_freq is not None:  # Gemma 3: unscaled, its own base
             local = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_local_base_freq)
         windows = cfg.layer_windows
+        if None not in windows:  # no global layer: the local table is the step's table
+            glob = local
 
         def layer(i: int) -> GemmaDecoderLayer:
             rot = local if windows[i] is not None else glob
