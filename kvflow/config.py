@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from kvflow.errors import InvalidParameterError, require
+from kvflow.hf_arch import hf_window_fields, rope_scaling_items
 
 GiB = 1 << 30
 
@@ -37,12 +38,17 @@ def torch_dtype(name: str):
     return getattr(torch, _TORCH_DTYPE_NAMES[name])
 
 
+# Rope scalings layers/rotary.py computes (kept here so config checks stay torch-free).
+_ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope", "freq_factors")
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
     """Hyperparameters of a Llama-family model (names follow Hugging Face's config.json)."""
 
     architecture: str
-    """HF class name: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM."""
+    """HF class name: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -63,11 +69,58 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    """The MLP's gate activation: silu, or gelu_pytorch_tanh (Gemma's GeGLU)."""
+    sliding_window: int | None = None
+    """Keys a query of a windowed layer sees, itself included (Mistral v0.1, Gemma's local
+    layers, Phi-3); None: no windowed layer."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer: sliding_attention or full_attention; None: every layer is windowed when
+    ``sliding_window`` is set."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores become cap * tanh(score / cap) before the mask (Gemma 2)."""
+    final_logit_softcapping: float | None = None
+    """Logits become cap * tanh(logit / cap) (Gemma 2)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scale is this ** -0.5 instead of head_dim ** -0.5 (Gemma)."""
+    rope_local_base_freq: float | None = None
+    """Rope base of the sliding layers, unscaled (Gemma 3); None: ``rope_theta``."""
+    rope_context_len: int | None = None
+    """The longest sequence the engine runs (its max_model_len, set at load): longrope
+    picks its long factors and dynamic NTK its base from it; None: the table length."""
 
     def __post_init__(self) -> None:
-        require(self.hidden_act == "silu", "hidden_act", f"must be silu, got {self.hidden_act}")
+        require(self.hidden_act in ("silu", "gelu_pytorch_tanh"), "hidden_act",
+                f"must be silu or gelu_pytorch_tanh, got {self.hidden_act}")
         require(self.num_attention_heads % self.num_key_value_heads == 0,
                  "num_key_value_heads", "must divide num_attention_heads")
+        if self.sliding_window is not None:
+            require(isinstance(self.sliding_window, int) and self.sliding_window >= 1,
+                    "sliding_window", f"must be an integer >= 1, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            require(len(self.layer_types) == self.num_hidden_layers, "layer_types",
+                    f"must name {self.num_hidden_layers} layers, got {len(self.layer_types)}")
+            bad = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
+            require(not bad, "layer_types", f"kvflow runs sliding_attention and "
+                    f"full_attention layers, not {', '.join(bad)}")
+            require(self.sliding_window is not None or "sliding_attention"
+                    not in self.layer_types, "sliding_window",
+                    "is needed by the sliding_attention layers of layer_types")
+        if self.rope_scaling:
+            from_rope = dict(self.rope_scaling)
+            kind = from_rope.get("rope_type", from_rope.get("type"))
+            require(kind in _ROPE_TYPES, "rope_scaling.rope_type",
+                    f"{kind!r} is not supported (supported: "
+                    f"{', '.join(t for t in _ROPE_TYPES if t != 'freq_factors')})")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: the layer attends to the whole context)."""
+        if self.sliding_window is None:
+            return (None,) * self.num_hidden_layers
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_hidden_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None
+                     for t in self.layer_types)
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -96,12 +149,17 @@ class ModelArchConfig:
         arch = archs[0] if archs else {
             "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+            "phi3": "Phi3ForCausalLM",
         }.get(cfg.get("model_type", ""), "LlamaForCausalLM")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
         rope_params = cfg.get("rope_parameters")  # transformers >= 5 layout
+        dense = hf_window_fields(cfg, arch)  # windows, soft-capping, Gemma; refusals
+        if isinstance(rope_params, dict) and "full_attention" in rope_params:
+            rope_params = rope_params["full_attention"]  # Gemma 3: one dict per layer type
         if isinstance(rope_params, dict):
             rope_theta = rope_theta or rope_params.get("rope_theta")
             if rope_params.get("rope_type", "default") != "default":
@@ -110,8 +168,7 @@ class ModelArchConfig:
                 None, "default"):
             rope_scaling = None
         if rope_scaling:
-            rope_scaling = tuple(sorted((k, v) for k, v in rope_scaling.items()
-                                        if k != "rope_theta"))
+            rope_scaling = rope_scaling_items(rope_scaling, cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -129,10 +186,11 @@ class ModelArchConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            hidden_act=cfg.get("hidden_act", "silu"),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"),
+            **dense,
         )
 
 
@@ -626,6 +684,11 @@ class EngineConfig:
         require(self.speculative is None or self.parallel.world_size == 1,
                 "speculative_config", "cannot be combined with tensor or pipeline "
                 "parallelism yet (use one rank)")
+        arch = self.model.arch
+        require(self.speculative is None or self.speculative.method != "medusa" or not (
+            arch.sliding_window or arch.attn_logit_softcapping or arch.rope_local_base_freq),
+            "speculative_config.method", "medusa's candidate trees are not supported on "
+            "windowed or soft-capped attention layers (use ngram or draft_model)")
         needs_draft = self.speculative is not None and self.speculative.method == "draft_model"
         require(needs_draft == (self.draft_model is not None), "speculative_config.model",
                 "a draft model config goes with method draft_model and only with it")

@@ -6,6 +6,12 @@ K/V of token positions [i * block_size, (i + 1) * block_size). With prefix cachi
 gets a chained hash of (parent block's hash, its token ids, an optional cache salt); a new
 request reuses the longest run of cached blocks that starts its prompt. Freed blocks keep
 their hash until they are reused, so evictions take the least recently freed first.
+
+With ``sliding_window`` (a model whose every layer is windowed, e.g. Mistral v0.1) a
+request's blocks that no future query can see (wholly before the window of its next
+token) go back to the pool as it advances: its table keeps their (stale) ids at their
+positions, which only windowed attention, reading from the window's first block on,
+is given (docs/models.md).
 """
 
 from __future__ import annotations
@@ -29,12 +35,29 @@ def hash_block(parent: bytes | None, tokens: list[int], salt: str | None = None)
     return h.digest()
 
 
+def freeable_window(config) -> int | None:
+    """The window behind which an engine's requests may give blocks back: the model's,
+    when every layer has that one window (a full-attention layer needs every block, and
+    the block table is shared by all layers), the cache is paged, and no draft model or
+    head reads the same block table with attention of its own. ``config``: EngineConfig."""
+    windows = set(config.model.arch.layer_windows)
+    if len(windows) != 1 or None in windows or config.cache.kv_layout != "paged":
+        return None
+    spec = config.speculative
+    if spec is not None and spec.method in ("draft_model", "eagle_mlp", "medusa"):
+        return None
+    return windows.pop()
+
+
 class KVCacheManager:
     """Allocates, shares, caches and frees the KV blocks of requests."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        self.num_window_freed = 0  # blocks given back behind a window (a counter)
         self.pool = BlockPool(num_blocks)
         self._blocks: dict[str, list[KVBlock]] = {}
         # Per request: how many of its leading blocks were already offered to the cache.
@@ -112,6 +135,8 @@ class KVCacheManager:
         hashes = self._block_hashes(request, request.num_computed_tokens)
         for i in range(start, min(len(held), len(hashes))):
             block, h = held[i], hashes[i]
+            if block is None:  # freed behind the window (registered before that)
+                continue
             if block.block_hash is None and h not in self.pool.cached:
                 block.block_hash = h
                 self.pool.cached[h] = block
@@ -128,6 +153,8 @@ class KVCacheManager:
         """
         held = self._blocks.setdefault(request.request_id, [])
         self._cache_full_blocks(request)
+        if self.sliding_window is not None:
+            self._free_behind_window(request, held)
         total = request.num_computed_tokens + num_new_tokens
         need = self.blocks_needed(total) - len(held)
         first = request.num_computed_tokens // self.block_size
@@ -143,6 +170,19 @@ class KVCacheManager:
         new_ids = [b.block_id for b in new]
         request.block_ids.extend(new_ids)
         return new_ids
+
+    def _free_behind_window(self, request: Request, held: list[KVBlock | None]) -> None:
+        """Release the blocks wholly before the window of the request's next query
+        (position num_computed_tokens sees keys from num_computed - window + 1 on)."""
+        first_needed = request.num_computed_tokens - self.sliding_window + 1
+        end = min(max(first_needed, 0) // self.block_size, len(held))
+        dropped = [b for b in held[:end] if b is not None]
+        if not dropped:
+            return
+        for i in range(end):
+            held[i] = None
+        self.num_window_freed += len(dropped)
+        self.pool.release(dropped)
 
     def trim(self, request: Request) -> bool:
         """Free the request's blocks past its computed tokens (speculative decoding: they
@@ -193,7 +233,10 @@ class KVCacheManager:
         if n_blocks == 0:
             return 0
         shared = parent_blocks[:n_blocks]
-        self.pool.touch(shared)
+        if self.sliding_window is not None and None in shared[
+                max(skip - self.sliding_window + 1, 0) // self.block_size:]:
+            return 0  # the parent already gave back blocks the child's window needs
+        self.pool.touch([b for b in shared if b is not None])
         self._blocks[child.request_id] = list(shared)
         child.block_ids = [b.block_id for b in shared]
         child.num_computed_tokens = skip
@@ -206,7 +249,7 @@ class KVCacheManager:
         self._cache_full_blocks(request)
         blocks = self._blocks.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
-        self.pool.release(list(reversed(blocks)))
+        self.pool.release([b for b in reversed(blocks) if b is not None])
         request.block_ids = []
 
     def ref_counts(self) -> list[int]:

@@ -131,14 +131,16 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int,
                  enable_prefix_caching: bool = False, swap: SwapPolicy | None = None,
-                 latency: LatencyTarget | None = None, contiguous_kv: bool = False) -> None:
+                 latency: LatencyTarget | None = None, contiguous_kv: bool = False,
+                 sliding_window: int | None = None) -> None:
         self.config = config
         # --kv-layout contiguous (ablation): reserve max_model_len of KV per request at
         # admission, as an engine without paging must.
         self.contiguous_kv = contiguous_kv
         self.latency = latency  # --target-tpot-ms: caps each step's budget and seats
         self.block_size = block_size
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        # sliding_window: blocks behind every layer's window are freed (freeable_window)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, sliding_window)
         self.swap = swap
         self.host_pool = BlockPool(swap.num_host_blocks) if swap and swap.num_host_blocks \
             else None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvflow import envs
 from kvflow.config import EngineConfig
 from kvflow.core.block_map import block_map
+from kvflow.core.kv_cache_manager import freeable_window
 from kvflow.core.latency import LatencyTarget, StepTimeModel
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
@@ -108,7 +109,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache.block_size, self.num_blocks,
                                    config.cache.enable_prefix_caching, swap_policy(config),
                                    latency_target(config),
-                                   contiguous_kv=config.cache.kv_layout == "contiguous")
+                                   contiguous_kv=config.cache.kv_layout == "contiguous",
+                                   sliding_window=freeable_window(config))
         self.num_steps = 0
         self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet collected
         # Pipeline parallelism: up to ``batches_in_flight`` batches launched and not yet

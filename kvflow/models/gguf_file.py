@@ -14,7 +14,17 @@ from kvflow.errors import ModelLoadError
 from kvflow.models.gguf_header import GGUFTensor, cached_gguf_header
 
 _ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+          "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+          "phi3": "Phi3ForCausalLM"}
+# Where an architecture's layer tensors differ from _LAYER_NAMES: Gemma's four norms,
+# Phi-3's fused qkv and gate_up (split by models/phi3.py).
+_ARCH_LAYER_NAMES = {
+    "gemma": {"post_attention_norm": "post_attention_layernorm",
+              "ffn_norm": "pre_feedforward_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -110,7 +120,47 @@ def read_gguf_arch(path: str) -> tuple[ModelArchConfig, dict]:
                                "factor": float(need("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported")
+    cfg.update(_dense_fields(path, h, a, names, cfg))
     return ModelArchConfig.from_hf_config(cfg), gguf_sampling_defaults(h)
+
+
+def _dense_fields(path: str, h, a: str, names: set[str], cfg: dict) -> dict:
+    """Gemma's and Phi-3's config fields from llama.cpp's metadata. Where llama.cpp
+    hard-codes a value instead of storing it (Gemma's query scale: hidden / heads on the
+    27B models, else head_dim; Gemma 3's 5:1 pattern and local rope base 10000), so do we."""
+    out: dict = {}
+    window = h.field(f"{a}.attention.sliding_window")
+    if window is not None:
+        out["sliding_window"] = int(window)
+    if a in ("gemma2", "gemma3"):
+        layers = cfg["num_hidden_layers"]
+        big = layers == (46 if a == "gemma2" else 62)  # llama.cpp's LLM_TYPE_27B
+        out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=(
+            cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"]))
+    if a == "gemma2":
+        out["attn_logit_softcapping"] = h.field("gemma2.attn_logit_softcapping", 50.0)
+        out["final_logit_softcapping"] = h.field("gemma2.final_logit_softcapping", 30.0)
+    if a == "gemma3":
+        pattern = h.field("gemma3.attention.sliding_window_pattern", 6)
+        if not isinstance(pattern, int):
+            raise ModelLoadError(f"{path}: gemma3.attention.sliding_window_pattern "
+                                 f"{pattern!r} is not supported (an integer period)")
+        out["sliding_window_pattern"] = pattern
+        out["rope_local_base_freq"] = float(h.field("gemma3.rope.freq_base_swa", 10000.0))
+    if a == "phi3" and "rope_factors_long.weight" in names:
+        file = _file_bytes(path)
+        factors = {n: tuple(float(x) for x in _dequantize(
+            path, file, next(t for t in h.tensors if t.name == f"rope_factors_{n}.weight")
+        ).reshape(-1)) for n in ("long", "short")}
+        out["rope_scaling"] = {
+            "rope_type": "longrope", "long_factor": factors["long"],
+            "short_factor": factors["short"],
+            "original_max_position_embeddings": int(h.field(
+                "phi3.rope.scaling.original_context_length", cfg["max_position_embeddings"]))}
+        attn = h.field("phi3.rope.scaling.attn_factor")
+        if attn is not None:
+            out["rope_scaling"]["attention_factor"] = float(attn)
+    return out
 
 
 # llama.cpp's recommended-sampling keys (general.sampling.*) -> SamplingParams fields.
@@ -167,15 +217,18 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig, keep_quantized: bool = F
     import gguf
 
     h = cached_gguf_header(path)
-    permute = h.field("general.architecture") in ("llama", "mistral")
+    a = h.field("general.architecture")
+    permute = a in ("llama", "mistral")
+    gemma = a in ("gemma2", "gemma3")
+    layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get("gemma" if gemma else a, {})}
     file = _file_bytes(path)
     for t in h.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
         if m:
             layer, part, kind = m.groups()
-            if part not in _LAYER_NAMES:
+            if part not in layer_names:
                 continue
-            name = f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+            name = f"model.layers.{layer}.{layer_names[part]}.{kind}"
         else:
             base, _, kind = t.name.rpartition(".")
             if base not in _GLOBAL_NAMES:
@@ -198,6 +251,8 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig, keep_quantized: bool = F
             yield name + "qweight", torch.from_numpy(data)
             continue
         data = _dequantize(path, file, t)
+        if gemma and t.name.endswith("norm.weight"):
+            data -= 1.0  # llama.cpp stores Gemma's (1 + weight); kvflow's norm adds the 1
         if permute and m and part in ("attn_q", "attn_k"):
             heads = arch.num_attention_heads if part == "attn_q" else arch.num_key_value_heads
             data = _unpermute(data, heads)

@@ -54,7 +54,9 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(self.num_heads, cfg.head_dim, self.num_kv_heads, rotary, backend)
+        window = cfg.layer_windows[int(prefix.split(".")[-2])]  # "...layers.{i}.self_attn"
+        self.attn = Attention(self.num_heads, cfg.head_dim, self.num_kv_heads, rotary, backend,
+                              sliding_window=window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, norm: RMSNorm, meta: AttentionMetadata
@@ -120,7 +122,8 @@ class LlamaModel(nn.Module):
                                            "model.embed_tokens")
         # One rotary table shared by every layer.
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta,
-                                 cfg.rope_scaling_dict)
+                                 cfg.rope_scaling_dict, cfg.max_position_embeddings,
+                                 cfg.rope_context_len)
         # This pipeline stage's layers [start_layer, end_layer) (all of them on one stage).
         self.layers, self.start_layer, self.end_layer = make_layers(
             cfg.num_hidden_layers, pp,

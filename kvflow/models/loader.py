@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import glob
 import json
 import os
@@ -94,9 +96,11 @@ def load_model(config: ModelConfig, device: torch.device, backend: AttentionBack
     dtype = torch_dtype(config.dtype)
     quant = quantization_config(config, device)
     max_position = max(config.max_model_len, config.arch.max_position_embeddings)
+    # longrope and dynamic NTK pick their frequencies by the longest sequence run
+    arch = dataclasses.replace(config.arch, rope_context_len=config.max_model_len)
     with torch.device(device):
-        model = model_class(config.arch.architecture)(config.arch, dtype, backend,
-                                                      max_position, quant=quant, tp=tp, pp=pp)
+        model = model_class(arch.architecture)(arch, dtype, backend, max_position, quant=quant,
+                                               tp=tp, pp=pp)
     one_rank = (tp is None or tp.world_size == 1) and (pp is None or pp.world_size == 1)
     if config.load_format == "dummy" and one_rank:
         init_dummy_weights(model, config.seed)

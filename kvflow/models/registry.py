@@ -25,6 +25,9 @@ MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("kvflow.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("kvflow.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("kvflow.models.llama", "LlamaForCausalLM"),
+    "Gemma2ForCausalLM": ("kvflow.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("kvflow.models.gemma", "GemmaForCausalLM"),
+    "Phi3ForCausalLM": ("kvflow.models.phi3", "Phi3ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 
@@ -80,6 +83,44 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
         max_position_embeddings=32768, tie_word_embeddings=False, bos_token_id=1,
         eos_token_id=2),
+    # Windowed and local/global models (shapes of the released configs; dummy weights).
+    "mistral-7b-v0.1": dict(
+        architectures=["MistralForCausalLM"], vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+        sliding_window=4096, max_position_embeddings=32768, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2),
+    "gemma-2-9b": dict(
+        architectures=["Gemma2ForCausalLM"], vocab_size=256000, hidden_size=3584,
+        intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=2,
+        eos_token_id=[1, 107]),
+    "gemma-3-12b": dict(  # the text model of gemma-3-12b-it
+        architectures=["Gemma3ForCausalLM"], vocab_size=262208, hidden_size=3840,
+        intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+        sliding_window=1024, sliding_window_pattern=6, max_position_embeddings=131072,
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 106]),
+    "phi-3-mini": dict(  # Phi-3-mini-4k-instruct
+        architectures=["Phi3ForCausalLM"], vocab_size=32064, hidden_size=3072,
+        intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=2047,
+        max_position_embeddings=4096, original_max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=[32000, 32007]),
+    # A Gemma-3-shaped model small enough for CPU decode benchmarks (~100M parameters).
+    "gemma3-small": dict(
+        architectures=["Gemma3ForCausalLM"], vocab_size=32000, hidden_size=640,
+        intermediate_size=2048, num_hidden_layers=12, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
+        max_position_embeddings=32768, tie_word_embeddings=True, bos_token_id=2,
+        eos_token_id=1, pad_token_id=0),
     # Small shapes for tests (random weights only).
     "tiny-llama": dict(
         architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64,
@@ -88,6 +129,40 @@ PRESETS: dict[str, dict] = {
         rope_scaling=dict(_LLAMA31_ROPE, original_max_position_embeddings=256),
         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
         eos_token_id=2),
+        # Windows, local/global layers, soft-capping and fused checkpoints (models/gemma.py,
+    # models/phi3.py): windows of 8 so that test prompts run past them.
+    "tiny-mistral-window": dict(
+        architectures=["MistralForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+        sliding_window=8, max_position_embeddings=2048, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2),
+    "tiny-gemma2": dict(
+        architectures=["Gemma2ForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=8,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=2,
+        eos_token_id=1),
+    "tiny-gemma3": dict(
+        architectures=["Gemma3ForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, sliding_window_pattern=3,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16, sliding_window=8,
+        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=2,
+        eos_token_id=1),
+    "tiny-phi3": dict(
+        architectures=["Phi3ForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=12,
+        max_position_embeddings=2048, original_max_position_embeddings=1024,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5,
+                                                                3.0, 3.5],
+                      "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 9.0]},
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     # The embedded model's depth, vocabulary and head layout with almost no arithmetic
     # (hidden 64): a step costs what the host spends issuing it (the overhead meter).
     "smollm2-135m-h64": dict(

@@ -159,6 +159,22 @@ class ShardedModel:
         return (2 * a.num_hidden_layers * a.num_key_value_heads
                 * kv_bytes_per_head(self.kv_dtype, a.head_dim))
 
+    def attended_context(self, context: float) -> float:
+        """Keys one query reads per layer on average at ``context`` tokens: a windowed
+        layer reads at most its window."""
+        w = self.arch.layer_windows
+        return sum(context if x is None else min(context, x) for x in w) / len(w)
+
+    def held_tokens(self, length: int, block_size: int) -> int:
+        """KV tokens one ``length``-token request holds at its end: all of them, or, when
+        every layer is windowed, the window and the block it starts in (blocks behind
+        it are freed; see core/kv_cache_manager.py). One block table serves all layers,
+        so a model with any full-attention layer holds everything."""
+        windows = set(self.arch.layer_windows)
+        if len(windows) != 1 or None in windows:
+            return length
+        return min(length, windows.pop() + block_size)
+
     @property
     def layer_elementwise_bytes_per_token(self) -> int:
         """Bytes the small kernels move per token and layer: 2 fused add+RMSNorms
@@ -215,12 +231,12 @@ def step_cost(m: ShardedModel, gpu: GpuSpec, eff: Efficiency, *, decode_seqs: in
     kv_tok = m.kv_bytes_per_token
 
     weights = m.decode_weight_read_bytes + tokens * a.hidden_size * m.dtype_bytes
-    kv_decode = decode_seqs * decode_context * kv_tok
+    kv_decode = decode_seqs * m.attended_context(decode_context) * kv_tok  # windows cap it
     kv_prefix = sum(p for _, p in prefill) * kv_tok
     kv_write = tokens * kv_tok
     gemm_flops = (2.0 * tokens * L * m.layer_linear_params
                   + 2.0 * rows * m.vocab * a.hidden_size)
-    attn_decode_flops = 4.0 * qdim * decode_context * decode_seqs * L
+    attn_decode_flops = 4.0 * qdim * m.attended_context(decode_context) * decode_seqs * L
     attn_prefill_flops = sum(4.0 * qdim * (c * p + c * c / 2) * L for c, p in prefill)
     total_bytes = weights + kv_decode + kv_prefix + kv_write
     total_flops = gemm_flops + attn_decode_flops + attn_prefill_flops

@@ -163,7 +163,8 @@ class Plan:
     @property
     def max_batch(self) -> int:
         """Requests of input + output tokens the KV cache holds at once."""
-        return self.memory.max_sequences(self.inputs.input_len + self.inputs.output_len)
+        return self.memory.max_sequences(self.model.held_tokens(
+            self.inputs.input_len + self.inputs.output_len, self.inputs.block_size))
 
     @property
     def concurrency_at_max_model_len(self) -> float:
@@ -177,7 +178,7 @@ def build_plan(inputs: PlanInputs) -> Plan:
     eff = inputs.efficiency
     mem = _memory(m, inputs)
     seq_len = inputs.input_len + inputs.output_len
-    max_batch = mem.max_sequences(seq_len)
+    max_batch = mem.max_sequences(m.held_tokens(seq_len, inputs.block_size))
     rows = tuple(DecodeRow(batch=b, context=inputs.average_context, fits=b <= max_batch,
                            cost=decode_step(m, inputs.gpu, eff, b, inputs.average_context))
                  for b in sorted(set(inputs.batch_sizes)))
@@ -230,10 +231,30 @@ def _notes(inputs: PlanInputs, m: ShardedModel, mem: MemoryPlan) -> list[str]:
         if m.kv_replicas > 1:
             notes.append(f"{inputs.arch.num_key_value_heads} KV heads on {m.tp} GPUs: each "
                          f"KV head is replicated on {m.kv_replicas} GPUs")
+    notes += window_notes(inputs, m)
     if inputs.gpu.name != "H200":
         notes.append("predicted times use overheads measured on the H200; on other GPUs "
                      "they are unvalidated")
     return notes
+
+
+def window_notes(inputs: PlanInputs, m: ShardedModel) -> list[str]:
+    """What sliding windows change: the KV a long request holds, and what they free."""
+    windows = m.arch.layer_windows
+    local = [w for w in windows if w is not None]
+    if not local:
+        return []
+    n, length = len(windows), inputs.model_len
+    held = m.held_tokens(length, inputs.block_size)
+    if len(local) == n:
+        return [f"sliding window {local[0]} on every layer: a request holds at most "
+                f"{held} tokens of KV ({held * m.model_kv_bytes_per_token / GiB:.2f} GiB) "
+                f"whatever its length; blocks behind the window are freed"]
+    need = sum(min(length, w) for w in local) + (n - len(local)) * length  # layer-tokens
+    return [f"{len(local)} of {n} layers local (window {max(local)}): kvflow's block table "
+            f"is shared by all layers, so a {length}-token request holds "
+            f"{length * m.model_kv_bytes_per_token / GiB:.2f} GiB of KV; a cache per layer "
+            f"type would hold {need / n * m.model_kv_bytes_per_token / GiB:.2f} GiB"]
 
 
 def _smallest_fitting_tp(inputs: PlanInputs) -> int | None:

@@ -546,6 +546,11 @@ def cpu_decode_step(runner, label: str = ""):
     if cfg.device.enforce_eager:
         logger.info("compiled CPU decode step off (--enforce-eager): decoding eagerly")
         return None
+    from kvflow.layers.attention.windowed import eager_reason
+
+    if (reason := eager_reason(runner.model)) is not None:  # no window mask in C++ yet
+        logger.info("%scompiled CPU decode step off (%s): decoding eagerly", label, reason)
+        return None
     if envs.cpu_compile():
         from kvflow.worker.cpu_compile import compile_decode_step
 

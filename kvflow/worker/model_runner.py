@@ -177,6 +177,11 @@ class ModelRunner:
         if self.device.type != "cuda" or self.parallel.pp.world_size > 1:
             return  # graphs do not hold the stage-to-stage sends (pipeline parallel)
         cfg = self.config
+        from kvflow.layers.attention.windowed import eager_reason
+
+        if (reason := eager_reason(self.model)) is not None:  # plans per request in Python
+            logger.info("CUDA graphs off (%s)", reason)
+            return
         if cfg.device.enforce_eager or not self.use_kernels:
             logger.info("CUDA graphs off (%s)", "--enforce-eager" if cfg.device.enforce_eager
                         else "no Triton kernels")

@@ -19,12 +19,21 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int,
-                 rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+                 rotary: RotaryEmbedding, backend: AttentionBackend, *,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 scale: float | None = None, own_rotary: bool = False) -> None:
+        """``sliding_window``: keys a query sees, itself included (None: all);
+        ``logits_soft_cap``: scores become cap * tanh(score / cap); ``own_rotary``: this
+        layer's table is not the one the step's plan was built from (such layers, and
+        windowed or capped ones, run ``windowed.windowed_attention``)."""
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.own_rotary = own_rotary
         self.rotary = rotary
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
@@ -38,6 +47,16 @@ class Attention(nn.Module):
                 v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H*D], k and v [T, KVH*D] -> [T, H*D]."""
         t = q.shape[0]
+        if (self.logits_soft_cap is not None or self.own_rotary or (
+                self.sliding_window is not None and meta.max_seq_len > self.sliding_window)):
+            from kvflow.layers.attention.windowed import windowed_attention
+
+            out = windowed_attention(
+                positions, q.view(t, self.num_heads, self.head_dim),
+                k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim), self.kv_cache, self.rotary,
+                self.scale, meta, self.sliding_window, self.logits_soft_cap, self.kv_quant)
+            return out.reshape(t, self.num_heads * self.head_dim)
         out = self.backend.forward(
             positions, q.view(t, self.num_heads, self.head_dim),
             k.view(t, self.num_kv_heads, self.head_dim),
@@ -48,8 +67,9 @@ class Attention(nn.Module):
 
 def model_rotary(model: nn.Module) -> RotaryEmbedding:
     """The one rotary table a model's attention layers share (metadata builders plan a
-    step's cos/sin rows from it)."""
-    tables = {id(m.rotary): m.rotary for m in model.modules() if isinstance(m, Attention)}
+    step's cos/sin rows from it); layers with ``own_rotary`` rotate by themselves."""
+    tables = {id(m.rotary): m.rotary for m in model.modules()
+              if isinstance(m, Attention) and not m.own_rotary}
     if len(tables) != 1:
         raise ValueError(f"expected one rotary table shared by every attention layer, "
                          f"found {len(tables)}")
