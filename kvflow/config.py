@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from kvflow.errors import InvalidParameterError, require
+from kvflow.pooling.config import PoolerConfig
 
 GiB = 1 << 30
 
@@ -611,6 +612,8 @@ class EngineConfig:
     draft_model: ModelConfig | None = None
     """The draft model of ``speculative`` method draft_model, resolved (EngineArgs makes
     it from speculative_config.model and checks its vocabulary); None otherwise."""
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)
+    """How embeddings, rerank and score requests pool (``--runner``, ``--task``)."""
 
     def __post_init__(self) -> None:
         self.parallel.check_model(self.model.arch)
