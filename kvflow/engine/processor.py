@@ -183,7 +183,10 @@ class InputProcessor:
         _int64(priority, "priority")
         cfg = self.config
         pooling.check_for_model(cfg.model.arch.hidden_size, self.vocab_size)
-        text, ids = self.tokenize_prompt(prompt)
+        try:
+            text, ids = self.tokenize_prompt(prompt)
+        except InvalidParameterError as e:  # pooling APIs call the prompt "input"
+            raise InvalidParameterError(e.message, param="input") from None
         check_pooling_fits(len(ids), cfg.model.max_model_len, cfg.cache.block_size,
                            self.num_blocks)
         params = SamplingParams(max_tokens=None, detokenize=False,
