@@ -27,9 +27,11 @@ if TYPE_CHECKING:
 
 RUNNERS = ("auto", "generate", "pooling")
 TASKS = ("embed", "score")
-# sentence-transformers' Pooling config keys, in the order they are checked.
+# sentence-transformers' Pooling config: older versions set one boolean key per mode,
+# newer ones name it in "pooling_mode".
 _ST_MODES = (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
              ("pooling_mode_cls_token", "cls"))
+_ST_MODE_NAMES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,9 @@ def _sentence_transformers(folder: str) -> tuple[str, str, str, bool, str]:
             except (OSError, ValueError) as e:
                 raise ModelLoadError(f"{cfg_path}: cannot read the pooling config ({e})")
             modes = [name for key, name in _ST_MODES if cfg.get(key)]
+            named = cfg.get("pooling_mode")
+            if isinstance(named, str) and named in _ST_MODE_NAMES:
+                modes.insert(0, _ST_MODE_NAMES[named])
             if not modes:
                 raise ModelLoadError(f"{cfg_path}: none of the pooling modes kvflow runs "
                                      "(last token, mean, CLS) is on")
