@@ -53,7 +53,11 @@ def yes_no_token_ids(tokenizer) -> list[int]:
 def yes_probability(logits: Sequence[float]) -> float:
     """P(yes) from [logit_no, logit_yes] (softmax over the two)."""
     no, yes = logits
-    return 1.0 / (1.0 + math.exp(no - yes))
+    d = yes - no
+    if d >= 0:  # the two branches never overflow exp
+        return 1.0 / (1.0 + math.exp(-d))
+    e = math.exp(d)
+    return e / (1.0 + e)
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:
