@@ -23,16 +23,22 @@ from kvflow.entrypoints.openai.serving import (ClientDisconnected, OpenAIServing
                                                close_all, gather_or_cancel, json_response,
                                                last_output, random_id, run_until_disconnect)
 from kvflow.errors import InvalidParameterError
+from kvflow.logger import init_logger
 from kvflow.outputs import RequestOutput
 from kvflow.pooling.params import PoolingParams
 from kvflow.pooling.scoring import (cosine, embed_params, pair_up, reranker_prompt,
                                     score_params, yes_probability)
 
+logger = init_logger(__name__)
 CLIENT_CLOSED = 499
 
 
 class PoolingServing(OpenAIServing):
     """Embeddings, rerank and score over one AsyncEngine."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        logger.info("%s", self.pooler.describe())
 
     @property
     def pooler(self):
