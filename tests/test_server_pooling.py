@@ -84,7 +84,8 @@ def test_rerank_and_score_cosine(server, client):
     assert r["results"][0]["relevance_score"] >= r["results"][1]["relevance_score"]
     assert r["usage"]["total_tokens"] > 0
     # The scores are the cosine similarities of the embeddings.
-    vecs = [d.embedding for d in client.embeddings.create(model="smollm2-135m", input=[query] + docs).data]
+    vecs = [d.embedding for d in client.embeddings.create(model="smollm2-135m",
+                                                          input=[query] + docs).data]
     s = post(f"{server.url}/score", json={"text_1": query, "text_2": docs}).json()
     assert [d["index"] for d in s["data"]] == [0, 1, 2]
     for d, v in zip(s["data"], vecs[1:]):
@@ -105,8 +106,9 @@ def test_pooling_beside_generation(server):
     """Embeddings and chat requests in flight together on one engine; each gets its
     own kind of answer, and the embeddings equal those of an idle server."""
     aclient = server.openai_client(async_client=True)
+    sync = server.openai_client()
     alone = np.array([d.embedding for d in
-                      server.openai_client().embeddings.create(model="smollm2-135m", input=TEXTS).data])
+                      sync.embeddings.create(model="smollm2-135m", input=TEXTS).data])
 
     async def run():
         chats = [aclient.chat.completions.create(

@@ -110,7 +110,7 @@ def _run_hf(ns, prompts) -> tuple[dict, np.ndarray]:
     for b in range(0, len(order), ns.hf_batch_size):
         run(order[b: b + ns.hf_batch_size])
     seconds = time.perf_counter() - start
-    del model
+    model = None  # free it before the next backend loads
     gc.collect()
     return {"seconds": seconds, "batch_size": ns.hf_batch_size}, out
 
