@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 
 from kvflow.errors import InvalidParameterError, require
 from kvflow.hf_arch import hf_window_fields, rope_scaling_items
+from kvflow.pooling.config import PoolerConfig
 
 GiB = 1 << 30
 
@@ -669,6 +670,8 @@ class EngineConfig:
     draft_model: ModelConfig | None = None
     """The draft model of ``speculative`` method draft_model, resolved (EngineArgs makes
     it from speculative_config.model and checks its vocabulary); None otherwise."""
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)
+    """How embeddings, rerank and score requests pool (``--runner``, ``--task``)."""
 
     def __post_init__(self) -> None:
         self.parallel.check_model(self.model.arch)

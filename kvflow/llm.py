@@ -12,7 +12,10 @@ from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.processor import PromptType
 from kvflow.errors import InvalidParameterError
 from kvflow.models.registry import DEFAULT_MODEL
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import PoolingRequestOutput, RequestOutput
+from kvflow.pooling.params import PoolingParams
+from kvflow.pooling.scoring import (cosine, embed_params, pair_up, reranker_prompt,
+                                    score_params, yes_probability)
 from kvflow.sampling_params import SamplingParams
 
 ChatMessages = list[dict]
@@ -103,6 +106,51 @@ class LLM:
                                     chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *,
+              dimensions: int | None = None, normalize: bool | None = None,
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = False
+              ) -> list[PoolingRequestOutput]:
+        """Embed each prompt (text or token ids): its prompt is prefilled and its final
+        hidden states pooled, per the model's pooling config (``--pooling-type``; last
+        token and normalized by default). ``dimensions`` truncates (Matryoshka), then
+        normalizes."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = pooling_params or embed_params(self.engine.config.pooler, dimensions,
+                                                normalize)
+        return self._pool(list(prompts), params, use_tqdm)
+
+    def score(self, query: str | list[str], documents: str | list[str], *,
+              instruction: str | None = None, use_tqdm: bool = False) -> list[float]:
+        """Relevance of each document to the query (or of each pair, for two lists of
+        the same length). A cross-encoder reranker (``--task score``) reads P(yes) from
+        its own template; any other model scores by the cosine similarity of normalized
+        embeddings."""
+        pairs = pair_up(query, documents, "query")
+        if self.engine.config.pooler.is_reranker:
+            outs = self._pool([reranker_prompt(q, d, instruction) for q, d in pairs],
+                              score_params(self.get_tokenizer()), use_tqdm)
+            return [yes_probability(o.data) for o in outs]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        vecs = self._pool(texts, embed_params(self.engine.config.pooler, normalize=True),
+                          use_tqdm)
+        by_text = {t: o.data for t, o in zip(texts, vecs)}
+        return [cosine(by_text[q], by_text[d]) for q, d in pairs]
+
+    def _pool(self, prompts: list[PromptType], params: PoolingParams,
+              use_tqdm: bool) -> list[PoolingRequestOutput]:
+        ids = []
+        try:
+            for prompt in prompts:
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, pooling=params)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return [PoolingRequestOutput.from_request_output(o) for o in self._run(ids, use_tqdm)]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

@@ -60,3 +60,21 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    pooled: list[float] | None = None  # a pooling request's vector (PoolingRequestOutput)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one pooling request (``LLM.embed``, ``/v1/embeddings``): an
+    embedding, or for a cross-encoder the logits it scores with."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    data: list[float]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_request_output(cls, out: RequestOutput) -> "PoolingRequestOutput":
+        return cls(out.request_id, out.prompt_token_ids, list(out.pooled or []),
+                   out.finished, out.num_cached_tokens)

@@ -126,6 +126,13 @@ def add_bench_parser(sub) -> None:
 
     srv.set_defaults(func=_lazy("kvflow.bench.serve", "run_serve_benchmark"))
 
+    emb = kinds.add_parser("embed", help="embeddings/s (workload EMB) against "
+                           "transformers on the same weights, same run")
+    from kvflow.bench.embed import add_embed_args
+
+    add_embed_args(emb)
+    emb.set_defaults(func=_lazy("kvflow.bench.embed", "run_embed_benchmark"))
+
     abl = kinds.add_parser("ablation", help="one workload with each optimization switched "
                            "off in turn: markdown report, PNG plots, JSON")
     EngineArgs.add_cli_args(abl, model_positional=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 
+from kvflow.pooling.params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 
@@ -46,6 +47,7 @@ class Request:
         priority: int = 0,
         fork_parent: "Request | None" = None,
         cache_salt: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -81,6 +83,9 @@ class Request:
         # since it may keep anywhere from none to all of them).
         self.spec_token_ids: list[int] = []
         self.num_drafts_in_flight = 0
+        # Pooling: owed its prompt tokens only; it finishes when the worker has pooled
+        # them (never samples).
+        self.pooling = pooling
 
     # --- token bookkeeping -------------------------------------------------
     @property

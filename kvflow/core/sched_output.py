@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvflow.pooling.params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 # Logprobs of one position: token ids (the chosen/actual token first, then the top-N),
@@ -28,6 +29,7 @@ class EngineCoreRequest:
     priority: int = 0
     fork_of: str | None = None  # id of the sibling sample whose prompt blocks to share
     cache_salt: str | None = None  # prefix-cache isolation key
+    pooling: PoolingParams | None = None  # a pooling request: prefill, pool, no sampling
 
 
 @dataclass
@@ -43,6 +45,7 @@ class NewRequestData:
     # The request's end-of-sequence ids (Request.eos_token_ids): the scheduler stops on
     # them and the worker keeps them from being sampled under min_tokens, from one set.
     eos_token_ids: list[int] = field(default_factory=list)
+    pooling: PoolingParams | None = None  # pooled when its prompt is computed, no sampling
 
 
 @dataclass
@@ -100,6 +103,8 @@ class ModelRunnerOutput:
     # no drafts in it).
     spec_draft_time_s: float | None = None
     spec_verify_time_s: float | None = None
+    # Pooling requests whose prompt this step finished: their pooled vectors.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -113,6 +118,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # a pooling request's result (it then finishes)
 
     @property
     def finished(self) -> bool:

@@ -30,6 +30,7 @@ from kvflow.core.sched_output import (
     SchedulerOutput,
 )
 from kvflow.errors import InvalidParameterError, PromptTooLongError
+from kvflow.pooling.params import check_pooling_fits
 from kvflow.utils import cdiv
 
 
@@ -104,7 +105,8 @@ class _Step:
         if drafts:
             self.drafts[rid] = list(drafts)
             req.num_drafts_in_flight = len(drafts)
-        if req.num_computed_tokens - len(drafts) == req.num_tokens_scheduled_for:
+        if req.num_computed_tokens - len(drafts) == req.num_tokens_scheduled_for \
+                and req.pooling is None:  # a pooling request is pooled, never sampled
             req.num_placeholders += 1  # this step samples its next token(s)
             self.samples.add(rid)
         self.budget -= n
@@ -169,9 +171,14 @@ class Scheduler:
         if request.request_id in self.requests:
             raise InvalidParameterError(f"request id {request.request_id!r} is already in use",
                                         param="request_id")
-        request.max_tokens = check_request_fits(
-            request.num_prompt_tokens, request.sampling_params.max_tokens,
-            self.config.max_model_len, self.block_size, self.kv.num_blocks)
+        if request.pooling is not None:  # owed its prompt only
+            check_pooling_fits(request.num_prompt_tokens, self.config.max_model_len,
+                               self.block_size, self.kv.num_blocks)
+            request.max_tokens = 0
+        else:
+            request.max_tokens = check_request_fits(
+                request.num_prompt_tokens, request.sampling_params.max_tokens,
+                self.config.max_model_len, self.block_size, self.kv.num_blocks)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         parent = request.fork_parent
@@ -320,7 +327,8 @@ class Scheduler:
                 # K/V the parent computes in this very step are not in the cache yet.
                 self.kv.fork(parent, req, step.computed_before.get(
                     parent.request_id, parent.num_computed_tokens))
-            if not req.block_ids:
+            # Mean/CLS pooling needs every prompt token's hidden state: no cache hits.
+            if not req.block_ids and not (req.pooling and req.pooling.needs_all_tokens):
                 self.kv.get_computed_blocks(req)
         restored = req.num_swapped_tokens
         n = req.num_tokens - max(req.num_computed_tokens, restored)
@@ -428,7 +436,7 @@ class Scheduler:
                     num_prompt_tokens=req.num_prompt_tokens,
                     sampling_params=req.sampling_params, block_ids=list(req.block_ids),
                     num_computed_tokens=step.computed_before[rid],
-                    eos_token_ids=sorted(req.eos_token_ids)))
+                    eos_token_ids=sorted(req.eos_token_ids), pooling=req.pooling))
         out = SchedulerOutput(
             new_reqs=new_reqs, cached_reqs=cached_reqs,
             num_scheduled_tokens=step.num_scheduled,
@@ -473,13 +481,17 @@ class Scheduler:
             if runner_out.logprobs is not None and i is not None and runner_out.logprobs[i]:
                 logprobs = runner_out.logprobs[i][: len(new_tokens)]
             prompt_lp = runner_out.prompt_logprobs.get(rid)
+            pooled = runner_out.pooled.get(rid) if req.pooling is not None else None
+            if pooled is not None:  # its prompt is computed and pooled: done
+                req.status = RequestStatus.FINISHED_STOPPED
             if req.num_computed_tokens >= req.num_prompt_tokens and rid in self.pending_forks:
                 self._release_forks(rid)
             if new_tokens or prompt_lp or req.is_finished():
                 outputs.append(EngineCoreOutput(
                     req_id=rid, new_token_ids=new_tokens, new_logprobs=logprobs,
                     new_prompt_logprobs=prompt_lp, finish_reason=req.finish_reason,
-                    stop_reason=req.stop_reason, num_cached_tokens=req.num_cached_tokens))
+                    stop_reason=req.stop_reason, num_cached_tokens=req.num_cached_tokens,
+                    pooled=pooled))
             if req.is_finished():
                 # A request preempted while this step ran waits instead of running.
                 (self.running if req in self.running else self.waiting).remove(req)

@@ -145,6 +145,17 @@ class EngineArgs:
     master_addr: str = _arg("127.0.0.1", "address of node 0 (rendezvous of the ranks)")
     master_port: int | None = _arg(None, "rendezvous port on node 0 (default: a free one; "
                                    "required with --nnodes > 1)")
+    runner: str = _arg("auto", "generate (text; also answers embeddings and scores) or "
+                       "pooling (embeddings, rerank and score only); auto: pooling for a "
+                       "sentence-transformers folder or a reranker, else generate",
+                       choices=["auto", "generate", "pooling"])
+    task: str | None = _arg(None, "embed or score: a pooling runner for embeddings, or a "
+                            "cross-encoder reranker read from its yes/no logits "
+                            "(docs/embeddings.md)", choices=["embed", "score"])
+    pooling_type: str = _arg("auto", "how embeddings pool the prompt's hidden states: "
+                             "last token, mean, or cls (first token); auto: the "
+                             "checkpoint's sentence-transformers config, else last",
+                             choices=["auto", "last", "mean", "cls"])
     distributed_timeout: float = _arg(60.0, "seconds a collective may wait for a rank "
                                       "before the engine stops with an error")
 
@@ -267,11 +278,16 @@ class EngineArgs:
 
             EagleMlpConfig.read(speculative.model).check(resolved.arch.hidden_size,
                                                          resolved.arch.vocab_size)
+        from kvflow.pooling.config import resolve_pooler_config
+
+        pooler = resolve_pooler_config(self.model, resolved.path, self.runner, self.task,
+                                       self.pooling_type)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
                             device=DeviceConfig(device=device,
                                                 enforce_eager=self.enforce_eager,
                                                 cpu_step_threads=self.cpu_step_threads),
-                            speculative=speculative, parallel=parallel, draft_model=draft)
+                            speculative=speculative, parallel=parallel, draft_model=draft,
+                            pooler=pooler)
 
     def _placement(self) -> dict:
         """Nodes, this node and the rendezvous: the flags, or torchrun's environment

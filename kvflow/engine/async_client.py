@@ -303,9 +303,11 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        *, arrival_time: float | None = None, priority: int = 0,
-                       cache_salt: str | None = None
+                       cache_salt: str | None = None, pooling=None
                        ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come (per ``params.output_kind``).
+        ``pooling`` (a PoolingParams): prefill and pool the prompt instead; one output
+        comes, with the vector in ``RequestOutput.pooled``.
 
         Raises the request's kvflow error (bad input, prompt too long, queue full, engine
         dead). Closing the iterator early aborts the request in the engine core.
@@ -316,7 +318,7 @@ class AsyncEngine:
                                         param="request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         processed = await self.run_in_pool(self.processor.process, request_id, prompt,
-                                           params, arrival, priority, cache_salt)
+                                           params, arrival, priority, cache_salt, pooling)
         self.check_ready()
         if request_id in self._streams:
             raise InvalidParameterError(f"request id {request_id!r} is already in use",
@@ -332,8 +334,8 @@ class AsyncEngine:
                 for item in await stream.get_all():
                     if isinstance(item, RequestOutput):
                         # A consumer that fell behind gets what piled up as one output.
-                        out = item if out is None else merge_outputs(out, item,
-                                                                     params.output_kind)
+                        out = item if out is None else merge_outputs(
+                            out, item, processed.params.output_kind)
                         continue
                     if out is not None:  # what came before the error goes out first
                         done = out.finished

@@ -25,6 +25,7 @@ from kvflow.engine.processor import bound_for_engine
 from kvflow.engine.step_prior import step_time_prior
 from kvflow.errors import InvalidParameterError, QueueFullError
 from kvflow.logger import init_logger
+from kvflow.pooling.config import check_pooling_engine
 from kvflow.worker.executor import Executor
 
 logger = init_logger(__name__)
@@ -146,11 +147,14 @@ class EngineCore:
             if not 0 <= t < vocab:
                 raise InvalidParameterError(f"prompt token ids must be in [0, {vocab}), "
                                             f"got {t}", param="prompt")
+        if req.pooling is not None:
+            check_pooling_engine(req.pooling, self.config)
         parent = self.scheduler.requests.get(req.fork_of) if req.fork_of else None
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, params,
             eos_token_ids=frozenset(req.eos_token_ids), arrival_time=req.arrival_time,
-            priority=req.priority, fork_parent=parent, cache_salt=req.cache_salt))
+            priority=req.priority, fork_parent=parent, cache_salt=req.cache_salt,
+            pooling=req.pooling))
 
     def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
         """Queue the samples of one request, all or none.

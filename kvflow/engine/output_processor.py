@@ -39,6 +39,7 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False  # delta outputs send them once
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # a pooling request's vector, once it is computed
 
     @property
     def finished(self) -> bool:
@@ -121,6 +122,8 @@ class OutputProcessor:
     def _add_tokens(self, state: RequestState, sample: SampleState,
                     out: EngineCoreOutput) -> str | None:
         new_ids = out.new_token_ids
+        if out.pooled is not None:
+            state.pooled = out.pooled
         matched = None
         if sample.detokenizer is not None and new_ids:
             matched = sample.detokenizer.update(new_ids)
@@ -173,7 +176,8 @@ class OutputProcessor:
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=outs,
                              finished=finished, prompt_logprobs=prompt_lp,
-                             metrics=state.metrics, num_cached_tokens=state.num_cached_tokens)
+                             metrics=state.metrics, num_cached_tokens=state.num_cached_tokens,
+                             pooled=state.pooled)
 
     def _completion(self, s: SampleState, finished: bool, delta: bool) -> CompletionOutput:
         text = ""

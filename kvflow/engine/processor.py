@@ -14,7 +14,8 @@ from kvflow.config import EngineConfig
 from kvflow.core.sched_output import EngineCoreRequest
 from kvflow.core.scheduler import check_request_fits
 from kvflow.errors import InvalidParameterError
-from kvflow.sampling_params import SamplingParams
+from kvflow.pooling.params import PoolingParams, check_pooling_fits
+from kvflow.sampling_params import OutputKind, SamplingParams
 
 PromptType = str | list[int] | Mapping
 
@@ -137,7 +138,11 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
                 arrival_time: float | None = None, priority: int = 0,
-                cache_salt: str | None = None) -> ProcessedRequest:
+                cache_salt: str | None = None, pooling: PoolingParams | None = None
+                ) -> ProcessedRequest:
+        if pooling is not None:
+            return self._process_pooling(request_id, prompt, pooling, arrival_time,
+                                         priority, cache_salt)
         if params is None:
             params = self.default_sampling_params()
         if not isinstance(params, SamplingParams):
@@ -166,3 +171,29 @@ class InputProcessor:
                 fork_of=None if i == 0 else child_request_id(request_id, 0, n),
                 cache_salt=cache_salt))
         return ProcessedRequest(request_id, text, ids, params, core)
+
+    def _process_pooling(self, request_id: str, prompt: PromptType, pooling: PoolingParams,
+                         arrival_time: float | None, priority: int,
+                         cache_salt: str | None) -> ProcessedRequest:
+        """A pooling request: one engine-core request that is prefilled and pooled; its
+        result comes back once, in ``RequestOutput.pooled``."""
+        if not isinstance(pooling, PoolingParams):
+            raise InvalidParameterError("pooling_params must be a PoolingParams",
+                                        param="pooling_params")
+        _int64(priority, "priority")
+        cfg = self.config
+        pooling.check_for_model(cfg.model.arch.hidden_size, self.vocab_size)
+        try:
+            text, ids = self.tokenize_prompt(prompt)
+        except InvalidParameterError as e:  # pooling APIs call the prompt "input"
+            raise InvalidParameterError(e.message, param="input") from None
+        check_pooling_fits(len(ids), cfg.model.max_model_len, cfg.cache.block_size,
+                           self.num_blocks)
+        params = SamplingParams(max_tokens=None, detokenize=False,
+                                output_kind=OutputKind.FINAL_ONLY)
+        core = EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=ids, sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority, cache_salt=cache_salt, pooling=pooling)
+        return ProcessedRequest(request_id, text, ids, params, [core])

@@ -298,6 +298,9 @@ class ModelRunner:
                 host.logprobs = tuple(to_host_async(t) for t in (
                     out.logprob_token_ids, out.logprobs, out.sampled_ranks))
             host.slots = self.step_builder.record_sampled(inputs, out.sampled)
+        if inputs.pooling is not None and hidden is not None:
+            host.pooled = self.step_builder.pooling.run(inputs.pooling, hidden,
+                                                        self.model.compute_logits)
         if inputs.prompt_logprobs.indices and self.pipeline_results is None:
             host.prompt_logprobs = (inputs.prompt_logprobs.spans, tuple(
                 to_host_async(t) for t in self.prompt_logprobs_tensors(inputs, hidden)))

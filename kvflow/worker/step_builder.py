@@ -27,6 +27,7 @@ from kvflow.core.sched_output import LogprobsEntry, ModelRunnerOutput, Scheduler
 from kvflow.layers.attention import AttentionMetadata, AttentionMetadataBuilder
 from kvflow.layers.rejection_sampler import INVALID_TOKEN
 from kvflow.layers.sampler import SamplingMetadata
+from kvflow.pooling.pooler import PoolingTracker
 from kvflow.utils import cdiv
 from kvflow.worker.block_table import DeviceBlockTable
 from kvflow.worker.input_batch import InputBatch, RequestExtras
@@ -57,6 +58,7 @@ class StepBuilder:
         self.pending = PendingTokens()
         self.spec = spec  # speculative decoding: drafts in, verdicts out, next drafts
         self.sampling_cache = SamplingMetadataCache()
+        self.pooling = PoolingTracker()  # pooling requests' running sums and rows
 
     # --- state ------------------------------------------------------------------
     def update(self, so: SchedulerOutput) -> None:
@@ -67,6 +69,7 @@ class StepBuilder:
         for rid in so.finished_req_ids:
             b.remove(rid)
             self.extras.pop(rid, None)
+            self.pooling.drop(rid)
             self.pending.drop(rid)
             if self.spec is not None:
                 self.spec.release(rid)
@@ -85,6 +88,9 @@ class StepBuilder:
                     extras.generator = torch.Generator(self.device).manual_seed(
                         seed % (1 << 64))
                 self.extras[new.req_id] = extras
+            if new.pooling is not None:
+                self.pooling.add(new.req_id, new.pooling, new.num_prompt_tokens,
+                                 new.num_computed_tokens)
         for cached in so.cached_reqs:
             if cached.num_kept_blocks is not None:  # rejected drafts' blocks were freed
                 b.truncate_blocks(cached.req_id, cached.num_kept_blocks)
@@ -135,12 +141,16 @@ class StepBuilder:
                 tree = self.spec.tree_attention(qsl, seq_lens, nd)
         else:
             # A request samples when this step reaches its last known token.
-            sample_reqs = np.nonzero(seq_lens == b.num_tokens[rows])[0]  # [S]
+            done = seq_lens == b.num_tokens[rows]
+            if self.pooling.reqs:  # pooling requests are pooled, never sampled
+                done &= ~self.pooling.is_pooling(req_ids)
+            sample_reqs = np.nonzero(done)[0]  # [S]
             sample = SamplePlan(
                 req_indices=sample_reqs,
                 offsets=np.arange(len(sample_reqs) + 1, dtype=np.int64),
                 logits_indices=to_device(qsl[1:][sample_reqs] - 1, dev, torch.int64))
         plp = self._plan_prompt_logprobs(req_ids, rows, nc, n, qsl)
+        pool = self.pooling.plan(req_ids, nc, n, qsl) if self.pooling.reqs else None
 
         width = cdiv(max_seq, bs)
         if self.device_block_table is not None:
@@ -172,7 +182,7 @@ class StepBuilder:
                 prompt_rows = torch.from_numpy(idx.astype(np.int64))
         return StepInputs(req_ids=req_ids, rows=rows, input_ids=input_ids_dev,
                           positions=positions_dev, meta=meta, sample=sample,
-                          prompt_logprobs=plp, prompt_rows=prompt_rows)
+                          prompt_logprobs=plp, prompt_rows=prompt_rows, pooling=pool)
 
     def _plan_prompt_logprobs(self, req_ids: list[str], rows: np.ndarray, nc: np.ndarray,
                               n: np.ndarray, qsl: np.ndarray) -> PromptLogprobsPlan:
@@ -299,6 +309,7 @@ class StepBuilder:
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_lists,
                                  logprobs=logprob_lists,
                                  prompt_logprobs=_prompt_logprobs_lists(host.prompt_logprobs),
+                                 pooled=self.pooling.collect(host.pooled),
                                  spec_token_ids=spec_tokens, spec_draft_time_s=draft_s,
                                  spec_verify_time_s=verify_time_s
                                  if inputs.sample.num_draft is not None else None)

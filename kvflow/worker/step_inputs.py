@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvflow.layers.attention import AttentionMetadata
+from kvflow.pooling.pooler import PooledHost, PoolingPlan
 
 # Token id marking a sampled token whose value is still on the device (overlapped steps).
 PLACEHOLDER = -1
@@ -83,6 +84,7 @@ class StepInputs:
     # [P] int64 on the CPU: the tokens that are prompt tokens (None: none). The C++ CPU
     # step keeps them off int8 activations.
     prompt_rows: torch.Tensor | None = None
+    pooling: PoolingPlan | None = None  # rows that pooling requests reduce (None: none)
 
 
 @dataclass
@@ -137,3 +139,4 @@ class StepHostOutputs:
     # Prompt logprobs: the plan's spans and (ids, logprobs, ranks) over its rows.
     prompt_logprobs: tuple[list[PromptLogprobsSpan],
                            tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    pooled: PooledHost | None = None  # vectors of the pooling requests the step finished

@@ -36,6 +36,7 @@ from kvflow.entrypoints.openai.server_args import ServerArgs
 from kvflow.entrypoints.openai.serving import ClientDisconnected, json_response
 from kvflow.entrypoints.openai.serving_chat import ChatServing, message_dict
 from kvflow.entrypoints.openai.serving_completion import CompletionServing
+from kvflow.entrypoints.openai.serving_pooling import PoolingServing, add_pooling_routes
 from kvflow.entrypoints.utils import raise_fd_limit
 from kvflow.errors import InvalidParameterError, KvflowError
 from kvflow.logger import init_logger
@@ -78,6 +79,7 @@ class ServerState:
         self.stats_logger = LoggingStatsListener(args.stats_log_interval)
         self.completions = CompletionServing(engine, self.model_name, args)
         self.chat = ChatServing(engine, self.model_name, args)
+        self.pooling = PoolingServing(engine, self.model_name, args)
         self.created = int(time.time())
         self.routes: list[str] = []  # "METHOD /path", filled in once the app has them
         engine.add_stats_listener(self.metrics)
@@ -227,6 +229,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
               responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, raw: Request):
         try:
+            state.pooling.check_generates()
             return await state.completions.create(body, raw)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
@@ -235,9 +238,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
               responses=_generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         try:
+            state.pooling.check_generates()
             return await state.chat.create(body, raw)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
+
+    add_pooling_routes(app, state.pooling, state.args.limits,
+                       _error_responses(400, 401, 404, 413, 429, 500, 503, 504))
 
     def tokenizer():
         engine.check_ready()
