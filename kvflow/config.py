@@ -63,11 +63,43 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE); num_experts 0: a dense model.
+    num_experts: int = 0
+    """Routed experts per MoE layer (HF num_experts / num_local_experts)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Intermediate size of one routed expert (Mixtral: intermediate_size)."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE's always-on shared expert (behind a sigmoid gate); 0: none."""
+    norm_topk_prob: bool = True
+    """Renormalize the top-k routing weights to sum to 1."""
+    decoder_sparse_step: int = 1
+    """Every decoder_sparse_step-th layer is an MoE layer, the others dense MLPs."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that keep a dense MLP whatever decoder_sparse_step says."""
+    scoring_func: str = "softmax"
+    """Router scores: softmax over all experts or sigmoid per expert."""
 
     def __post_init__(self) -> None:
         require(self.hidden_act == "silu", "hidden_act", f"must be silu, got {self.hidden_act}")
         require(self.num_attention_heads % self.num_key_value_heads == 0,
                  "num_key_value_heads", "must divide num_attention_heads")
+        if self.num_experts:
+            check_moe_fields(self)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` routes to experts (else a dense MLP)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token reads (its top-k experts of each MoE layer)."""
+        return self.num_params - sum(
+            (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size
+            * self.moe_intermediate_size for i in range(self.num_hidden_layers)
+            if self.is_moe_layer(i))
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -82,7 +114,11 @@ class ModelArchConfig:
         mlp = 3 * h * self.intermediate_size
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * (attn + mlp + norms) + emb + h
+        moe = (self.num_experts * (3 * h * self.moe_intermediate_size + h)  # + router row
+               + (3 * h * self.shared_expert_intermediate_size + h
+                  if self.shared_expert_intermediate_size else 0))
+        return sum(attn + norms + (moe if self.is_moe_layer(i) else mlp)
+                   for i in range(self.num_hidden_layers)) + emb + h
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         """2 (K and V) * layers * kv_heads * head_dim * bytes per value."""
@@ -96,6 +132,8 @@ class ModelArchConfig:
         arch = archs[0] if archs else {
             "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
         }.get(cfg.get("model_type", ""), "LlamaForCausalLM")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -128,12 +166,57 @@ class ModelArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(cfg.get("attention_bias", cfg.get(
+                "qkv_bias", arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             hidden_act=cfg.get("hidden_act", "silu"),
+            **moe_fields(arch, cfg),
         )
+
+
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def moe_fields(arch: str, cfg: dict) -> dict:
+    """ModelArchConfig's expert fields from a HF config.json (empty for dense models).
+    Router options kvflow cannot honour are refused here, naming the field."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    num = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    for key, ok in (("n_group", (None, 1)), ("topk_group", (None, 1)),
+                    ("topk_method", (None, "greedy")), ("routed_scaling_factor", (None, 1.0))):
+        if cfg.get(key, None) not in ok:
+            raise InvalidParameterError(f"config.json field {key}={cfg[key]!r}: this router "
+                                        f"option is not supported", param=key)
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=num, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                    scoring_func=cfg.get("scoring_func", "softmax"))
+    return dict(
+        num_experts=num, num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
+        moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+        shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size", 0)
+                                         if arch == "Qwen2MoeForCausalLM" else 0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM")),
+        decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
+        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        scoring_func=cfg.get("scoring_func", "softmax"))
+
+
+def check_moe_fields(a: ModelArchConfig) -> None:
+    """The expert fields' checks (ModelArchConfig.__post_init__)."""
+    require(a.scoring_func in ("softmax", "sigmoid"), "scoring_func",
+            f"must be softmax or sigmoid, got {a.scoring_func!r}")
+    require(1 <= a.num_experts_per_tok <= a.num_experts, "num_experts_per_tok",
+            f"must be in [1, num_experts={a.num_experts}], got {a.num_experts_per_tok}")
+    require(a.moe_intermediate_size >= 1, "moe_intermediate_size", "must be >= 1")
+    require(a.decoder_sparse_step >= 1, "decoder_sparse_step", "must be >= 1")
+    require(a.shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size",
+            "must be >= 0")
+    require(all(0 <= i < a.num_hidden_layers for i in a.mlp_only_layers),
+            "mlp_only_layers", f"must name layers in [0, {a.num_hidden_layers})")
 
 
 @dataclass(frozen=True)
@@ -532,6 +615,9 @@ class ParallelConfig:
     """Scheduled batches in flight at once with pipeline parallelism (each its own
     requests, like vLLM's virtual engines), so that no stage idles; None: one per stage;
     1: one batch at a time (stages take turns)."""
+    enable_expert_parallel: bool = False
+    """MoE layers: each tensor-parallel rank holds num_experts / tp experts whole instead
+    of a slice of every expert's intermediate dimension."""
 
     def __post_init__(self) -> None:
         require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
