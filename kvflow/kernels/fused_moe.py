@@ -78,7 +78,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, scale_ptr, sorted_ids_ptr, block_exp
                      num_padded_ptr, topk_w_ptr, N, K, num_pairs, a_row_div,
                      stride_am, stride_we, stride_wn, stride_om, stride_se,
                      GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     UPCAST: tl.constexpr):
     """out[pair, n] = sum_k a[pair // a_row_div, k] * w[e, n, k] for the pairs of one row
     block (all of expert e). GATED: w holds 2N rows (gate, up) and out gets
     silu(gate) * up. MUL_WEIGHT: out *= topk_w[pair]."""
@@ -109,6 +110,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, scale_ptr, sorted_ids_ptr, block_exp
         k_ok = (k0 + ks) < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:  # CPU interpreter: its tl.dot multiplies bf16 as raw uint16
+            a = a.to(tl.float32)
         acc += tl.dot(a, w.to(a.dtype))
         if GATED:
             u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
@@ -177,6 +180,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     x = x.contiguous()
     blocks_m = sorted_ids.numel() // bm
     dummy = weights
+    launch["UPCAST"] = x.device.type == "cpu" and x.dtype == torch.bfloat16
     _moe_gemm_kernel[(blocks_m * triton.cdiv(inter, bn),)](
         x, w13, act, w13_scale if w13_scale is not None else dummy, sorted_ids,
         block_expert, num_padded, weights, inter, h, t * k, k,
