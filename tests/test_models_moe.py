@@ -101,3 +101,20 @@ def test_unknown_router_options_refused(field, value):
     cfg = dict(PRESETS["tiny-qwen3-moe"], **{field: value})
     with pytest.raises(InvalidParameterError, match=field):
         ModelArchConfig.from_hf_config(cfg)
+
+
+def test_plan_counts_active_experts():
+    from kvflow.plan.model import ShardedModel
+
+    arch = ModelArchConfig.from_hf_config(PRESETS["qwen3-30b-a3b"])
+    one = ShardedModel(arch, 1, "bfloat16", "bfloat16")
+    assert one.num_params == arch.num_params
+    # batch 1 reads the active parameters (all but the input embedding table)
+    emb = arch.vocab_size * arch.hidden_size
+    assert one.weight_read_bytes(1) == pytest.approx(2 * (arch.num_active_params - emb),
+                                                     rel=1e-6)
+    reads = [one.weight_read_bytes(b) for b in (1, 8, 64, 4096)]
+    assert reads == sorted(reads) and reads[-1] == pytest.approx(one.weight_read_bytes(0))
+    two = ShardedModel(arch, 2, "bfloat16", "bfloat16")
+    experts = 48 * 128 * 3 * arch.hidden_size * arch.moe_intermediate_size
+    assert one.num_params - two.num_params > experts // 2  # experts split over the GPUs
