@@ -42,7 +42,8 @@ class ModelArchConfig:
     """Hyperparameters of a Llama-family model (names follow Hugging Face's config.json)."""
 
     architecture: str
-    """HF class name: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM."""
+    """HF class name: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
