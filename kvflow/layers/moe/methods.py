@@ -49,7 +49,10 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         start += n
         tokens = pairs // k
         y = expert_mlp(e, x[tokens])  # [n, H]
-        out.index_add_(0, tokens, y * weights.reshape(-1)[pairs, None].to(y.dtype))
+        # index_put_ over index_add_: on a busy CPU the latter's threaded kernel stalls
+        # (80 ms for one row on 2 loaded cores; index_put_ 0.01 ms)
+        out.index_put_((tokens,), y * weights.reshape(-1)[pairs, None].to(y.dtype),
+                       accumulate=True)
     return out
 
 
