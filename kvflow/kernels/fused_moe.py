@@ -149,11 +149,15 @@ def _device_table(device_name: str) -> dict:
     raise FileNotFoundError(f"no fused MoE launch table in {_CONFIG_DIR}")
 
 
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def fused_moe_config(num_tokens: int, device: torch.device) -> dict:
     """BLOCK_M / BLOCK_N / BLOCK_K / num_warps / num_stages for a step of ``num_tokens``:
     the entry of the largest ``max_tokens`` bound that covers it."""
-    name = (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
-    table = _device_table(name)["configs"]
+    table = _device_table(_device_name(device))["configs"]
     for entry in table:
         if num_tokens <= entry["max_tokens"]:
             return entry

@@ -35,8 +35,8 @@ def _case(t, h, inter, e, k, seed, dtype, device, drop=0.0, only=None):
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_reference(device, t, h, inter, e, k, drop, only, dtype):
-    if dtype is torch.bfloat16 and t > 17:
-        pytest.skip("one bf16 case per shape class is enough on the interpreter")
+    if dtype is torch.bfloat16 and t != 17:
+        pytest.skip("one bf16 shape is enough on the interpreter")
     x, w13, w2, w, ids = _case(t, h, inter, e, k, t + e, dtype, device, drop, only)
     got = fused_moe(x, w13, w2, w, ids, config=SMALL)
     want = fused_moe_ref(x, w13, w2, w, ids)
