@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from kvflow.errors import InvalidParameterError, require
-from kvflow.hf_arch import hf_window_fields, rope_scaling_items
+from kvflow.hf_arch import check_moe_fields, hf_window_fields, moe_fields, rope_scaling_items
 from kvflow.pooling.config import PoolerConfig
 
 GiB = 1 << 30
@@ -49,7 +49,8 @@ class ModelArchConfig:
 
     architecture: str
     """HF class name: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-    Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM."""
+    Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, MixtralForCausalLM,
+    Qwen2MoeForCausalLM, Qwen3MoeForCausalLM."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -88,6 +89,23 @@ class ModelArchConfig:
     rope_context_len: int | None = None
     """The longest sequence the engine runs (its max_model_len, set at load): longrope
     picks its long factors and dynamic NTK its base from it; None: the table length."""
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE); num_experts 0: a dense model.
+    num_experts: int = 0
+    """Routed experts per MoE layer (HF num_experts / num_local_experts)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Intermediate size of one routed expert (Mixtral: intermediate_size)."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE's always-on shared expert (behind a sigmoid gate); 0: none."""
+    norm_topk_prob: bool = True
+    """Renormalize the top-k routing weights to sum to 1."""
+    decoder_sparse_step: int = 1
+    """Every decoder_sparse_step-th layer is an MoE layer, the others dense MLPs."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that keep a dense MLP whatever decoder_sparse_step says."""
+    scoring_func: str = "softmax"
+    """Router scores: softmax over all experts or sigmoid per expert."""
 
     def __post_init__(self) -> None:
         require(self.hidden_act in ("silu", "gelu_pytorch_tanh"), "hidden_act",
@@ -112,6 +130,8 @@ class ModelArchConfig:
             require(kind in _ROPE_TYPES, "rope_scaling.rope_type",
                     f"{kind!r} is not supported (supported: "
                     f"{', '.join(t for t in _ROPE_TYPES if t != 'freq_factors')})")
+        if self.num_experts:
+            check_moe_fields(self)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -122,6 +142,19 @@ class ModelArchConfig:
             return (self.sliding_window,) * self.num_hidden_layers
         return tuple(self.sliding_window if t == "sliding_attention" else None
                      for t in self.layer_types)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` routes to experts (else a dense MLP)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token reads (its top-k experts of each MoE layer)."""
+        return self.num_params - sum(
+            (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size
+            * self.moe_intermediate_size for i in range(self.num_hidden_layers)
+            if self.is_moe_layer(i))
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -136,7 +169,11 @@ class ModelArchConfig:
         mlp = 3 * h * self.intermediate_size
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * (attn + mlp + norms) + emb + h
+        moe = (self.num_experts * (3 * h * self.moe_intermediate_size + h)  # + router row
+               + (3 * h * self.shared_expert_intermediate_size + h
+                  if self.shared_expert_intermediate_size else 0))
+        return sum(attn + norms + (moe if self.is_moe_layer(i) else mlp)
+                   for i in range(self.num_hidden_layers)) + emb + h
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         """2 (K and V) * layers * kv_heads * head_dim * bytes per value."""
@@ -152,6 +189,8 @@ class ModelArchConfig:
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
             "phi3": "Phi3ForCausalLM",
+            "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
         }.get(cfg.get("model_type", ""), "LlamaForCausalLM")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -186,12 +225,14 @@ class ModelArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get(
+                "qkv_bias", arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"),
             **dense,
+            **moe_fields(arch, cfg),
         )
 
 
@@ -591,6 +632,9 @@ class ParallelConfig:
     """Scheduled batches in flight at once with pipeline parallelism (each its own
     requests, like vLLM's virtual engines), so that no stage idles; None: one per stage;
     1: one batch at a time (stages take turns)."""
+    enable_expert_parallel: bool = False
+    """MoE layers: each tensor-parallel rank holds num_experts / tp experts whole instead
+    of a slice of every expert's intermediate dimension."""
 
     def __post_init__(self) -> None:
         require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")

@@ -1,11 +1,12 @@
 """Reading a Hugging Face config.json beyond the Llama family's fields: sliding windows
 and local/global layer patterns, Gemma's soft-capping and scales, rope scaling as
-hashable pairs, and the refusal of attention features kvflow lacks. Pure Python (ground
-floor): ``ModelArchConfig.from_hf_config`` calls it."""
+hashable pairs, the expert fields of mixtures of experts, and the refusal of attention
+and router features kvflow lacks. Pure Python (ground floor): ``ModelArchConfig`` calls
+it."""
 
 from __future__ import annotations
 
-from kvflow.errors import require
+from kvflow.errors import InvalidParameterError, require
 
 _WINDOWED = ("MistralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -67,3 +68,46 @@ def rope_scaling_items(scaling: dict, cfg: dict) -> tuple[tuple[str, object], ..
             "original_max_position_embeddings"):
         scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     return tuple(sorted(scaling.items()))
+
+
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def moe_fields(arch: str, cfg: dict) -> dict:
+    """ModelArchConfig's expert fields from a HF config.json (empty for dense models).
+    Router options kvflow cannot honour are refused here, naming the field."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    num = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    for key, ok in (("n_group", (None, 1)), ("topk_group", (None, 1)),
+                    ("topk_method", (None, "greedy")), ("routed_scaling_factor", (None, 1.0))):
+        if cfg.get(key, None) not in ok:
+            raise InvalidParameterError(f"config.json field {key}={cfg[key]!r}: this router "
+                                        f"option is not supported", param=key)
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=num, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                    scoring_func=cfg.get("scoring_func", "softmax"))
+    return dict(
+        num_experts=num, num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
+        moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+        shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size", 0)
+                                         if arch == "Qwen2MoeForCausalLM" else 0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM")),
+        decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
+        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        scoring_func=cfg.get("scoring_func", "softmax"))
+
+
+def check_moe_fields(a) -> None:
+    """The expert fields' checks (ModelArchConfig.__post_init__)."""
+    require(a.scoring_func in ("softmax", "sigmoid"), "scoring_func",
+            f"must be softmax or sigmoid, got {a.scoring_func!r}")
+    require(1 <= a.num_experts_per_tok <= a.num_experts, "num_experts_per_tok",
+            f"must be in [1, num_experts={a.num_experts}], got {a.num_experts_per_tok}")
+    require(a.moe_intermediate_size >= 1, "moe_intermediate_size", "must be >= 1")
+    require(a.decoder_sparse_step >= 1, "decoder_sparse_step", "must be >= 1")
+    require(a.shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size",
+            "must be >= 0")
+    require(all(0 <= i < a.num_hidden_layers for i in a.mlp_only_layers),
+            "mlp_only_layers", f"must name layers in [0, {a.num_hidden_layers})")

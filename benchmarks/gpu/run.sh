@@ -9,6 +9,13 @@
 #   gpu-b     GPU-B throughput (1000 x 1024 in / 128 out); HF peer on a subset
 #   profile   per-kernel breakdown of decode (batch 1, 256) and an 8k prefill
 #   kbench    kernel micro-benchmarks
+#   moe-kernels  fused MoE kernel tests on the GPU, then the kernel against a per-expert loop
+#             of cuBLAS GEMMs at M 1..256, Qwen3-30B-A3B and Mixtral layer shapes
+#             (moe-kernel-bench.json; MOE_TUNE=1 sweeps launch configs and writes the
+#             device table fused_moe-table.json for kvflow/kernels/configs/fused_moe/)
+#   moe-a     Qwen3-30B-A3B shape bf16 batch-1 decode (gpu-a-moe.json) and its fraction of
+#             the active-parameter byte bound (moe-a-summary.json; target >= 75%)
+#   moe-b     Qwen3-30B-A3B shape 1000 x (1024 in, 128 out) throughput (gpu-b-moe.json)
 #   cow       parallel sampling n=4 (copy-on-write of shared prompt blocks), 256 prompts
 #   swap      a KV cache small enough to preempt, swap preemption, 256 prompts
 #   quant     low-bit weights, = quant-kernels quant-e2e quant-quality quant-summary (~6-8 min):
@@ -96,6 +103,12 @@ for stage in "$@"; do
     gpu-a) $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --backend ${GPU_A_BACKEND:-both} --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a.json" 2>&1 | grep -v "^INFO" | tail -8;;
     gpu-a-sync) $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --backend kvflow --max-model-len 4096 --no-async-scheduling --measure-gpu-idle --save-result "$OUT/gpu-a-sync.json" 2>&1 | grep -v "^INFO" | tail -8;;
     gpu-b) $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${GPU_B_PROMPTS:-1000} --input-len 1024 --output-len 128 --max-model-len 4096 --measure-gpu-idle ${GPU_B_ARGS:-} --save-result "$OUT/gpu-b${GPU_B_TAG:-}.json" 2>&1 | tail -12;;
+    # Mixtures of experts (Qwen3-30B-A3B shape, bf16, random weights: 57 GiB, one card).
+    moe-kernels) timeout ${MOE_TEST_TIMEOUT:-150} python -m pytest -q tests/kernels/test_fused_moe_kernel.py 2>&1 | tail -3
+      timeout ${MOE_BENCH_TIMEOUT:-300} python benchmarks/gpu/bench_moe.py --out "$OUT/moe-kernel-bench.json" ${MOE_TUNE:+--tune --table "$OUT/fused_moe-table.json"} 2>&1 | grep -v "^INFO" | tail -24;;
+    moe-a) timeout ${MOE_A_TIMEOUT:-400} $KV bench latency --model qwen3-30b-a3b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-moe.json" 2>&1 | grep -E "weights:|captured|tokens/s|rror|Traceback" | tail -8
+      python benchmarks/gpu/moe_summary.py "$OUT/gpu-a-moe.json" --model qwen3-30b-a3b 2>&1 | tail -2;;
+    moe-b) timeout ${MOE_B_TIMEOUT:-500} $KV bench throughput --model qwen3-30b-a3b --load-format dummy --num-prompts ${MOE_B_PROMPTS:-1000} --input-len 1024 --output-len 128 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-b-moe.json" 2>&1 | grep -v "^INFO" | tail -6;;
     gpu-b-hf) $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts 64 --input-len 1024 --output-len 128 --max-model-len 4096 --backend hf --hf-batch-size 32 --save-result "$OUT/gpu-b-hf.json" 2>&1 | tail -5;;
     prefix-on|prefix-off) flag=$([ $stage = prefix-off ] && echo --no-enable-prefix-caching); $KV bench throughput --model llama-3.1-8b --load-format dummy --dataset shared-prefix --num-prompts 256 --prefix-len 2000 --input-len 100 --output-len 128 --max-model-len 4096 $flag --save-result "$OUT/shared-prefix-$stage.json" 2>&1 | grep -v "^INFO" | tail -4;;
     gpu-b-on|gpu-b-off) flag=$([ $stage = gpu-b-off ] && echo --no-enable-prefix-caching); $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${GPU_B_PROMPTS:-1000} --input-len 1024 --output-len 128 --max-model-len 4096 $flag --save-result "$OUT/$stage.json" 2>&1 | grep -v "^INFO" | tail -4;;

@@ -15,7 +15,9 @@ from kvflow.models.registry import PRESETS, resolve_model
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
-                "Phi3ForCausalLM": "phi3"}
+                "Phi3ForCausalLM": "phi3",
+                "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: str, seed: int = 0):

@@ -135,6 +135,9 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "split every layer over this many ranks (Megatron "
                                      "tensor parallelism; one process per rank)",
                                      aliases=["-tp"])
+    enable_expert_parallel: bool = _arg(False, "MoE models: shard the experts whole over "
+                                        "the tensor-parallel ranks (expert parallelism) "
+                                        "instead of slicing every expert")
     pipeline_parallel_size: int = _arg(1, "split the layers into this many stages",
                                        aliases=["-pp"])
     pipeline_in_flight: int | None = _arg(None, "scheduled batches in flight at once with "
@@ -254,6 +257,7 @@ class EngineArgs:
         parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
             timeout_s=self.distributed_timeout, pipeline_in_flight=self.pipeline_in_flight,
             **self._placement())
         draft = None

@@ -13,7 +13,7 @@ import torch
 
 from kvflow.config import ModelConfig, torch_dtype
 from kvflow.distributed.parallel_state import GroupCoordinator
-from kvflow.errors import ModelLoadError
+from kvflow.errors import InvalidParameterError, ModelLoadError
 from kvflow.layers.attention import AttentionBackend
 from kvflow.layers.quantization import QuantizationConfig, resolve_quantization
 from kvflow.logger import init_logger
@@ -90,17 +90,26 @@ def quantization_config(config: ModelConfig, device: torch.device
 
 def load_model(config: ModelConfig, device: torch.device, backend: AttentionBackend,
                tp: GroupCoordinator | None = None,
-               pp: GroupCoordinator | None = None) -> torch.nn.Module:
+               pp: GroupCoordinator | None = None,
+               expert_parallel: bool = False) -> torch.nn.Module:
     """Construct the model directly on ``device`` and load its weights (this rank's
-    shard of them when ``tp`` spans several ranks, its stage's layers with ``pp``)."""
+    shard of them when ``tp`` spans several ranks, its stage's layers with ``pp``;
+    ``expert_parallel``: a mixture of experts' experts whole, split over ``tp``)."""
     dtype = torch_dtype(config.dtype)
     quant = quantization_config(config, device)
     max_position = max(config.max_model_len, config.arch.max_position_embeddings)
     # longrope and dynamic NTK pick their frequencies by the longest sequence run
     arch = dataclasses.replace(config.arch, rope_context_len=config.max_model_len)
+    cls = model_class(arch.architecture)
+    extra = {}
+    if expert_parallel:
+        if not getattr(cls, "supports_expert_parallel", False):
+            raise InvalidParameterError(
+                f"enable_expert_parallel: {arch.architecture} has no experts",
+                param="enable_expert_parallel")
+        extra["expert_parallel"] = True
     with torch.device(device):
-        model = model_class(arch.architecture)(arch, dtype, backend, max_position, quant=quant,
-                                               tp=tp, pp=pp)
+        model = cls(arch, dtype, backend, max_position, quant=quant, tp=tp, pp=pp, **extra)
     one_rank = (tp is None or tp.world_size == 1) and (pp is None or pp.world_size == 1)
     if config.load_format == "dummy" and one_rank:
         init_dummy_weights(model, config.seed)

@@ -28,6 +28,9 @@ MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("kvflow.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("kvflow.models.gemma", "GemmaForCausalLM"),
     "Phi3ForCausalLM": ("kvflow.models.phi3", "Phi3ForCausalLM"),
+    "MixtralForCausalLM": ("kvflow.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("kvflow.models.qwen_moe", "QwenMoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("kvflow.models.qwen_moe", "QwenMoeForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 
@@ -121,6 +124,29 @@ PRESETS: dict[str, dict] = {
         query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
         max_position_embeddings=32768, tie_word_embeddings=True, bos_token_id=2,
         eos_token_id=1, pad_token_id=0),
+    # Mixtures of experts (random weights: --load-format dummy).
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=32768, tie_word_embeddings=False, num_local_experts=8,
+        num_experts_per_tok=2, bos_token_id=1, eos_token_id=2),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=151643,
+        eos_token_id=151645),
+    # Qwen3-30B-A3B's layout scaled to ~123M parameters (~23M active): CPU benchmarks.
+    "qwen3-moe-123m": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=16384, hidden_size=512,
+        intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=32,
+        num_experts_per_tok=4, norm_topk_prob=True, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=4096, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2),
     # Small shapes for tests (random weights only).
     "tiny-llama": dict(
         architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64,
@@ -181,6 +207,28 @@ PRESETS: dict[str, dict] = {
         architectures=["Qwen3ForCausalLM"], vocab_size=512, hidden_size=64,
         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2),
+    "tiny-mixtral": dict(
+        architectures=["MixtralForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=2048, tie_word_embeddings=False, num_local_experts=8,
+        num_experts_per_tok=2, bos_token_id=1, eos_token_id=2),
+    "tiny-qwen2-moe": dict(
+        architectures=["Qwen2MoeForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+        num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[0],
+        decoder_sparse_step=1, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2),
+    "tiny-qwen3-moe": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2,
+        mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
         eos_token_id=2),
 }

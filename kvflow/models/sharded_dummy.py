@@ -21,6 +21,8 @@ from kvflow.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 def _full_shape(owner: nn.Module, pname: str, param: nn.Parameter) -> tuple[int, ...]:
     """The shape this parameter has in a one-rank model."""
+    if hasattr(owner, "full_shape"):  # FusedMoE's stacked experts
+        return owner.full_shape(pname)
     if isinstance(owner, ColumnParallelLinear):
         out = sum(owner.full_output_sizes)
         return (out, owner.input_size) if pname == "weight" else (out,)
@@ -48,9 +50,12 @@ def _one_rank_order(model: nn.Module):
     order = []
     for i in range(len(m.layers)):
         own = m.start_layer <= i < m.end_layer
+        if own:  # its own names: MoE stacks mix dense and expert layers
+            prefix = f"model.layers.{i}."
+            order += [(n, True) for n, _ in named if n.startswith(prefix)]
+            continue
         for rest in rests:
-            name = f"model.layers.{i if own else m.start_layer}.{rest}"
-            order.append((name, own))
+            order.append((f"model.layers.{m.start_layer}.{rest}", False))
     entries = [(n, True) for n, _ in named[:first]] + order + \
         [(n, True) for n, _ in named[last + 1:]]
     params = dict(named)
@@ -73,7 +78,9 @@ def load_sharded_dummy_weights(model: nn.Module, config: ModelConfig,
         if param is None:
             continue  # a layer of another pipeline stage
         loader = getattr(param, "weight_loader", default_weight_loader)
-        if isinstance(owner, ColumnParallelLinear) and len(owner.full_output_sizes) > 1:
+        if hasattr(owner, "load_full"):  # FusedMoE: this rank's experts or expert slices
+            owner.load_full(pname, t)
+        elif isinstance(owner, ColumnParallelLinear) and len(owner.full_output_sizes) > 1:
             for shard_id, piece in zip(owner.shard_ids, t.split(owner.full_output_sizes)):
                 loader(param, piece, shard_id)  # merged GEMM: shard by shard
         else:

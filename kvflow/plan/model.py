@@ -76,6 +76,10 @@ class ShardedModel:
             raise InvalidParameterError(
                 f"{param}={tp} cannot split {kvh} KV heads evenly (nor replicate them "
                 f"evenly); use a divisor or a multiple of {kvh}", param=param)
+        if a.num_experts and a.moe_intermediate_size % tp:
+            raise InvalidParameterError(
+                f"{param}={tp} does not divide moe_intermediate_size="
+                f"{a.moe_intermediate_size}", param=param)
         if a.intermediate_size % tp:
             raise InvalidParameterError(
                 f"{param}={tp} does not divide intermediate_size={a.intermediate_size}",
@@ -121,12 +125,55 @@ class ShardedModel:
     def layer_norm_params(self) -> int:
         return 2 * self.arch.hidden_size + (2 * self.arch.head_dim if self.arch.qk_norm else 0)
 
+    # --- mixtures of experts: each GPU holds 1/tp of every layer's experts (whole with
+    # expert parallelism, sliced without: the same bytes) and a step reads only the
+    # experts its tokens were routed to.
+    @property
+    def moe_layers(self) -> int:
+        a = self.arch
+        return sum(a.is_moe_layer(i) for i in range(a.num_hidden_layers))
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's gate, up and down on one GPU."""
+        return 3 * self.arch.hidden_size * self.arch.moe_intermediate_size // self.tp
+
+    @property
+    def moe_layer_fixed_params(self) -> int:
+        """An MoE layer's attention, router and shared expert (read by every step)."""
+        a = self.arch
+        shared = (3 * a.hidden_size * a.shared_expert_intermediate_size // self.tp
+                  + a.hidden_size if a.shared_expert_intermediate_size else 0)
+        return (self.layer_linear_params - 3 * a.hidden_size * self.intermediate
+                + a.num_experts * a.hidden_size + shared)
+
+    def linear_read_params(self, tokens: int) -> int:
+        """Linear-layer parameters one step of ``tokens`` tokens reads on one GPU: every
+        dense layer, and of each MoE layer the experts its tokens are expected to touch
+        under uniform routing (E (1 - (1 - k/E)^tokens); tokens 0: all of them)."""
+        a = self.arch
+        dense = (a.num_hidden_layers - self.moe_layers) * self.layer_linear_params
+        if not self.moe_layers:
+            return dense
+        e, k = a.num_experts, a.num_experts_per_tok
+        touched = e if tokens <= 0 else e * (1.0 - (1.0 - k / e) ** tokens)
+        return dense + self.moe_layers * round(self.moe_layer_fixed_params
+                                               + touched * self.expert_params)
+
+    @property
+    def active_linear_params(self) -> int:
+        """Linear-layer parameters one token multiplies (its k experts per MoE layer)."""
+        a = self.arch
+        return ((a.num_hidden_layers - self.moe_layers) * self.layer_linear_params
+                + self.moe_layers * (self.moe_layer_fixed_params
+                                     + a.num_experts_per_tok * self.expert_params))
+
     @property
     def num_params(self) -> int:
         """Parameters on one GPU (equals ``arch.num_params`` at TP 1)."""
         a = self.arch
         emb = self.vocab * a.hidden_size * (1 if a.tie_word_embeddings else 2)
-        return (a.num_hidden_layers * (self.layer_linear_params + self.layer_norm_params)
+        return (self.linear_read_params(0) + a.num_hidden_layers * self.layer_norm_params
                 + emb + a.hidden_size)
 
     @property
@@ -140,10 +187,16 @@ class ShardedModel:
     @property
     def decode_weight_read_bytes(self) -> int:
         """Weights one step reads in full: all but the input embedding table, of which a
-        step gathers only its tokens' rows (a tied table is read whole as the lm_head)."""
+        step gathers only its tokens' rows (a tied table is read whole as the lm_head);
+        of a mixture of experts, all experts (see ``weight_read_bytes``)."""
+        return self.weight_read_bytes(0)
+
+    def weight_read_bytes(self, tokens: int) -> int:
+        """Weights a step of ``tokens`` tokens reads (a dense model: all of them but the
+        input embedding table; MoE: the experts its tokens touch)."""
         a = self.arch
-        read = (a.num_hidden_layers * (self.layer_linear_params + self.layer_norm_params)
-                + self.vocab * a.hidden_size + a.hidden_size)
+        read = (self.linear_read_params(tokens) + a.num_hidden_layers
+                * self.layer_norm_params + self.vocab * a.hidden_size + a.hidden_size)
         return read * self.dtype_bytes
 
     @property
@@ -230,11 +283,12 @@ def step_cost(m: ShardedModel, gpu: GpuSpec, eff: Efficiency, *, decode_seqs: in
     qdim = m.q_heads * a.head_dim
     kv_tok = m.kv_bytes_per_token
 
-    weights = m.decode_weight_read_bytes + tokens * a.hidden_size * m.dtype_bytes
+    read = m.weight_read_bytes(tokens)
+    weights = read + tokens * a.hidden_size * m.dtype_bytes
     kv_decode = decode_seqs * m.attended_context(decode_context) * kv_tok  # windows cap it
     kv_prefix = sum(p for _, p in prefill) * kv_tok
     kv_write = tokens * kv_tok
-    gemm_flops = (2.0 * tokens * L * m.layer_linear_params
+    gemm_flops = (2.0 * tokens * m.active_linear_params
                   + 2.0 * rows * m.vocab * a.hidden_size)
     attn_decode_flops = 4.0 * qdim * m.attended_context(decode_context) * decode_seqs * L
     attn_prefill_flops = sum(4.0 * qdim * (c * p + c * c / 2) * L for c, p in prefill)
@@ -243,7 +297,7 @@ def step_cost(m: ShardedModel, gpu: GpuSpec, eff: Efficiency, *, decode_seqs: in
     t_mem, t_flops = total_bytes / bw, total_flops / rate
 
     parts = {
-        "gemm": _knee(m.decode_weight_read_bytes / (bw * eff.gemm_bandwidth),
+        "gemm": _knee(read / (bw * eff.gemm_bandwidth),
                       gemm_flops / (rate * eff.gemm_flops), eff.gemm_knee),
         "attention": (L * eff.attn_layer_fixed_s
                       + (kv_decode + kv_prefix) / (bw * eff.attn_decode_bandwidth)

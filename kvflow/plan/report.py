@@ -32,6 +32,10 @@ def format_table(plan: Plan) -> str:
         f"       {gpu.source}",
         f"  model: {a.num_params / 1e9:.2f} B parameters, {a.num_hidden_layers} layers, "
         f"{a.num_attention_heads} heads, {a.num_key_value_heads} KV heads x {a.head_dim}",
+        *([f"  experts: {a.num_experts} per MoE layer ({m.moe_layers} of them), top-"
+           f"{a.num_experts_per_tok}: {a.num_active_params / 1e9:.2f} B active parameters "
+           f"per token; batch-1 decode reads {m.weight_read_bytes(1) / GiB:.2f} GiB per "
+           f"GPU of {m.weight_bytes / GiB:.2f} GiB"] if a.num_experts else []),
         "",
         "Memory per GPU",
         f"  KV cache per token       {m.model_kv_bytes_per_token / 1024:.1f} KiB  (2 x "
@@ -134,6 +138,10 @@ def plan_to_dict(plan: Plan) -> dict:
         "gpu": dataclasses.asdict(i.gpu),
         "efficiency": dataclasses.asdict(i.efficiency),
         "model": {"architecture": m.arch.architecture, "num_params": m.arch.num_params,
+                  "num_active_params": m.arch.num_active_params,
+                  "num_experts": m.arch.num_experts,
+                  "experts_per_token": m.arch.num_experts_per_tok,
+                  "decode_batch1_read_bytes_per_gpu": m.weight_read_bytes(1),
                   "num_params_per_gpu": m.num_params, "layers": m.arch.num_hidden_layers,
                   "kv_heads": m.arch.num_key_value_heads, "kv_heads_per_gpu": m.kv_heads,
                   "head_dim": m.arch.head_dim},

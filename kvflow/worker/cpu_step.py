@@ -150,7 +150,11 @@ def why_unsupported(runner) -> str | None:
     if layers is None or not hasattr(inner, "norm") or not hasattr(inner, "embed_tokens"):
         return "not a Llama-family decoder stack"
     from kvflow.layers.activation import SiluAndMul
+    from kvflow.layers.moe import FusedMoE
     from kvflow.models.llama import LlamaDecoderLayer
+
+    if any(isinstance(m, FusedMoE) for m in runner.model.modules()):
+        return "mixture-of-experts layers (the eager path reads the routed experts)"
 
     for layer in layers:
         if not isinstance(layer, LlamaDecoderLayer) or not isinstance(layer.mlp.act_fn,

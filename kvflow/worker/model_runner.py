@@ -73,7 +73,8 @@ class ModelRunner:
         backend = get_attention_backend("triton" if self.use_kernels else "torch")
         start = time.perf_counter()
         self.model = load_model(config.model, self.device, backend, self.parallel.tp,
-                                self.parallel.pp)
+                                self.parallel.pp,
+                                expert_parallel=config.parallel.enable_expert_parallel)
         # The forward pass: the whole model, or this rank's pipeline stage of it.
         self.forward_model = self.model
         self.pipeline_results = None  # how a stage's step results reach the other ranks

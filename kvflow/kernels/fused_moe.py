@@ -1,0 +1,219 @@
+"""Fused mixture-of-experts: routed tokens through their experts' gated MLPs in two
+grouped-GEMM launches, beside the per-expert reference ``fused_moe_ref``.
+
+Inputs: x [T, H], w13 [E, 2I, H] (gate rows then up rows of each expert), w2 [E, H, I],
+the router's choice ``topk_ids`` [T, k] (-1: an expert another rank holds) and
+``topk_weights`` [T, k].
+
+Algorithm:
+
+1. ``moe_align`` sorts the T*k (token, slot) pairs by expert and pads each expert's run
+   to a multiple of BLOCK_M: ``sorted_ids`` [P] holds flat pair indices (padding:
+   T*k), ``block_expert`` [P / BLOCK_M] the expert of each row block (-1: padding past
+   the last expert). All on the device with no host synchronisation: P is the bound
+   T*k + E*(BLOCK_M - 1), and blocks past the real total exit at once.
+2. GEMM 1 (``_moe_gemm_kernel`` with GATED): each program takes one row block and one
+   block of I columns, accumulates the gate and the up tile of its expert side by side
+   and stores ``silu(gate) * up`` [T*k, I] (the activation never leaves registers).
+3. GEMM 2: the same kernel over w2, each output row scaled by its routing weight, into
+   [T*k, H]; the k slots of a token are summed by the caller (a [T, k, H] sum).
+
+Each row block reads its expert's weight tile once, so a decode step of B tokens reads
+each active expert's weights once per row block: at B * k <= BLOCK_M per expert, once.
+Int8 experts (per-output-channel scales, ``w_scale`` [E, N]) go through the same kernel:
+the tile is converted in registers and the channel scale applied to the accumulator.
+Launch configurations (BLOCK_M/N/K, warps, stages by number of tokens) are data: one JSON
+file per device in ``kernels/configs/fused_moe/`` (``fused_moe_config``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs", "fused_moe")
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_ids [P] int32, block_expert [P / block_m] int32,
+    num_padded [1] int32). Ids outside [0, num_experts) are dropped (their rows stay
+    zero in the output)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [T*k]
+    n = flat.numel()
+    dev = flat.device
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.sort(key, stable=True).indices  # pairs grouped by expert
+    sorted_key = key[order]
+    # rank of each pair inside its expert's run: position minus where the run begins
+    run_start = torch.cumsum(counts, 0) - counts
+    pos_in_run = torch.arange(n, device=dev) - torch.cat(
+        [run_start, run_start.new_full((1,), n)])[sorted_key]
+    cap = ((n + num_experts * (block_m - 1)) + block_m - 1) // block_m * block_m
+    dest = torch.where(sorted_key < num_experts,
+                       torch.cat([starts, starts.new_full((1,), cap)])[sorted_key] + pos_in_run,
+                       torch.full_like(sorted_key, cap))
+    sorted_ids = torch.full((cap + 1,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, cap, block_m, device=dev)
+    expert = torch.searchsorted(ends, block_starts, right=True)  # [P / block_m]
+    block_expert = torch.where(expert < num_experts, expert, -1).to(torch.int32)
+    return sorted_ids[:cap], block_expert, padded.sum().reshape(1).to(torch.int32)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, scale_ptr, sorted_ids_ptr, block_expert_ptr,
+                     num_padded_ptr, topk_w_ptr, N, K, num_pairs, a_row_div,
+                     stride_am, stride_we, stride_wn, stride_om, stride_se,
+                     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    """out[pair, n] = sum_k a[pair // a_row_div, k] * w[e, n, k] for the pairs of one row
+    block (all of expert e). GATED: w holds 2N rows (gate, up) and out gets
+    silu(gate) * up. MUL_WEIGHT: out *= topk_w[pair]."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + rows).to(tl.int64)  # [BM]
+    row_ok = pairs < num_pairs
+    a_rows = pairs // a_row_div
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]  # [BM, BK]
+    w_base = w_ptr + e * stride_we
+    w_ptrs = w_base + cols[None, :] * stride_wn + ks[:, None]  # [BK, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:
+        u_ptrs = w_ptrs + N * stride_wn
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:  # CPU interpreter: its tl.dot multiplies bf16 as raw uint16
+            a = a.to(tl.float32)
+        acc += tl.dot(a, w.to(a.dtype))
+        if GATED:
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_u += tl.dot(a, u.to(a.dtype))
+            u_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_SCALE:
+        s_base = scale_ptr + e * stride_se
+        acc *= tl.load(s_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u *= tl.load(s_base + N + cols, mask=col_ok, other=0.0).to(
+                tl.float32)[None, :]
+    if GATED:
+        # rounded like the reference: silu(gate) in the activation dtype, times up
+        g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = act * acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+    if MUL_WEIGHT:
+        acc *= tl.load(topk_w_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pairs[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@functools.cache
+def _device_table(device_name: str) -> dict:
+    """The device's tuned launch table (``configs/fused_moe/<device>.json``, spaces as
+    underscores), else ``default.json``."""
+    for name in (device_name.replace(" ", "_"), "default"):
+        path = os.path.join(_CONFIG_DIR, f"{name}.json")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+    raise FileNotFoundError(f"no fused MoE launch table in {_CONFIG_DIR}")
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def fused_moe_config(num_tokens: int, device: torch.device) -> dict:
+    """BLOCK_M / BLOCK_N / BLOCK_K / num_warps / num_stages for a step of ``num_tokens``:
+    the entry of the largest ``max_tokens`` bound that covers it."""
+    table = _device_table(_device_name(device))["configs"]
+    for entry in table:
+        if num_tokens <= entry["max_tokens"]:
+            return entry
+    return table[-1]
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              config: dict | None = None) -> torch.Tensor:
+    """x [T, H] through the routed experts -> [T, H] in x's dtype (see the module doc).
+    ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H]: per-channel scales of int8 weights."""
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    cfg = config or fused_moe_config(t, x.device)
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    launch = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+    sorted_ids, block_expert, num_padded = moe_align(topk_ids, e, bm)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
+    act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
+    out = torch.zeros((t * k, h), dtype=x.dtype, device=x.device)
+    x = x.contiguous()
+    blocks_m = sorted_ids.numel() // bm
+    dummy = weights
+    launch["UPCAST"] = x.device.type == "cpu" and x.dtype == torch.bfloat16
+    _moe_gemm_kernel[(blocks_m * triton.cdiv(inter, bn),)](
+        x, w13, act, w13_scale if w13_scale is not None else dummy, sorted_ids,
+        block_expert, num_padded, weights, inter, h, t * k, k,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        w13_scale.stride(0) if w13_scale is not None else 0,
+        GATED=True, MUL_WEIGHT=False, HAS_SCALE=w13_scale is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
+    _moe_gemm_kernel[(blocks_m * triton.cdiv(h, bn),)](
+        act, w2, out, w2_scale if w2_scale is not None else dummy, sorted_ids,
+        block_expert, num_padded, weights, h, inter, t * k, 1,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        w2_scale.stride(0) if w2_scale is not None else 0,
+        GATED=False, MUL_WEIGHT=True, HAS_SCALE=w2_scale is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
+    return out.view(t, k, h).sum(dim=1)
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The per-expert reference: for each expert, its tokens' gated MLP, weighted and
+    added into their rows. x [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w13.shape[1] // 2
+    for e in range(w13.shape[0]):
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gu = x[tok] @ w13[e].t()  # [n, 2I]
+        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        y = (h @ w2[e].t()).float() * topk_weights[tok, slot, None].float()  # [n, H]
+        out.index_add_(0, tok, y)
+    return out.to(x.dtype)

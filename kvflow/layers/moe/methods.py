@@ -1,0 +1,173 @@
+"""How a ``FusedMoE`` layer stores and multiplies its experts (the quantization hook,
+shaped like linear layers' methods: ``create_weights``, ``process_weights_after_loading``,
+``apply``).
+
+- dense: on CUDA the fused Triton kernel (``kernels/fused_moe.py``); elsewhere
+  ``routed_experts``, which reads only the experts some token was routed to.
+- int8 (weight-only, symmetric per output channel, round to nearest at load): on CUDA
+  the same Triton kernel reading int8 tiles with the channel scales in its epilogue; on
+  CPU ``aten._weight_int8pack_mm`` per active expert.
+- int4 (weight-only, groups along the input, round to nearest at load): on CPU
+  ``aten._weight_int4pack_mm_for_cpu`` per active expert; on CUDA each active expert is
+  dequantized for its matmul (correct, not fast: no int4 grouped kernel yet).
+
+FP8 and pre-quantized (GPTQ/AWQ/GGUF) experts are refused at load with the method named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.errors import ModelLoadError
+from kvflow.layers.quantization.packed import (CPU_ACT_DTYPE, Int4Groups, PackedInt4, int4_mm, int8_mm,
+                                               quantize_int4, quantize_int8)
+
+ExpertMLP = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   num_experts: int, expert_mlp: ExpertMLP) -> torch.Tensor:
+    """x [T, H] through only the routed experts: the (token, slot) pairs are sorted by
+    expert and each active expert runs once on its gathered rows (``expert_mlp(e, rows
+    [n, H]) -> [n, H]``); ids -1 (another rank's experts) are skipped. One host sync (the
+    per-expert counts): this is the CPU path, not a CUDA-graph one."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat[flat >= 0], minlength=num_experts).tolist()
+    skipped = int((flat < 0).sum())
+    out = torch.zeros_like(x)
+    start = skipped  # the -1 ids sort first
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]  # [n] flat (token, slot) indices
+        start += n
+        tokens = pairs // k
+        y = expert_mlp(e, x[tokens])  # [n, H]
+        # index_put_ over index_add_: on a busy CPU the latter's threaded kernel stalls
+        # (80 ms for one row on 2 loaded cores; index_put_ 0.01 ms)
+        out.index_put_((tokens,), y * weights.reshape(-1)[pairs, None].to(y.dtype),
+                       accumulate=True)
+    return out
+
+
+def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _set(layer: nn.Module, name: str, t: torch.Tensor) -> None:
+    if hasattr(layer, name):
+        delattr(layer, name)
+    layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
+
+
+class UnquantizedMoEMethod:
+    name = "dense"
+
+    def create_weights(self, layer, dtype: torch.dtype) -> None:
+        e, i, h = layer.num_local_experts, layer.local_intermediate, layer.hidden_size
+        for pname, shape in (("w13_weight", (e, 2 * i, h)), ("w2_weight", (e, h, i))):
+            p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            p.weight_loader = layer.weight_loader
+            layer.register_parameter(pname, p)
+
+    def process_weights_after_loading(self, layer) -> None:
+        pass
+
+    def apply(self, layer, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+              ) -> torch.Tensor:
+        if x.is_cuda:
+            from kvflow.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids)
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        return routed_experts(x, weights, ids, layer.num_local_experts,
+                              lambda e, r: F.linear(_silu_mul(F.linear(r, w13[e])), w2[e]))
+
+
+class Int8MoEMethod(UnquantizedMoEMethod):
+    name = "int8"
+
+    def process_weights_after_loading(self, layer) -> None:
+        for pname in ("w13", "w2"):
+            w = getattr(layer, f"{pname}_weight").data  # [E, N, K]
+            q, s = quantize_int8(w.reshape(-1, w.shape[-1]))
+            delattr(layer, f"{pname}_weight")
+            _set(layer, f"{pname}_q", q.view(w.shape))  # int8 [E, N, K]
+            # [E, N]: float32 for the Triton epilogue, bfloat16 for the CPU op
+            _set(layer, f"{pname}_scale", s.view(w.shape[:2]).to(
+                torch.float32 if w.is_cuda else CPU_ACT_DTYPE))
+
+    def apply(self, layer, x, weights, ids):
+        if x.is_cuda:
+            from kvflow.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, layer.w13_q, layer.w2_q, weights, ids,
+                             layer.w13_scale, layer.w2_scale)
+        q13, s13, q2, s2 = layer.w13_q, layer.w13_scale, layer.w2_q, layer.w2_scale
+        return routed_experts(x, weights, ids, layer.num_local_experts,
+                              lambda e, r: int8_mm(_silu_mul(int8_mm(r, q13[e], s13[e])),
+                                                   q2[e], s2[e]))
+
+
+class Int4MoEMethod(UnquantizedMoEMethod):
+    name = "int4"
+
+    def __init__(self, group_size: int, symmetric: bool) -> None:
+        self.group_size, self.symmetric = group_size, symmetric
+
+    def create_weights(self, layer, dtype: torch.dtype) -> None:
+        for k in (layer.hidden_size, layer.local_intermediate):
+            if k % self.group_size:
+                raise ModelLoadError(f"{layer.prefix}: int4 group size {self.group_size} "
+                                     f"does not divide the experts' {k} inputs; use "
+                                     f"--quantization-group-size 32")
+        super().create_weights(layer, dtype)
+
+    def process_weights_after_loading(self, layer) -> None:
+        for pname in ("w13", "w2"):
+            w = getattr(layer, f"{pname}_weight").data
+            delattr(layer, f"{pname}_weight")
+            groups = [quantize_int4(w[e], self.group_size, self.symmetric)
+                      for e in range(w.shape[0])]
+            if w.is_cuda:
+                vals = torch.stack([g.values for g in groups])
+                _set(layer, f"{pname}_q", vals)  # uint8 [E, N, K] (counted as weights)
+                _set(layer, f"{pname}_sz", torch.stack(
+                    [torch.stack([g.scale, g.zero]) for g in groups]))  # [E, 2, N, K/g]
+            else:
+                packed = [PackedInt4(g) for g in groups]
+                _set(layer, f"{pname}_q", torch.stack([p.packed for p in packed]))
+                _set(layer, f"{pname}_sz", torch.stack([p.scale_zero for p in packed]))
+
+    def _mm(self, layer, pname: str, e: int, r: torch.Tensor) -> torch.Tensor:
+        q, sz = getattr(layer, f"{pname}_q")[e], getattr(layer, f"{pname}_sz")[e]
+        if r.is_cuda:
+            w = Int4Groups(q, sz[0], sz[1], self.group_size).dequantize().to(r.dtype)
+            return F.linear(r, w)
+        return int4_mm(r, q, sz, self.group_size, False)
+
+    def apply(self, layer, x, weights, ids):
+        return routed_experts(x, weights, ids, layer.num_local_experts,
+                              lambda e, r: self._mm(layer, "w2", e, _silu_mul(
+                                  self._mm(layer, "w13", e, r))))
+
+
+def moe_method(config, prefix: str) -> UnquantizedMoEMethod:
+    """The experts' method of the MoE layer named ``prefix`` from the model's one
+    QuantizationConfig (None: dense)."""
+    kind = "none" if config is None else config.method_for(prefix)
+    if kind == "none":
+        return UnquantizedMoEMethod()
+    if kind == "int8":
+        return Int8MoEMethod()
+    if kind == "int4":
+        return Int4MoEMethod(config.group_size, config.symmetric)
+    raise ModelLoadError(f"quantization {kind!r} is not supported for MoE experts "
+                         f"({prefix}); use --quantization int8, int4 or none")
