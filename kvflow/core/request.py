@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 
+from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import SamplingParams
 
 
@@ -46,6 +47,7 @@ class Request:
         priority: int = 0,
         fork_parent: "Request | None" = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -70,6 +72,7 @@ class Request:
         # Prefix caching: chained hashes of the full blocks so far; the salt keeps
         # requests that must not share cached KV apart.
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # the adapter (None: the base model)
         self.block_hashes: list[bytes] = []
         # Swap preemption: host blocks holding this request's KV while it waits, and how
         # many tokens they hold.

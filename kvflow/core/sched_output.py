@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import SamplingParams
 
 # Logprobs of one position: token ids (the chosen/actual token first, then the top-N),
@@ -28,6 +29,7 @@ class EngineCoreRequest:
     priority: int = 0
     fork_of: str | None = None  # id of the sibling sample whose prompt blocks to share
     cache_salt: str | None = None  # prefix-cache isolation key
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base)
 
 
 @dataclass
@@ -43,6 +45,7 @@ class NewRequestData:
     # The request's end-of-sequence ids (Request.eos_token_ids): the scheduler stops on
     # them and the worker keeps them from being sampled under min_tokens, from one set.
     eos_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter its rows run with
 
 
 @dataclass

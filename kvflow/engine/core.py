@@ -108,7 +108,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache.block_size, self.num_blocks,
                                    config.cache.enable_prefix_caching, swap_policy(config),
                                    latency_target(config),
-                                   contiguous_kv=config.cache.kv_layout == "contiguous")
+                                   contiguous_kv=config.cache.kv_layout == "contiguous",
+                                   max_loras=config.lora.max_loras if config.lora else 0)
         self.num_steps = 0
         self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet collected
         # Pipeline parallelism: up to ``batches_in_flight`` batches launched and not yet
@@ -144,11 +145,17 @@ class EngineCore:
             if not 0 <= t < vocab:
                 raise InvalidParameterError(f"prompt token ids must be in [0, {vocab}), "
                                             f"got {t}", param="prompt")
+        salt = req.cache_salt
+        if req.lora_request is not None:  # checked against --enable-lora and its limits
+            from kvflow.lora.registry import check_lora_request
+
+            salt = check_lora_request(self.config, req.lora_request, salt)
         parent = self.scheduler.requests.get(req.fork_of) if req.fork_of else None
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, params,
             eos_token_ids=frozenset(req.eos_token_ids), arrival_time=req.arrival_time,
-            priority=req.priority, fork_parent=parent, cache_salt=req.cache_salt))
+            priority=req.priority, fork_parent=parent, cache_salt=salt,
+            lora_request=req.lora_request))
 
     def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
         """Queue the samples of one request, all or none.

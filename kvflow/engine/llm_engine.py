@@ -40,13 +40,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_request=None) -> None:
         """Validate, tokenize and queue a request (raises a kvflow error if it can't run)."""
         if request_id in self.output_processor.requests:
             raise InvalidParameterError(f"request id {request_id!r} is already in use",
                                         param="request_id")
         processed = self.processor.process(request_id, prompt, params, arrival_time,
-                                           priority)
+                                           priority, lora_request=lora_request)
         state = self.output_processor.add_request(processed, arrival_time)
         added = []
         try:

@@ -137,7 +137,7 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
                 arrival_time: float | None = None, priority: int = 0,
-                cache_salt: str | None = None) -> ProcessedRequest:
+                cache_salt: str | None = None, lora_request=None) -> ProcessedRequest:
         if params is None:
             params = self.default_sampling_params()
         if not isinstance(params, SamplingParams):
@@ -164,5 +164,5 @@ class InputProcessor:
                 sampling_params=child, eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival, priority=priority,
                 fork_of=None if i == 0 else child_request_id(request_id, 0, n),
-                cache_salt=cache_salt))
+                cache_salt=cache_salt, lora_request=lora_request))
         return ProcessedRequest(request_id, text, ids, params, core)
