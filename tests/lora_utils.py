@@ -56,10 +56,15 @@ def merged(base: torch.nn.Module, folder) -> torch.nn.Module:
 
 @torch.no_grad()
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
+    """transformers' greedy tokens (through its own KV cache)."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens = []
+    for i in range(n):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        if i + 1 < n:
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
+                        use_cache=True)
+    return tokens
 
 
 def write_random_adapter(folder, arch, *, r: int, targets: list[str], seed: int,

@@ -29,8 +29,6 @@ class LoRAStepMap:
 
     # (slot, rows, rank): rows a slice (one contiguous run) or an index tensor [n]
     groups: list[tuple[int, slice | torch.Tensor, int]] = field(default_factory=list)
-    # [T] int32 slot of each row, -1 for base rows (the GPU kernels' input)
-    token_slots: torch.Tensor | None = None
     max_rank: int = 0
 
     @property
@@ -62,15 +60,11 @@ class LoRAWeights:
 
 def add_lora_delta(x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, step: LoRAStepMap
                    ) -> torch.Tensor:
-    """y [T, out] += each adapter row's delta from x [T, in]; returns y."""
-    if x.is_cuda and step.token_slots is not None:
-        from kvflow.kernels.lora_bgmv import lora_expand, lora_shrink
+    """y [T, out] += each adapter row's delta from x [T, in]; returns y.
 
-        xa = lora_shrink(x, w.a, step.token_slots)  # [T, n_slices * R] float32
-        for i, (off, n) in enumerate(zip(w.offsets, w.out_sizes)):
-            lora_expand(xa[:, i * w.rank:(i + 1) * w.rank], w.b[i], step.token_slots, y,
-                        off)
-        return y
+    Per slot in the step: gather its rows, shrink by A (all slices at once, cut to the
+    slot's rank), expand by each slice's B, add into the slice's columns: a segmented
+    GEMM of one segment per adapter, on CPU and GPU alike."""
     ns = len(w.b)
     for slot, rows, r in step.groups:
         xs = x[rows]  # [n, in]

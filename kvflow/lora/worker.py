@@ -24,7 +24,7 @@ class LoRAWorker:
                                torch_dtype(config.model.dtype), device)
         self.device = device
         self.requests: dict[str, LoRARequest] = {}  # req_id -> adapter, adapter rows only
-        logger.info("LoRA: %d slots of rank %d over %d layers: %.1f MiB", 
+        logger.info("LoRA: %d slots of rank %d over %d layers: %.1f MiB",
                     config.lora.max_loras, config.lora.max_lora_rank,
                     len(self.slots.targets), self.slots.num_bytes / (1 << 20))
 
@@ -45,18 +45,15 @@ class LoRAWorker:
         step = self.slots.step
         lora = [self.requests.get(r) for r in req_ids]
         if not any(lora):
-            step.groups, step.token_slots = [], None
+            step.groups = []
             return False
         where = self.slots.activate([r for r in lora if r is not None])
-        num_tokens = query_start_loc[-1]
-        token_slots = np.full(num_tokens, -1, dtype=np.int32)
         runs: dict[int, list[tuple[int, int]]] = {}
         for i, r in enumerate(lora):
             if r is None:
                 continue
             s, e = query_start_loc[i], query_start_loc[i + 1]
             slot = where[r.lora_int_id]
-            token_slots[s:e] = slot
             spans = runs.setdefault(slot, [])
             if spans and spans[-1][1] == s:
                 spans[-1] = (spans[-1][0], e)  # neighbours with one adapter: one run
@@ -72,8 +69,6 @@ class LoRAWorker:
             groups.append((slot, rows, self.slots.slot_rank[slot]))
         step.groups = groups
         step.max_rank = max(self.slots.slot_rank[s] for s, _, _ in groups)
-        step.token_slots = torch.from_numpy(token_slots).to(self.device) \
-            if self.device.type == "cuda" else None
         return True
 
     def stats(self) -> dict[str, int | float]:

@@ -257,6 +257,10 @@ class ModelRunner:
         # Steps with adapter rows run eager (the C++ step and CUDA graphs hold no deltas).
         eager = self.lora is not None and self.lora.prepare(
             inputs.req_ids, inputs.meta.query_start_loc_cpu)
+        if eager and self.graphs is not None and self.graphs.can_run(inputs) \
+                and hasattr(self.step_builder.attn_builder, "inner"):
+            # the C++ step's builder left the plan to C++: build the eager one
+            self.step_builder.attn_builder.inner.build(inputs.meta, inputs.positions)
         if self.graphs is not None and not eager and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
         elif self.graphs is not None:
