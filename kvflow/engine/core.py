@@ -418,7 +418,18 @@ class EngineCore:
                          kv_cache_usage=s.kv.usage, num_preemptions=s.num_preemptions,
                          num_steps=self.num_steps, num_cached_blocks=counts["cached"],
                          num_shared_blocks=counts["shared"], block_map=bmap,
-                         **(spec_fields(s.spec_stats) if self.config.speculative else {}))
+                         **(spec_fields(s.spec_stats) if self.config.speculative else {}),
+                         **(self._lora_fields() if self.config.lora else {}))
+
+    def _lora_fields(self) -> dict[str, int]:
+        lora = getattr(getattr(self.executor, "runner", None), "lora", None)
+        running = {r.lora_request.lora_int_id for r in self.scheduler.running
+                   if r.lora_request is not None}
+        out = {"lora_running_adapters": len(running)}
+        if lora is not None:  # the rank in this process (every rank swaps alike)
+            out.update(lora_slots_used=lora.slots.num_slots_used,
+                       lora_slots=len(lora.slots.slot_ids), lora_swaps=lora.slots.num_swaps)
+        return out
 
     def _kv_block_map(self) -> tuple[str, dict]:
         # A walk over every block: at most once per BLOCK_MAP_INTERVAL_S, not every step.

@@ -207,6 +207,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {}}}})
     async def metrics():
+        if state.loras is not None:
+            state.metrics.lora_adapters.set(len(state.loras.names()))
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/version")
