@@ -66,31 +66,3 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
                         use_cache=True)
     return tokens
 
-
-def write_random_adapter(folder, arch, *, r: int, targets: list[str], seed: int,
-                         alpha: float | None = None, std: float = 0.05,
-                         layers: int | None = None) -> None:
-    """A PEFT-format adapter written directly (no transformers model: for the embedded
-    GGUF model), random A and B, shapes from ``arch`` (a ModelArchConfig)."""
-    import json
-    import os
-
-    from safetensors.torch import save_file
-
-    from kvflow.lora.adapter import module_shapes
-
-    os.makedirs(folder, exist_ok=True)
-    shapes = module_shapes(arch)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i in range(arch.num_hidden_layers if layers is None else layers):
-        for t in targets:
-            fin, fout = shapes[t]
-            part = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            key = f"base_model.model.model.layers.{i}.{part}.{t}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(r, fin, generator=g) * std
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, r, generator=g) * std
-    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha or 2 * r,
-                   "target_modules": targets, "bias": "none"}, f)

@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from lora_utils import write_random_adapter
 from server_utils import RemoteServer
 
+from kvflow.bench.lora import write_random_adapter
 from kvflow.models.registry import resolve_model
 
 PROMPT = "The capital of France is"
@@ -23,11 +23,11 @@ KEY = "lora-key"
 def srv(tmp_path_factory):
     d = tmp_path_factory.mktemp("adapters")
     arch = resolve_model("smollm2-135m", "auto").arch  # over its GGUF Q4_1 linears
-    write_random_adapter(d / "x", arch, r=8, seed=1, std=0.1,
+    write_random_adapter(str(d / "x"), arch, 8, 1, std=0.1,
                          targets=["q_proj", "v_proj", "gate_proj", "down_proj"])
-    write_random_adapter(d / "y", arch, r=16, seed=2, std=0.1,
+    write_random_adapter(str(d / "y"), arch, 16, 2, std=0.1,
                          targets=["q_proj", "o_proj", "up_proj"])
-    write_random_adapter(d / "big", arch, r=32, seed=3, targets=["q_proj"], layers=1)
+    write_random_adapter(str(d / "big"), arch, 32, 3, targets=["q_proj"], layers=1)
     server = RemoteServer(["--enable-lora", "--lora-modules", f"x={d / 'x'}",
                            "--max-lora-rank", "16", "--max-loras", "2",
                            "--allow-runtime-lora-updating"], api_key=KEY)
