@@ -17,6 +17,7 @@ from lora_utils import hf_greedy, merged, save_adapter, save_base  # noqa: E402
 from kvflow import LLM, InvalidParameterError, LoRARequest, SamplingParams  # noqa: E402
 from kvflow.lora.adapter import load_adapter  # noqa: E402
 from kvflow.lora.config import LoRAConfig  # noqa: E402
+from kvflow.lora.memory import lora_slot_bytes  # noqa: E402
 from kvflow.models.registry import resolve_model  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -88,6 +89,9 @@ def test_slot_swaps_and_preemption(setup):
     runner = llm.engine.core.executor.runner
     assert runner.lora.slots.num_swaps >= 3  # c had to move in over a or b, and back
     assert llm.engine.core.scheduler.num_preemptions > 0
+    # kvflow plan's count of the slots' memory is what the engine allocates
+    arch = llm.engine.config.model.arch
+    assert runner.lora.slots.num_bytes == lora_slot_bytes(arch, 1, 2, 8, 4)
     llm.shutdown()
 
 

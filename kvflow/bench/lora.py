@@ -17,8 +17,6 @@ import os
 import tempfile
 import time
 
-import torch
-
 from kvflow.engine.args import EngineArgs
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -41,6 +39,7 @@ def write_random_adapter(folder: str, arch, rank: int, seed: int,
                          layers: int | None = None) -> None:
     """A PEFT adapter directory of random A and B for ``arch``'s decoder linears (the
     first ``layers`` of them; None: all)."""
+    import torch
     from safetensors.torch import save_file
 
     from kvflow.lora.adapter import module_shapes
@@ -63,6 +62,8 @@ def write_random_adapter(folder: str, arch, rank: int, seed: int,
 
 
 def _sync(device: str) -> None:
+    import torch
+
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
