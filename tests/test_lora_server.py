@@ -113,3 +113,5 @@ def test_mixed_requests_and_metrics(srv):
     assert m["kvflow:lora_adapters_loaded"] == 1
     assert m["kvflow:lora_slots"] == 2 and m["kvflow:lora_slots_used"] >= 1
     assert m["kvflow:lora_swaps_total"] >= 2  # x, then y
+    lora = httpx.get(f"{srv.url}/dashboard/data", headers=srv.headers, timeout=10).json()["lora"]
+    assert lora["slots"] == 2 and lora["swaps"] >= 2
