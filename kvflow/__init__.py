@@ -2,6 +2,7 @@
 
 from kvflow.errors import (InvalidParameterError, KvflowError, ModelLoadError,
                            ModelNotFoundError, PromptTooLongError)
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling_params import OutputKind, SamplingParams
 
@@ -23,4 +24,4 @@ def __getattr__(name: str):
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "OutputKind", "RequestOutput",
            "CompletionOutput", "Logprob", "KvflowError", "InvalidParameterError",
-           "PromptTooLongError", "ModelNotFoundError", "ModelLoadError"]
+           "PromptTooLongError", "ModelNotFoundError", "ModelLoadError", "LoRARequest"]

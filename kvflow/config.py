@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from kvflow.errors import InvalidParameterError, require
 from kvflow.hf_arch import check_moe_fields, hf_window_fields, moe_fields, rope_scaling_items
 from kvflow.pooling.config import PoolerConfig
+from kvflow.lora.config import LoRAConfig
 
 GiB = 1 << 30
 
@@ -716,6 +717,8 @@ class EngineConfig:
     it from speculative_config.model and checks its vocabulary); None otherwise."""
     pooler: PoolerConfig = field(default_factory=PoolerConfig)
     """How embeddings, rerank and score requests pool (``--runner``, ``--task``)."""
+    lora: LoRAConfig | None = None
+    """Multi-LoRA serving (kvflow/lora/, docs/lora.md); None: off."""
 
     def __post_init__(self) -> None:
         self.parallel.check_model(self.model.arch)
@@ -728,6 +731,9 @@ class EngineConfig:
                 "flight (--pipeline-in-flight 1 for stage-by-stage steps with overlap)")
         # Verification samples on every rank today; with several ranks it would have to
         # sample once and broadcast its verdicts, which is not built yet.
+        # Drafts and Medusa heads would have to run each row's adapter too.
+        require(self.lora is None or self.speculative is None, "enable_lora",
+                "cannot be combined with speculative decoding yet")
         require(self.speculative is None or self.parallel.world_size == 1,
                 "speculative_config", "cannot be combined with tensor or pipeline "
                 "parallelism yet (use one rank)")

@@ -54,12 +54,14 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request=None) -> list[RequestOutput]:
         """Generate for each prompt; returns RequestOutputs in input order.
 
         A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``.
-        ``sampling_params`` is one SamplingParams for all prompts or one per prompt.
+        ``sampling_params`` is one SamplingParams for all prompts or one per prompt;
+        ``lora_request`` one LoRARequest (or None: the base model) for all, or one per
+        prompt (engines made with ``enable_lora=True``).
         """
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -78,12 +80,18 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise InvalidParameterError(f"got {len(priority)} priorities for {len(prompts)} "
                                         "prompts", param="priority")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) \
+            else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidParameterError(f"got {len(loras)} LoRA requests for {len(prompts)} "
+                                        "prompts", param="lora_request")
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, prompt, p,
-                                        priority=priority[i] if priority else 0)
+                                        priority=priority[i] if priority else 0,
+                                        lora_request=loras[i])
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)

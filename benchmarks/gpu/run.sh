@@ -90,6 +90,9 @@
 #   rows-confirm  with the table that moved down_proj to the GEMV: 8B-shape GEMV tests, GPU-A
 #             defaults (gpu-a-rows-none.json), the batch-1 graph profile
 #             (profile-decode1-graph-rows.json)
+#   lora      multi-LoRA mix (kvflow bench lora): 8B dummy, rank 16 on every linear, 256 x
+#             512 in / 128 out over 1, 4, 16 adapters (4 slots) vs the base alone, and the
+#             swap cost (lora-mix.json; target >= 0.85x base with 4 adapters)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/env.sh  # OUT, PYTHONPATH, KVFLOW_GIT_COMMIT, KV
@@ -257,6 +260,7 @@ PY
     gemv-fresh)
       timeout $(( ${GEMV_BUDGET:-140} + 150 )) python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv-bench.json" --ms 1,2,4,8 --sweep --budget-s ${GEMV_BUDGET:-140} 2>&1 | grep -v "^INFO" | tail -30 || echo "gemv-bench failed"
       timeout ${FRESH_LEVERS_TIMEOUT:-240} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-levers-fresh.json" --table "$OUT/gemv-bench.json" --variants ${FRESH_VARIANTS:-auto,auto+table,auto+table+rope+argmax,auto,auto+table,auto+table+rope+argmax} --iters 4 --budget-s $(( ${FRESH_LEVERS_TIMEOUT:-240} - 40 )) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8;;
+    lora) timeout ${LORA_TIMEOUT:-540} $KV bench lora --model llama-3.1-8b --load-format dummy --max-model-len 4096 --max-loras ${LORA_SLOTS:-4} --max-cpu-loras 16 --lora-rank 16 --adapter-counts 1,4,16 --num-prompts ${LORA_PROMPTS:-256} --input-len 512 --output-len 128 --rounds 2 --save-result "$OUT/lora-mix.json" 2>&1 | grep -v "^INFO" | tail -12;;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     *) echo "unknown stage $stage"; exit 2;;
   esac

@@ -102,6 +102,14 @@ def add_bench_parser(sub) -> None:
     add_spec_verify_args(sv)
     sv.set_defaults(func=_lazy("kvflow.bench.spec_verify", "run_spec_verify"))
 
+    lb = kinds.add_parser("lora", help="LoRA-mix throughput over 1, 4, 16 adapters "
+                          "against the base model, and the cost of an adapter swap")
+    _common(lb)
+    from kvflow.bench.lora import add_lora_bench_args
+
+    add_lora_bench_args(lb)
+    lb.set_defaults(func=_lazy("kvflow.bench.lora", "run_lora_bench"))
+
     ar = kinds.add_parser("allreduce", help="the engine's tensor-parallel all-reduce at "
                           "TP message sizes (gloo on CPU, NCCL on GPU) against the planner")
     from kvflow.bench.allreduce import add_allreduce_args

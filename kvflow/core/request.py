@@ -10,6 +10,7 @@ import enum
 import time
 
 from kvflow.pooling.params import PoolingParams
+from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import SamplingParams
 
 
@@ -48,6 +49,7 @@ class Request:
         fork_parent: "Request | None" = None,
         cache_salt: str | None = None,
         pooling: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -72,6 +74,7 @@ class Request:
         # Prefix caching: chained hashes of the full blocks so far; the salt keeps
         # requests that must not share cached KV apart.
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # the adapter (None: the base model)
         self.block_hashes: list[bytes] = []
         # Swap preemption: host blocks holding this request's KV while it waits, and how
         # many tokens they hold.

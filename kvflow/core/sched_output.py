@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvflow.pooling.params import PoolingParams
+from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import SamplingParams
 
 # Logprobs of one position: token ids (the chosen/actual token first, then the top-N),
@@ -30,6 +31,7 @@ class EngineCoreRequest:
     fork_of: str | None = None  # id of the sibling sample whose prompt blocks to share
     cache_salt: str | None = None  # prefix-cache isolation key
     pooling: PoolingParams | None = None  # a pooling request: prefill, pool, no sampling
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class NewRequestData:
     # them and the worker keeps them from being sampled under min_tokens, from one set.
     eos_token_ids: list[int] = field(default_factory=list)
     pooling: PoolingParams | None = None  # pooled when its prompt is computed, no sampling
+    lora_request: LoRARequest | None = None  # the adapter its rows run with
 
 
 @dataclass

@@ -134,12 +134,15 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int,
                  enable_prefix_caching: bool = False, swap: SwapPolicy | None = None,
                  latency: LatencyTarget | None = None, contiguous_kv: bool = False,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, max_loras: int = 0) -> None:
         self.config = config
         # --kv-layout contiguous (ablation): reserve max_model_len of KV per request at
         # admission, as an engine without paging must.
         self.contiguous_kv = contiguous_kv
         self.latency = latency  # --target-tpot-ms: caps each step's budget and seats
+        # --enable-lora: the most distinct adapters the running requests may hold (the
+        # worker's device slots); a request for another one waits until one frees up.
+        self.max_loras = max_loras
         self.block_size = block_size
         # sliding_window: blocks behind every layer's window are freed (freeable_window)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, sliding_window)
@@ -272,6 +275,8 @@ class Scheduler:
                 break  # preempted while its last token (or batch) was in flight: wait
             if len(self.running) >= seats and not self._make_room(req, step):
                 break
+            if req.lora_request is not None and not self._lora_fits(req):
+                break
             if not self._admit(req, step):
                 break
         out = self._build_output(step)
@@ -362,6 +367,11 @@ class Scheduler:
         step.take(req, n, ids)
         return True
 
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether the running requests leave a device slot for ``req``'s adapter."""
+        ids = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return req.lora_request.lora_int_id in ids or len(ids) < self.max_loras
+
     def _make_room(self, req: Request, step: "_Step") -> bool:
         """Priority scheduling: preempt the running request served last if ``req`` comes
         strictly before it (lower priority value). Returns whether one was preempted."""
@@ -436,7 +446,8 @@ class Scheduler:
                     num_prompt_tokens=req.num_prompt_tokens,
                     sampling_params=req.sampling_params, block_ids=list(req.block_ids),
                     num_computed_tokens=step.computed_before[rid],
-                    eos_token_ids=sorted(req.eos_token_ids), pooling=req.pooling))
+                    eos_token_ids=sorted(req.eos_token_ids), pooling=req.pooling,
+                    lora_request=req.lora_request))
         out = SchedulerOutput(
             new_reqs=new_reqs, cached_reqs=cached_reqs,
             num_scheduled_tokens=step.num_scheduled,

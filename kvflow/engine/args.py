@@ -132,6 +132,15 @@ class EngineArgs:
         None, "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (see "
         "docs/speculative.md)")
+    enable_lora: bool = _arg(False, "serve PEFT LoRA adapters per request (docs/lora.md)")
+    lora_modules: list[str] | None = _arg(None, "adapters served from the start: name=path "
+                                          "... (each listed in /v1/models)", nargs="+")
+    max_loras: int = _arg(4, "LoRA: adapters one step can hold (device slots)")
+    max_cpu_loras: int | None = _arg(None, "LoRA: adapters kept in host memory (default: "
+                                     "--max-loras)")
+    max_lora_rank: int = _arg(16, "LoRA: the largest adapter rank (slots are this size)")
+    allow_runtime_lora_updating: bool = _arg(False, "serve /v1/load_lora_adapter and "
+                                             "/v1/unload_lora_adapter")
     tensor_parallel_size: int = _arg(1, "split every layer over this many ranks (Megatron "
                                      "tensor parallelism; one process per rank)",
                                      aliases=["-tp"])
@@ -181,6 +190,8 @@ class EngineArgs:
                 kwargs["type"] = _cli_type(f.type)
                 if "choices" in meta:
                     kwargs["choices"] = meta["choices"]
+                if "nargs" in meta:
+                    kwargs["nargs"] = meta["nargs"]
             parser.add_argument(flag, *meta.get("aliases", []), **kwargs)
         return parser
 
@@ -286,7 +297,15 @@ class EngineArgs:
 
         pooler = resolve_pooler_config(self.model, resolved.path, self.runner, self.task,
                                        self.pooling_type)
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler,
+        lora = None
+        if self.enable_lora or self.lora_modules:
+            from kvflow.lora.config import LoRAConfig, parse_lora_modules
+
+            lora = LoRAConfig(max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras,
+                              max_lora_rank=self.max_lora_rank,
+                              lora_modules=parse_lora_modules(self.lora_modules),
+                              allow_runtime_updating=self.allow_runtime_lora_updating)
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler, lora=lora,
                             device=DeviceConfig(device=device,
                                                 enforce_eager=self.enforce_eager,
                                                 cpu_step_threads=self.cpu_step_threads),

@@ -303,7 +303,7 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        *, arrival_time: float | None = None, priority: int = 0,
-                       cache_salt: str | None = None, pooling=None
+                       cache_salt: str | None = None, pooling=None, lora_request=None
                        ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come (per ``params.output_kind``).
         ``pooling`` (a PoolingParams): prefill and pool the prompt instead; one output
@@ -318,7 +318,8 @@ class AsyncEngine:
                                         param="request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         processed = await self.run_in_pool(self.processor.process, request_id, prompt,
-                                           params, arrival, priority, cache_salt, pooling)
+                                           params, arrival, priority, cache_salt, pooling,
+                                           lora_request)
         self.check_ready()
         if request_id in self._streams:
             raise InvalidParameterError(f"request id {request_id!r} is already in use",

@@ -111,7 +111,8 @@ class EngineCore:
                                    config.cache.enable_prefix_caching, swap_policy(config),
                                    latency_target(config),
                                    contiguous_kv=config.cache.kv_layout == "contiguous",
-                                   sliding_window=freeable_window(config))
+                                   sliding_window=freeable_window(config),
+                                   max_loras=config.lora.max_loras if config.lora else 0)
         self.num_steps = 0
         self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet collected
         # Pipeline parallelism: up to ``batches_in_flight`` batches launched and not yet
@@ -149,12 +150,17 @@ class EngineCore:
                                             f"got {t}", param="prompt")
         if req.pooling is not None:
             check_pooling_engine(req.pooling, self.config)
+        salt = req.cache_salt
+        if req.lora_request is not None:  # checked against --enable-lora and its limits
+            from kvflow.lora.registry import check_lora_request
+
+            salt = check_lora_request(self.config, req.lora_request, salt)
         parent = self.scheduler.requests.get(req.fork_of) if req.fork_of else None
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, params,
             eos_token_ids=frozenset(req.eos_token_ids), arrival_time=req.arrival_time,
-            priority=req.priority, fork_parent=parent, cache_salt=req.cache_salt,
-            pooling=req.pooling))
+            priority=req.priority, fork_parent=parent, cache_salt=salt,
+            pooling=req.pooling, lora_request=req.lora_request))
 
     def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
         """Queue the samples of one request, all or none.
@@ -417,7 +423,18 @@ class EngineCore:
                          kv_cache_usage=s.kv.usage, num_preemptions=s.num_preemptions,
                          num_steps=self.num_steps, num_cached_blocks=counts["cached"],
                          num_shared_blocks=counts["shared"], block_map=bmap,
-                         **(spec_fields(s.spec_stats) if self.config.speculative else {}))
+                         **(spec_fields(s.spec_stats) if self.config.speculative else {}),
+                         **(self._lora_fields() if self.config.lora else {}))
+
+    def _lora_fields(self) -> dict[str, int]:
+        lora = getattr(getattr(self.executor, "runner", None), "lora", None)
+        running = {r.lora_request.lora_int_id for r in self.scheduler.running
+                   if r.lora_request is not None}
+        out = {"lora_running_adapters": len(running)}
+        if lora is not None:  # the rank in this process (every rank swaps alike)
+            out.update(lora_slots_used=lora.slots.num_slots_used,
+                       lora_slots=len(lora.slots.slot_ids), lora_swaps=lora.slots.num_swaps)
+        return out
 
     def _kv_block_map(self) -> tuple[str, dict]:
         # A walk over every block: at most once per BLOCK_MAP_INTERVAL_S, not every step.

@@ -40,14 +40,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0, pooling=None) -> None:
+                    priority: int = 0, pooling=None, lora_request=None) -> None:
         """Validate, tokenize and queue a request (raises a kvflow error if it can't run).
         ``pooling``: a PoolingParams to prefill and pool the prompt instead of generating."""
         if request_id in self.output_processor.requests:
             raise InvalidParameterError(f"request id {request_id!r} is already in use",
                                         param="request_id")
         processed = self.processor.process(request_id, prompt, params, arrival_time,
-                                           priority, pooling=pooling)
+                                           priority, pooling=pooling,
+                                           lora_request=lora_request)
         state = self.output_processor.add_request(processed, arrival_time)
         added = []
         try:

@@ -41,6 +41,12 @@ class CoreStats(msgspec.Struct, frozen=True):
     num_cached_blocks: int = 0  # free blocks that still hold a findable prefix
     num_shared_blocks: int = 0  # blocks held by more than one request
     block_map: str = ""  # one state digit per cell of blocks (kvflow.core.block_map)
+    # --enable-lora: device slots holding an adapter, of how many; adapters moved into a
+    # slot since start; distinct adapters among the running requests.
+    lora_slots_used: int = 0
+    lora_slots: int = 0
+    lora_swaps: int = 0
+    lora_running_adapters: int = 0
 
 
 class AddRequest(msgspec.Struct, tag="add", frozen=True):

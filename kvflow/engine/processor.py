@@ -138,8 +138,8 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
                 arrival_time: float | None = None, priority: int = 0,
-                cache_salt: str | None = None, pooling: PoolingParams | None = None
-                ) -> ProcessedRequest:
+                cache_salt: str | None = None, pooling: PoolingParams | None = None,
+                lora_request=None) -> ProcessedRequest:
         if pooling is not None:
             return self._process_pooling(request_id, prompt, pooling, arrival_time,
                                          priority, cache_salt)
@@ -169,7 +169,7 @@ class InputProcessor:
                 sampling_params=child, eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival, priority=priority,
                 fork_of=None if i == 0 else child_request_id(request_id, 0, n),
-                cache_salt=cache_salt))
+                cache_salt=cache_salt, lora_request=lora_request))
         return ProcessedRequest(request_id, text, ids, params, core)
 
     def _process_pooling(self, request_id: str, prompt: PromptType, pooling: PoolingParams,

@@ -40,6 +40,10 @@ def add_plan_parser(sub) -> None:
                    help="output tokens per request (default: 256, as GPU-A)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="token budget of one engine step (default: 8192)")
+    p.add_argument("--max-loras", type=int, default=0,
+                   help="LoRA device slots to budget for (0: LoRA off)")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="rank each LoRA slot is sized for")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="most requests running at once in the engine (default: 256)")
     p.add_argument("--num-prompts", type=int, default=None,
@@ -94,7 +98,8 @@ def inputs_from_args(ns: argparse.Namespace):
         gpu_memory_utilization=ns.gpu_memory_utilization, max_model_len=ns.max_model_len,
         input_len=ns.input_len, output_len=ns.output_len,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
-        batch_sizes=parse_batch_sizes(ns.batch_sizes), num_prompts=ns.num_prompts)
+        batch_sizes=parse_batch_sizes(ns.batch_sizes), num_prompts=ns.num_prompts,
+        max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank)
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:

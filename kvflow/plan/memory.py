@@ -44,6 +44,8 @@ class MemoryPlan:
     block_size: int
     block_bytes: int
     num_blocks: int
+    lora_bytes: int = 0
+    """LoRA adapter slots (``--max-loras`` x ``--max-lora-rank``)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -61,7 +63,7 @@ class MemoryPlan:
 def plan_memory(m: ShardedModel, eff: Efficiency, *, total_bytes: int,
                 gpu_memory_utilization: float, max_model_len: int,
                 max_num_batched_tokens: int, max_num_seqs: int, block_size: int = 16,
-                cuda_graphs: bool = True) -> MemoryPlan:
+                cuda_graphs: bool = True, lora_bytes: int = 0) -> MemoryPlan:
     a = m.arch
     rotary = max(max_model_len, a.max_position_embeddings) * a.head_dim * 4  # float32
     block_table = max_num_seqs * cdiv(max_model_len, block_size) * 4  # int32
@@ -72,11 +74,12 @@ def plan_memory(m: ShardedModel, eff: Efficiency, *, total_bytes: int,
     usable = int(total_bytes * gpu_memory_utilization)
     reserve = CUDA_GRAPH_RESERVE if cuda_graphs else 0
     budget = (usable - m.weight_bytes - rotary - block_table - max(forward, sampler)
-              - eff.non_torch_bytes - reserve)
+              - eff.non_torch_bytes - reserve - lora_bytes)
     block_bytes = block_size * m.kv_bytes_per_token
     return MemoryPlan(
         total_bytes=total_bytes, usable_bytes=usable, weight_bytes=m.weight_bytes,
         buffer_bytes=rotary + block_table, forward_activation_bytes=forward,
         sampler_bytes=sampler, non_torch_bytes=eff.non_torch_bytes,
         graph_reserve_bytes=reserve, kv_budget_bytes=budget, block_size=block_size,
-        block_bytes=block_bytes, num_blocks=max(0, budget // block_bytes))
+        block_bytes=block_bytes, num_blocks=max(0, budget // block_bytes),
+        lora_bytes=lora_bytes)

@@ -8,6 +8,7 @@ from kvflow.config import GiB, ModelArchConfig
 from kvflow.errors import InvalidParameterError, require
 from kvflow.plan.efficiency import H200_CALIBRATED, Efficiency
 from kvflow.plan.gpus import GpuSpec
+from kvflow.lora.memory import lora_slot_bytes
 from kvflow.plan.memory import MemoryPlan, plan_memory
 from kvflow.plan.model import DTYPE_BYTES, ShardedModel, StepCost, decode_step, prefill_costs
 from kvflow.plan.simulate import OfflineEstimate, simulate_offline
@@ -47,6 +48,10 @@ class PlanInputs:
     memory and the largest CUDA graph."""
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     """Decode batch sizes to tabulate."""
+    max_loras: int = 0
+    """LoRA device slots (``--max-loras`` with ``--enable-lora``); 0: LoRA off."""
+    max_lora_rank: int = 16
+    """The rank every LoRA slot is sized for."""
     num_prompts: int | None = None
     """Also estimate an offline run of this many requests, all sent at once."""
     block_size: int = 16
@@ -198,7 +203,9 @@ def _memory(m: ShardedModel, inputs: PlanInputs) -> MemoryPlan:
                        gpu_memory_utilization=inputs.gpu_memory_utilization,
                        max_model_len=inputs.model_len,
                        max_num_batched_tokens=inputs.max_num_batched_tokens,
-                       max_num_seqs=inputs.max_num_seqs, block_size=inputs.block_size)
+                       max_num_seqs=inputs.max_num_seqs, block_size=inputs.block_size,
+                       lora_bytes=lora_slot_bytes(inputs.arch, m.tp, inputs.max_loras,
+                                                  inputs.max_lora_rank, m.dtype_bytes))
 
 
 def _notes(inputs: PlanInputs, m: ShardedModel, mem: MemoryPlan) -> list[str]:

@@ -46,7 +46,8 @@ def format_table(plan: Plan) -> str:
         f"  usable                   {_gib(mem.usable_bytes)}  ({i.gpu_memory_utilization:g} "
         f"x {_gib(mem.total_bytes)})",
         f"  weights                  {_gib(mem.weight_bytes)}  (+ {_gib(mem.buffer_bytes)} "
-        f"rotary and block tables)",
+        f"rotary and block tables"
+        + (f", + {_gib(mem.lora_bytes)} LoRA slots)" if mem.lora_bytes else ")"),
         f"  activations              {_gib(mem.activation_bytes)}  (larger of: forward "
         f"pass of {i.max_num_batched_tokens} tokens {_gib(mem.forward_activation_bytes)}, "
         f"sampling {i.max_num_seqs} rows {_gib(mem.sampler_bytes)})",

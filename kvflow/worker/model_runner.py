@@ -85,6 +85,11 @@ class ModelRunner:
             self.pipeline_results = PipelineResults(
                 self.parallel, defer=config.parallel.batches_in_flight > 1)
         use_kernels(self.model, self.use_kernels)
+        self.lora = None  # LoRAWorker with --enable-lora (kvflow/lora/worker.py)
+        if config.lora is not None:
+            from kvflow.lora.worker import LoRAWorker
+
+            self.lora = LoRAWorker(config, self.model, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("loaded %s (%s, %s) on %s in %.1f s: %.2f GiB of weights, attention: %s",
                     config.model.name, config.model.load_format, config.model.dtype,
@@ -162,7 +167,13 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """Compile kernels and capture CUDA graphs before serving; on CPU, build the C++
-        decode step (worker/cpu_step.py) or the opt-in compiled one (cpu_compile.py)."""
+        decode step (worker/cpu_step.py) or the opt-in compiled one (cpu_compile.py).
+        LoRA wraps its layers after them: steps without adapter rows still take them."""
+        self._warmup()
+        if self.lora is not None:
+            self.lora.slots.install()
+
+    def _warmup(self) -> None:
         if self.device.type == "cpu":
             if self.parallel.world.world_size > 1:
                 # The compiled step would have to trace the collectives; ranks run eager.
@@ -227,6 +238,8 @@ class ModelRunner:
     def _execute(self, so: SchedulerOutput) -> StepHandle:
         start = time.perf_counter()
         self.step_builder.update(so)
+        if self.lora is not None:
+            self.lora.update(so)
         # Order matters: a block swapped out may be reused by a swap-in or a copy.
         for dev_block, host_block in so.blocks_to_swap_out:
             self.host_cache[host_block].copy_(self.kv_caches[:, :, dev_block],
@@ -247,7 +260,14 @@ class ModelRunner:
         if self.idle_meter is not None:
             self.idle_meter.step_start()
         inputs = self.step_builder.build(so)
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        # Steps with adapter rows run eager (the C++ step and CUDA graphs hold no deltas).
+        eager = self.lora is not None and self.lora.prepare(
+            inputs.req_ids, inputs.meta.query_start_loc_cpu)
+        if eager and self.graphs is not None and self.graphs.can_run(inputs) \
+                and hasattr(self.step_builder.attn_builder, "inner"):
+            # the C++ step's builder left the plan to C++: build the eager one
+            self.step_builder.attn_builder.inner.build(inputs.meta, inputs.positions)
+        if self.graphs is not None and not eager and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
         elif self.graphs is not None:
             hidden = self.graphs.run_eager(inputs)

@@ -147,6 +147,10 @@ class DashboardStats:
                        "preemptions": c.num_preemptions if c else 0},
             "steps": c.num_steps if c else 0,
             "kv": kv,
+            # --enable-lora: device slots, adapters among the running requests, swaps
+            "lora": {"slots": c.lora_slots, "slots_used": c.lora_slots_used,
+                     "running_adapters": c.lora_running_adapters, "swaps": c.lora_swaps}
+            if c is not None and c.lora_slots else None,
             "tokens_per_s": sum(b.generation_tokens for b in recent) / 10.0,
             "totals": {"generation_tokens": self.total_generation_tokens,
                        "finished": self.total_finished},

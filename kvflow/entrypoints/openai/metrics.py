@@ -95,6 +95,14 @@ class PrometheusMetrics:
         self._queries = 0
         self._hits = 0
         self._preemptions = 0
+        # --enable-lora (kvflow/lora/): the server sets lora_adapters from its registry
+        self.lora_adapters = gauge("lora_adapters_loaded", "LoRA adapters served")
+        self.lora_slots_used = gauge("lora_slots_used", "LoRA device slots holding an adapter")
+        self.lora_slots = gauge("lora_slots", "LoRA device slots (--max-loras)")
+        self.lora_running = gauge("lora_running_adapters",
+                                  "distinct LoRA adapters among the running requests")
+        self.lora_swaps = counter("lora_swaps", "LoRA adapters moved into a device slot")
+        self._lora_swaps = 0
 
     def record(self, core: CoreStats | None, it: IterationStats | None) -> None:
         if core is not None:
@@ -108,6 +116,13 @@ class PrometheusMetrics:
                 self._preemptions = core.num_preemptions
             if core.spec_num_drafts or core.spec_num_proposals:
                 self._record_spec(core)
+            if core.lora_slots:
+                self.lora_slots_used.set(core.lora_slots_used)
+                self.lora_slots.set(core.lora_slots)
+                self.lora_running.set(core.lora_running_adapters)
+                if core.lora_swaps > self._lora_swaps:
+                    self.lora_swaps.inc(core.lora_swaps - self._lora_swaps)
+                    self._lora_swaps = core.lora_swaps
         if it is None:
             return
         self.prompt_tokens.inc(it.num_prompt_tokens)

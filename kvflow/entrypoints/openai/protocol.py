@@ -369,6 +369,7 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "kvflow"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
     # kvflow extensions: the sampling defaults applied to fields a request leaves out.
     generation_defaults: dict[str, float | int] | None = None

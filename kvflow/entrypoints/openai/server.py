@@ -80,6 +80,14 @@ class ServerState:
         self.completions = CompletionServing(engine, self.model_name, args)
         self.chat = ChatServing(engine, self.model_name, args)
         self.pooling = PoolingServing(engine, self.model_name, args)
+        self.loras = None  # LoRARegistry with --enable-lora (kvflow/lora/registry.py)
+        if engine.config.lora is not None:
+            from kvflow.lora.registry import LoRARegistry
+
+            self.loras = LoRARegistry(engine.config)
+            for name, path in engine.config.lora.lora_modules:  # a bad one stops the start
+                self.loras.load(name, path)
+            self.completions.loras = self.chat.loras = self.loras
         self.created = int(time.time())
         self.routes: list[str] = []  # "METHOD /path", filled in once the app has them
         engine.add_stats_listener(self.metrics)
@@ -201,6 +209,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {}}}})
     async def metrics():
+        if state.loras is not None:
+            state.metrics.lora_adapters.set(len(state.loras.names()))
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/version")
@@ -215,14 +225,29 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                          generation_source=m.generation_source,
                          max_tokens_default=m.max_tokens_default)
 
+    if state.loras is not None and engine.config.lora.allow_runtime_updating:
+        from kvflow.entrypoints.openai.lora_routes import add_lora_routes
+
+        add_lora_routes(app, state.loras)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models_route():
-        return json_response(ModelList(data=[model_card()]))
+        cards = [model_card()]
+        if state.loras is not None:
+            from kvflow.entrypoints.openai.lora_routes import lora_model_cards
+
+            cards += lora_model_cards(state.loras, state.created, state.model_name,
+                                      engine.config.model.max_model_len)
+        return json_response(ModelList(data=cards))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
              responses=_error_responses(401, 404))
     async def model(model_id: str):
-        state.completions.check_model(model_id)
+        lora = state.completions.check_model(model_id)
+        if lora is not None:  # an adapter: a model of its own, with the base as parent
+            return json_response(ModelCard(
+                id=lora.lora_name, created=state.created, root=lora.lora_path,
+                parent=state.model_name, max_model_len=engine.config.model.max_model_len))
         return json_response(model_card())
 
     @app.post("/v1/completions", response_model=None,

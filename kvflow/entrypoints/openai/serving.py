@@ -221,17 +221,25 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = served_model_name
         self.args = args or ServerArgs()
+        self.loras = None  # LoRARegistry with --enable-lora (the server sets it)
 
     def deadline(self) -> float | None:
         """Loop time by which a request arriving now must be done (--request-timeout)."""
         t = self.args.request_timeout
         return None if t is None else asyncio.get_running_loop().time() + t
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None):
+        """The LoRARequest of the adapter ``name`` picks (None: the base model); an
+        unknown name is a 404."""
         if name is None or name == self.model_name or name == self.engine.config.model.model:
-            return
+            return None
+        lora = self.loras.get(name) if self.loras is not None else None
+        if lora is not None:
+            return lora
+        served = [self.model_name] + (self.loras.names() if self.loras is not None else [])
         raise ModelNotFoundError(f"the model {name!r} does not exist: this server serves "
-                                 f"{self.model_name!r} (see /v1/models)", param="model")
+                                 f"{', '.join(map(repr, served))} (see /v1/models)",
+                                 param="model")
 
     def sampling_params(self, req, *, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None

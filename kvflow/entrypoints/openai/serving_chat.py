@@ -66,7 +66,7 @@ class ChatServing(OpenAIServing):
 
     async def create(self, req, raw: Request):
         self.engine.check_ready()
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_request(req)
         deadline = self.deadline()
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -80,7 +80,7 @@ class ChatServing(OpenAIServing):
         request_id = random_id("chatcmpl")
         gen = self.engine.generate(request_id, {"prompt": text, "prompt_token_ids": ids},
                                    params, arrival_time=arrival, priority=req.priority,
-                                   cache_salt=req.cache_salt)
+                                   cache_salt=req.cache_salt, lora_request=lora)
         if req.stream:
             try:
                 first = await run_until_disconnect(raw, gen.__anext__(), deadline)

@@ -37,7 +37,7 @@ class CompletionServing(OpenAIServing):
     async def create(self, req, raw: Request):
         self.engine.check_ready()
         deadline = self.deadline()
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.suffix:
             raise InvalidParameterError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -50,7 +50,8 @@ class CompletionServing(OpenAIServing):
         request_id = random_id("cmpl")
         arrival = time.monotonic()
         gens = [self.engine.generate(f"{request_id}-{i}", p, params, arrival_time=arrival,
-                                     priority=req.priority, cache_salt=req.cache_salt)
+                                     priority=req.priority, cache_salt=req.cache_salt,
+                                     lora_request=lora)
                 for i, p in enumerate(prompts)]
         if req.stream:
             try:

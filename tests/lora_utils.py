@@ -1,0 +1,68 @@
+"""Tiny random base models and PEFT adapters for the LoRA tests (tests/test_lora*.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from kvflow.bench.hf_backend import _MODEL_TYPES
+from kvflow.models.registry import PRESETS
+
+
+def save_base(name: str, folder) -> torch.nn.Module:
+    """A random float32 transformers model of a tiny preset, saved to ``folder``."""
+    import transformers
+
+    cfg = dict(PRESETS[name])
+    config = transformers.AutoConfig.for_model(_MODEL_TYPES[cfg["architectures"][0]], **cfg)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # HF's init is too flat for greedy tokens to be meaningful
+        for n, p in hf.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+            elif "bias" in n:
+                p.normal_(0, 0.1)
+    hf.save_pretrained(folder)
+    return hf
+
+
+def save_adapter(base: torch.nn.Module, folder, *, r: int, alpha: float,
+                 targets: list[str], seed: int, rslora: bool = False,
+                 std: float = 0.15) -> None:
+    """A PEFT LoRA adapter of ``base`` with random A and nonzero random B (PEFT starts B
+    at zero, which would make every adapter the base model)."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
+                     lora_dropout=0.0)
+    model = get_peft_model(copy.deepcopy(base), cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_A" in n or "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    model.save_pretrained(folder)
+
+
+def merged(base: torch.nn.Module, folder) -> torch.nn.Module:
+    """transformers' model with the adapter merged into its weights (the reference)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(copy.deepcopy(base), str(folder)).merge_and_unload() \
+        .eval()
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens (through its own KV cache)."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens = []
+    for i in range(n):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        if i + 1 < n:
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
+                        use_cache=True)
+    return tokens
+
