@@ -119,11 +119,12 @@ class StructuredOutputsParams:
 
     def key(self) -> tuple[str, str]:
         """(kind, canonical text): equal constraints have equal keys (the compile cache's
-        key; a schema's key does not depend on its dict order or spacing)."""
+        key; a schema's key does not depend on its spacing or on whether it came as a dict
+        or as text). Key order is kept: the output follows the schema's property order."""
         kind = self.kind
         if kind == "json":
             value = _json.loads(self.json) if isinstance(self.json, str) else self.json
-            return kind, _json.dumps(value, sort_keys=True, separators=(",", ":"))
+            return kind, _json.dumps(value, separators=(",", ":"), ensure_ascii=False)
         if kind == "choice":
             return kind, _json.dumps(self.choice)
         if kind == "json_object":
