@@ -59,6 +59,9 @@ class _Req:
     matcher: object | None = None  # xgrammar GrammarMatcher, once compiled
     num_fed: int = 0  # output tokens the matcher has accepted
     broken: bool = False  # it was handed a token it refuses: no longer masked
+    # start_after: its token ids, until they appear in the output (then None: constrained
+    # from the token after them on).
+    start_ids: list[int] | None = None
 
 
 @dataclass
@@ -123,8 +126,13 @@ class StructuredOutputManager:
             if c is None:
                 continue
             eos = [] if new.sampling_params.ignore_eos else list(new.eos_token_ids)
-            self.reqs[new.req_id] = _Req(self.compiler.submit(c),
-                                         eos or list(self.eos_token_ids))
+            req = _Req(self.compiler.submit(c), eos or list(self.eos_token_ids))
+            if c.start_after is not None:
+                from kvflow.structured_output.vocab import load_tokenizer
+
+                req.start_ids = load_tokenizer(self.tokenizer_path).encode(
+                    c.start_after, add_special_tokens=False) or None
+            self.reqs[new.req_id] = req
 
     def plan(self, inputs, batch) -> list[_RowPlan] | None:
         """The step's constrained sample rows (None: none), or raise LookupError when a
@@ -143,6 +151,13 @@ class StructuredOutputManager:
                 new = out[req.num_fed:]
                 if (new == PLACEHOLDER).any():
                     raise LookupError(rid)
+                if req.start_ids is not None:
+                    end = _find_end(out, req.start_ids)
+                    if end is None:  # still before start_after: sampled freely
+                        draft_pos += nd
+                        continue
+                    req.start_ids, req.num_fed = None, end
+                    new = out[end:]
                 plans.append(_RowPlan(req, rid, new.tolist(), int(sample.offsets[j]),
                                       int(sample.offsets[j + 1] - sample.offsets[j]),
                                       list(sample.draft_token_ids[draft_pos:draft_pos + nd])
@@ -225,6 +240,18 @@ class StructuredOutputManager:
         self._fill_pool.shutdown(wait=False, cancel_futures=True)
         if self._compiler is not None:
             self._compiler.shutdown()
+
+
+def _find_end(out: np.ndarray, ids: list[int]) -> int | None:
+    """Index just past the first occurrence of ``ids`` in ``out`` (None: not there)."""
+    n = len(ids)
+    if len(out) < n:
+        return None
+    hits = np.nonzero(out[: len(out) - n + 1] == ids[0])[0]
+    for h in hits:
+        if out[h: h + n].tolist() == ids:
+            return int(h) + n
+    return None
 
 
 def _allow_only(row: torch.Tensor, token_ids: list[int]) -> None:
