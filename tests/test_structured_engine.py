@@ -70,7 +70,7 @@ def test_mixed_batch_with_preemption_and_overlap(llm):
         (chat(llm, "Describe a person as JSON."), SamplingParams(
             temperature=0, max_tokens=60, structured_outputs=SO(json=PERSON))),
         (chat(llm, "Describe an order as JSON."), SamplingParams(
-            temperature=0.8, seed=7, max_tokens=80, structured_outputs=SO(json=ORDER))),
+            temperature=0.8, seed=7, max_tokens=40, structured_outputs=SO(json=ORDER))),
         (chat(llm, "Is it sunny?"), SamplingParams(
             temperature=0.8, seed=3, max_tokens=8, structured_outputs=SO(choice=["yes", "no",
                                                                                  "maybe"]))),
@@ -80,10 +80,10 @@ def test_mixed_batch_with_preemption_and_overlap(llm):
             temperature=0, max_tokens=20,
             structured_outputs=SO(grammar='root ::= "one" (", " num)*\nnum ::= [0-9]'))),
         (chat(llm, "Any JSON object."), SamplingParams(
-            temperature=0, max_tokens=40, structured_outputs=SO(json_object=True))),
+            temperature=0, max_tokens=24, structured_outputs=SO(json_object=True))),
         (chat(llm, "Tell me about cats."), SamplingParams(temperature=0, max_tokens=24)),
         (chat(llm, "Two people as JSON."), SamplingParams(
-            n=2, temperature=1.0, seed=11, max_tokens=60, structured_outputs=SO(json=PERSON))),
+            n=2, temperature=1.0, seed=11, max_tokens=36, structured_outputs=SO(json=PERSON))),
     ]
     before = llm.engine.core.scheduler.num_preemptions
     outs = llm.generate([r[0] for r in reqs], [r[1] for r in reqs], use_tqdm=False)
