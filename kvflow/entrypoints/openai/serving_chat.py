@@ -57,9 +57,6 @@ class ChatServing(OpenAIServing):
         if isinstance(req.tool_choice, dict) or req.tool_choice not in (None, "none", "auto"):
             raise InvalidParameterError("tool_choice is not supported by this server (only "
                                         "'none' or 'auto' without tools)", param="tool_choice")
-        if req.response_format and req.response_format.type != "text":
-            raise InvalidParameterError("only response_format {'type': 'text'} is supported",
-                                        param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidParameterError("top_logprobs needs logprobs to be true",
                                         param="top_logprobs")
