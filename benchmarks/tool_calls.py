@@ -116,7 +116,7 @@ def bench_parse(ns) -> dict:
 def _server(extra: list[str] | None = None):
     from server_utils import RemoteServer
 
-    return RemoteServer(extra or [])
+    return RemoteServer(["--max-model-len", "2048", *(extra or [])])
 
 
 def bench_stream(ns) -> dict:

@@ -220,3 +220,18 @@ def test_default_tool_prompt_and_history_for_templates_without_tools():
     out = messages_for_template(msgs, [TOOL], knows_tools=True)
     assert out[2]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     assert out[3] == msgs[3]
+
+
+def test_end_of_turn_tokens_kept_for_special_markers_are_dropped():
+    # llama3_json and mistral keep special tokens in the text (their markers are special
+    # tokens), so the end-of-turn token reaches the text and must not break the call.
+    text = '<|python_tag|>{"name": "f", "parameters": {"x": 1}}<|eom_id|>'
+    for pieces in ([text], ['<|python_tag|>', '{"name": "f", ', '"parameters": {"x": 1}}',
+                            "<|eom_id|>"]):
+        p = ChoiceParser(None, Llama3JsonToolParser(), drop=("<|eot_id|>", "<|eom_id|>"))
+        deltas = [p.feed(x) for x in pieces] + [p.finish()]
+        assert not any("content" in d for d in deltas)
+        assert "".join(c["function"]["arguments"] for d in deltas
+                       for c in d.get("tool_calls", [])) == '{"x": 1}'
+    p = ChoiceParser(None, Llama3JsonToolParser(), drop=("<|eot_id|>",))
+    assert p.message("Hello.<|eot_id|>")["content"] == "Hello."

@@ -10,13 +10,19 @@ from kvflow.entrypoints.tool_parsers.base import Event
 
 
 class ChoiceParser:
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None,
+                 drop: tuple[str, ...] = ()) -> None:
+        self.drop = drop
+        """Texts of special tokens (end of turn) removed from the output before parsing:
+        they reach the text when detokenization keeps special tokens for the parser."""
         self.reasoning = reasoning
         self.tools = tools
         self.called = False
         """Whether a tool call has started (finish_reason becomes "tool_calls")."""
 
     def _events(self, text: str, final: bool) -> list[Event]:
+        for t in self.drop:  # each is one token, so it arrives whole in one delta
+            text = text.replace(t, "")
         if self.reasoning is not None:
             split = self.reasoning.feed(text) if text else []
             if final:

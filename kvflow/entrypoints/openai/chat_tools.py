@@ -31,6 +31,9 @@ class ChatTools:
         self.knows_tools = template_knows_tools(template)
         self.parser_name = args.tool_call_parser or (
             detect_tool_parser(template) if self.knows_tools else "hermes")
+        self.tokenizer = tokenizer
+        self.drop: tuple[str, ...] = ()
+        """Special-token texts to remove from the output (see sampling_params)."""
         self.prompt = ""
         """The rendered prompt (the reasoning parser reads whether it opened a think
         block)."""
@@ -58,8 +61,12 @@ class ChatTools:
             params.structured_outputs = StructuredOutputsParams(json=schema)
             return params
         if self.plan.mode == "auto" and tool_parser_class(self.parser_name) \
-                .needs_special_tokens:
-            params.skip_special_tokens = False  # the format's markers are special tokens
+                .needs_special_tokens and params.skip_special_tokens:
+            # The format's markers are special tokens; the end-of-turn ones that now reach
+            # the text too are dropped again by the choice parser.
+            params.skip_special_tokens = False
+            self.drop = tuple(t for t in (self.tokenizer.decode([i], skip_special_tokens=False)
+                                          for i in sorted(self.tokenizer.eos_token_ids)) if t)
         return params
 
     def choice_parser(self) -> ChoiceParser | None:
@@ -69,4 +76,4 @@ class ChatTools:
         tools = self.plan.parser(self.parser_name) if self.plan is not None else None
         if reasoning is None and tools is None:
             return None
-        return ChoiceParser(reasoning, tools)
+        return ChoiceParser(reasoning, tools, self.drop)
