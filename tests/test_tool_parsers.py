@@ -48,6 +48,11 @@ CASES = [
     (MistralToolParser, f"Sure. [TOOL_CALLS][{W}, {T}]", "Sure.",
      [("get_weather", W_ARGS), ("get_time", T_ARGS)]),
     (MistralToolParser, "[TOOL_CALLS] oops", "[TOOL_CALLS] oops", []),
+    (MistralToolParser, 'On it.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": '
+     '[1, 2]}[TOOL_CALLS]get_time[ARGS]{"tz": "a \\"quoted\\" } brace"}', "On it.",
+     [("get_weather", W_ARGS), ("get_time", T_ARGS)]),
+    (MistralToolParser, "[TOOL_CALLS]not a name[ARGS]{}", "[TOOL_CALLS]not a name[ARGS]{}",
+     []),
     (RequiredCallsParser, f"[{W}, {T}]", None,
      [("get_weather", W_ARGS), ("get_time", T_ARGS)]),
     (lambda: RequiredCallsParser(max_calls=1), f"[{W}, {T}]", None,
