@@ -240,3 +240,53 @@ def test_end_of_turn_tokens_kept_for_special_markers_are_dropped():
                        for c in d.get("tool_calls", [])) == '{"x": 1}'
     p = ChoiceParser(None, Llama3JsonToolParser(), drop=("<|eot_id|>",))
     assert p.message("Hello.<|eot_id|>")["content"] == "Hello."
+
+
+class _Tok:
+    """The little of a tokenizer ChatTools reads."""
+
+    def __init__(self, template: str) -> None:
+        self.chat_templates = {"default": template}
+        self.eos_token_ids = frozenset({7})
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "<|eot_id|>" if ids == [7] else ""
+
+
+def _chat_request(**kw):
+    from kvflow.entrypoints.openai.protocol import request_models
+
+    return request_models().chat.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], **kw})
+
+
+def test_chat_tools_sampling_params():
+    from kvflow.entrypoints.openai.chat_tools import ChatTools
+    from kvflow.entrypoints.openai.server_args import ServerArgs
+    from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
+
+    args = ServerArgs()
+    required = ChatTools(_Tok("{{ messages }}"), args,
+                         _chat_request(tools=[TOOL, TOOL_G], tool_choice="required"))
+    p = required.sampling_params(SamplingParams())
+    assert p.structured_outputs.json == required.plan.schema()
+    named = ChatTools(_Tok("{{ messages }}"), args, _chat_request(
+        tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}}))
+    assert named.sampling_params(SamplingParams()).structured_outputs.json == \
+        TOOL["function"]["parameters"]
+    with pytest.raises(InvalidParameterError) as e:  # one constraint per request
+        named.sampling_params(SamplingParams(
+            structured_outputs=StructuredOutputsParams(json_object=True)))
+    assert e.value.param == "tool_choice"
+    # A template with tools that writes Llama 3's format: its special tokens are kept, the
+    # end-of-turn one dropped again.
+    llama = ChatTools(_Tok("{{ tools }}<|python_tag|>"), args, _chat_request(tools=[TOOL]))
+    assert llama.parser_name == "llama3_json"
+    p = llama.sampling_params(SamplingParams())
+    assert p.skip_special_tokens is False and p.structured_outputs is None
+    assert llama.choice_parser().drop == ("<|eot_id|>",)
+    # A template without tools: the default prompt, hermes; tool_choice none: no parser.
+    plain = ChatTools(_Tok("{{ messages }}"), args, _chat_request(tools=[TOOL]))
+    assert plain.parser_name == "hermes" and not plain.knows_tools
+    assert ChatTools(_Tok("x"), args, _chat_request(tools=[TOOL], tool_choice="none")
+                     ).choice_parser() is None
