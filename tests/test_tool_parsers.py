@@ -290,3 +290,18 @@ def test_chat_tools_sampling_params():
     assert plain.parser_name == "hermes" and not plain.knows_tools
     assert ChatTools(_Tok("x"), args, _chat_request(tools=[TOOL], tool_choice="none")
                      ).choice_parser() is None
+
+
+@pytest.mark.parametrize("factory,wrap", [
+    (HermesToolParser, lambda a: f'<tool_call>{{"name": "write", "arguments": {a}}}'
+                                 f'</tool_call>'),
+    (MistralToolParser, lambda a: f"[TOOL_CALLS]write[ARGS]{a}"),
+    (RequiredCallsParser, lambda a: f'[{{"name": "write", "arguments": {a}}}]')])
+def test_long_arguments_stream_in_linear_time(factory, wrap):
+    # 40 kB of arguments in 4-character deltas: a rescan per delta would take minutes.
+    args = json.dumps({"path": "a.py", "text": 'print("}{")\n' * 3200})
+    text = wrap(args)
+    p = ChoiceParser(None, factory())
+    deltas = [p.feed(text[i:i + 4]) for i in range(0, len(text), 4)] + [p.finish()]
+    got = "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", []))
+    assert got == args

@@ -139,6 +139,51 @@ def _scan_value(text: str, i: int) -> tuple[int | None, bool]:
     return (j, False) if j < len(text) else (None, False)
 
 
+class Nesting:
+    """Where the JSON object or array at ``start`` ends, found incrementally: each
+    ``advance`` reads only the text that arrived since the last one, so following long
+    arguments costs linear time, not a rescan per delta."""
+
+    def __init__(self, start: int) -> None:
+        self.i = start
+        self.depth = 0
+        self.in_str = self.escape = False
+        self.end: int | None = None
+
+    def advance(self, text: str) -> int | None:
+        i, depth, in_str, escape = self.i, self.depth, self.in_str, self.escape
+        n = len(text)
+        while i < n:
+            c = text[i]
+            i += 1
+            if in_str:
+                if escape:
+                    escape = False
+                elif c == "\\":
+                    escape = True
+                elif c == '"':
+                    in_str = False
+            elif c == '"':
+                in_str = True
+            elif c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    self.end = i
+                    break
+        self.i, self.depth, self.in_str, self.escape = i, depth, in_str, escape
+        return self.end
+
+
+def rstrip_end(text: str, start: int) -> int:
+    """End of ``text`` without its trailing whitespace (not before ``start``)."""
+    stop = len(text)
+    while stop > start and text[stop - 1] in _WS:
+        stop -= 1
+    return stop
+
+
 def scan_object(text: str, start: int) -> _ObjectScan:
     """Follow the JSON object at ``text[start]`` ('{') as far as it has arrived: where each
     top-level member's value lies, and where the object ends. Only the structure is
@@ -223,6 +268,8 @@ class CallRegion:
         self.bad = False        # the region stopped being tool calls
         self.cur_index: int | None = None
         self.cur_args_sent = 0
+        self.nest: Nesting | None = None  # follows the current call's arguments
+        self.args_at = 0                   # where they start
         self.array = False
 
     def _skip_separators(self, text: str, i: int, first: bool) -> int:
@@ -262,6 +309,16 @@ class CallRegion:
             return []
         events: list[Event] = []
         while True:
+            nest = self.nest
+            if nest is not None and nest.end is None:  # long arguments: only the new text
+                if nest.advance(text) is None:
+                    if self.cur_index >= 0:
+                        stop = rstrip_end(text, self.args_at)
+                        if stop - self.args_at > self.cur_args_sent:
+                            events.append(("args", self.cur_index,
+                                           text[self.args_at + self.cur_args_sent:stop]))
+                            self.cur_args_sent = stop - self.args_at
+                    return events
             if self.cur_index is None:
                 i = self._skip_separators(text, self.pos, self.pos == 0)
                 if i >= len(text) or (self.array and text[i] == "]"):
@@ -281,7 +338,7 @@ class CallRegion:
             if self.cur_index is None:  # not a call: stop here
                 self.bad = not self.emitted
                 return events
-            self.cur_index, self.cur_args_sent = None, 0
+            self.cur_index, self.cur_args_sent, self.nest = None, 0, None
             self.pos = scan.end
 
     def _emit(self, text: str, scan: _ObjectScan) -> list[Event]:
@@ -318,19 +375,15 @@ class CallRegion:
                 events.append(("args", self.cur_index, json.loads(text[start:end])))
                 self.cur_args_sent = end - start
             return events
-        stop = end if end is not None else len(text)
-        if end is None:  # the value's last characters may be the object's own closing
-            stop = start + _open_prefix(text[start:])
+        if end is None and self.nest is None and text[start] in "{[":
+            self.nest, self.args_at = Nesting(start), start
+            self.nest.advance(text)
+        # An incomplete value's trailing whitespace waits: it may lie outside the value.
+        stop = end if end is not None else rstrip_end(text, start)
         if stop - start > self.cur_args_sent:
             events.append(("args", self.cur_index, text[start + self.cur_args_sent:stop]))
             self.cur_args_sent = stop - start
         return events
-
-
-def _open_prefix(value: str) -> int:
-    """How much of an incomplete JSON object's text may go out now: all but trailing
-    whitespace (which may turn out to be outside the value)."""
-    return len(value.rstrip(_WS))
 
 
 class ToolParser:

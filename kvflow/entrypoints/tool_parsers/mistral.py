@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import re
 
-from kvflow.entrypoints.tool_parsers.base import (CallRegion, Event, _scan_value, _skip_ws,
-                                                  partial_suffix, short_call_id)
+from kvflow.entrypoints.tool_parsers.base import (CallRegion, Event, Nesting, _scan_value,
+                                                  _skip_ws, partial_suffix, rstrip_end,
+                                                  short_call_id)
 from kvflow.entrypoints.tool_parsers.marked import MarkedCallsParser
 
 _ARGS = "[ARGS]"
@@ -31,6 +32,7 @@ class _NameArgsRegion:
         self.cur: int | None = None   # index of the call whose arguments are arriving
         self.args_at = 0
         self.sent = 0
+        self.nest: Nesting | None = None
 
     def _calls(self, text: str) -> list[tuple[str, str]] | None:
         """All calls of a complete region, or None if it is not calls."""
@@ -100,14 +102,16 @@ class _NameArgsRegion:
             if text[j] != "{":
                 self.bad = not self.emitted
                 return events
-            end, _ = _scan_value(text, j)
-            stop = end if end is not None else len(text.rstrip())
+            if self.nest is None:
+                self.nest = Nesting(j)
+            end = self.nest.advance(text)
+            stop = end if end is not None else rstrip_end(text, j)
             if self.cur >= 0 and stop - j > self.sent:
                 events.append(("args", self.cur, text[j + self.sent:stop]))
                 self.sent = stop - j
             if end is None:
                 return events
-            self.cur, self.pos = None, end
+            self.cur, self.pos, self.nest = None, end, None
 
 
 class _MistralRegion:
