@@ -164,3 +164,74 @@ def test_openapi_describes_tools(server):
     assert schemas["ChatTool"]["properties"]["type"]["const"] == "function"
     assert "pattern" in schemas["FunctionDefinition"]["properties"]["name"]
     assert "parallel_tool_calls" in props
+
+
+# --- constrained (needs the grammar engine: structured_outputs) ------------------------
+
+def _as_pairs(calls) -> list[dict]:
+    return [{"name": c.function.name, "arguments": c.function.arguments} for c in calls]
+
+
+@pytest.mark.parametrize("tool_choice,parallel", [
+    ("required", None), ("required", False),
+    ({"type": "function", "function": {"name": "get_time"}}, None)])
+def test_enforced_tool_choice_always_validates(client, tool_choice, parallel):
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+              max_tokens=48, **extra)
+    r = client.chat.completions.create(**kw, n=2, temperature=1.0, seed=7)
+    for choice in r.choices:
+        calls = choice.message.tool_calls
+        assert calls and choice.message.content is None, choice
+        if choice.finish_reason == "length":  # "required" may go on calling: the last
+            assert tool_choice == "required" and parallel is None  # call was cut short
+            calls = calls[:-1]
+        else:
+            assert choice.finish_reason == "tool_calls", choice
+        _check_calls(calls)
+        if isinstance(tool_choice, dict):
+            assert [c.function.name for c in calls] == ["get_time"]
+        if parallel is False:
+            assert len(calls) == 1
+    if parallel is None and tool_choice == "required":
+        return
+    # Streamed, the same greedy output assembles to the same calls.
+    whole = client.chat.completions.create(**kw, temperature=0).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    content, calls, finish, _ = _assemble(client.chat.completions.create(
+        **kw, temperature=0, stream=True))
+    assert (content, calls, finish) == (None, _as_pairs(whole.message.tool_calls),
+                                        "tool_calls")
+
+
+CALL_TEXT = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": '
+             '{"city": "Paris", "unit": "celsius"}}\n</tool_call>')
+
+
+def _regex(text: str) -> str:
+    return "".join("\\" + ch if ch in "\\.^$|?*+()[]{}" else ch for ch in text)
+
+
+def test_auto_parses_model_text_end_to_end(client):
+    # The model is made to write a Hermes call (a regex constraint), so the auto parser
+    # runs on real engine output, whole and streamed.
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+              extra_body={"structured_outputs": {"regex": _regex(CALL_TEXT)}})
+    r = client.chat.completions.create(**kw).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content == "Checking."
+    assert _as_pairs(r.message.tool_calls) == [
+        {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}]
+    _check_calls(r.message.tool_calls)
+    content, calls, finish, _ = _assemble(client.chat.completions.create(**kw, stream=True))
+    assert (content, calls, finish) == ("Checking.", _as_pairs(r.message.tool_calls),
+                                        "tool_calls")
+
+
+def test_reasoning_content(client):
+    kw = dict(model=MODEL, messages=ASK, max_tokens=60, temperature=0, extra_body={
+        "structured_outputs": {"regex": r"<think>\nIt is [a-z]{1,10}\.\n</think>\n\nSunny\."}})
+    r = client.chat.completions.create(**kw).choices[0]
+    reasoning = r.message.model_extra["reasoning_content"]
+    assert reasoning.startswith("\nIt is ") and r.message.content == "Sunny."
+    content, _, _, streamed = _assemble(client.chat.completions.create(**kw, stream=True))
+    assert (streamed, content) == (reasoning, "Sunny.")

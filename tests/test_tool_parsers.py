@@ -305,3 +305,4 @@ def test_long_arguments_stream_in_linear_time(factory, wrap):
     deltas = [p.feed(text[i:i + 4]) for i in range(0, len(text), 4)] + [p.finish()]
     got = "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", []))
     assert got == args
+

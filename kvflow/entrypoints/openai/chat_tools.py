@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from kvflow.entrypoints.openai.chat_parsing import ChoiceParser
 from kvflow.entrypoints.openai.server_args import ServerArgs
+from kvflow.entrypoints.openai.structured import constraint_limits
 from kvflow.entrypoints.reasoning_parsers import reasoning_parser_class
 from kvflow.entrypoints.tool_parsers import detect_tool_parser, tool_parser_class
 from kvflow.entrypoints.tools import (ToolPlan, messages_for_template, plan_tools,
                                       template_knows_tools)
 from kvflow.errors import InvalidParameterError
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
+from kvflow.structured_output.check import check_constraint
 
 
 class ChatTools:
@@ -58,7 +60,11 @@ class ChatTools:
                     f"tool_choice {self.plan.mode!r} constrains the output to tool calls "
                     f"and cannot be combined with another constraint (response_format, "
                     f"structured_outputs)", param="tool_choice")
-            params.structured_outputs = StructuredOutputsParams(json=schema)
+            so = StructuredOutputsParams(json=schema)
+            # The same bounds as any constraint (size, depth, enums, what xgrammar can
+            # compile), so a tool schema cannot get past them.
+            check_constraint(so, constraint_limits(self.args.limits), "tools")
+            params.structured_outputs = so
             return params
         if self.plan.mode == "auto" and tool_parser_class(self.parser_name) \
                 .needs_special_tokens and params.skip_special_tokens:
