@@ -196,3 +196,43 @@ def test_draft_walk_masks_every_position_and_rolls_back():
     done = fill(ids, len(ids) + 1)[len(ids)]  # after the whole choice: only EOS
     assert done.nonzero().flatten().tolist() == [2]
     mgr.shutdown()
+
+
+def test_start_after_leaves_the_reasoning_free():
+    """start_after: no mask rows until the tag's tokens appear; then the matcher starts
+    right after them (the reasoning is never fed to it)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kvflow.core.sched_output import NewRequestData, SchedulerOutput
+    from kvflow.engine.tokenizer import Tokenizer
+    from kvflow.models.registry import embedded_model_path
+    from kvflow.structured_output.manager import StructuredOutputManager
+
+    path = embedded_model_path("smollm2-135m")
+    tok = Tokenizer.from_path(path)
+    mgr = StructuredOutputManager(path, 49152, [2])
+    so = SO(choice=["yes"], start_after="</answer>")
+    mgr.update(SchedulerOutput(new_reqs=[NewRequestData(
+        "r", [1, 2, 3], 3, SamplingParams(structured_outputs=so), [], 0, [2])],
+        cached_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0))
+    outputs = {"now": np.array(tok.encode("I think", add_special_tokens=False))}
+    batch = SimpleNamespace(output_token_ids=lambda row: outputs["now"])
+    inputs = SimpleNamespace(req_ids=["r"], rows=np.array([0]), sample=SimpleNamespace(
+        req_indices=np.array([0]), offsets=np.array([0, 1]), num_draft=None))
+    assert mgr.plan(inputs, batch) is None  # still thinking: sampled freely
+    tag = tok.encode("</answer>", add_special_tokens=False)
+    outputs["now"] = np.concatenate([outputs["now"], tag])
+    plans = mgr.plan(inputs, batch)
+    assert plans is not None and plans[0].new_tokens == []
+    allowed = unpack_rows(mgr._fill(plans))
+    assert allowed[0, tok.encode("yes", add_special_tokens=False)[0]]
+    assert int(allowed[0].sum()) < 10  # the choice's first tokens only
+    mgr.shutdown()
+
+
+def unpack_rows(mask):
+    from kvflow.layers.token_bitmask import unpack_bitmask
+
+    return unpack_bitmask(mask.bitmask, 49152)

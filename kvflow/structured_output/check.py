@@ -12,6 +12,10 @@ import json
 import re
 from dataclasses import dataclass
 
+# Imported with this module (at server start): a first import takes seconds, which the
+# first constrained request must not pay before its 400.
+import xgrammar as xgr
+
 from kvflow.errors import InvalidParameterError
 from kvflow.sampling_params import StructuredOutputsParams
 
@@ -75,8 +79,6 @@ def check_constraint(so: StructuredOutputsParams, limits: ConstraintLimits = DEF
     ``param`` names the field in the error (e.g. ``response_format.json_schema.schema``);
     default ``structured_outputs.<kind>``.
     """
-    import xgrammar as xgr
-
     kind = so.kind
     param = param or f"structured_outputs.{kind}"
     if kind == "json_object":

@@ -26,15 +26,21 @@ def tokenizer_info(backend, vocab_size: int, eos_token_ids: list[int]):
 
 
 @lru_cache(maxsize=4)
+def load_tokenizer(tokenizer_path: str):
+    """The tokenizer at ``tokenizer_path`` (cached per process)."""
+    from kvflow.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(tokenizer_path)
+
+
+@lru_cache(maxsize=4)
 def load_tokenizer_info(tokenizer_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
     """TokenizerInfo of the tokenizer at ``tokenizer_path`` (cached per process).
 
     The tokenizer module is the engine floor's, but it imports nothing above
     ``models/``; the worker reads it here so the sampling rank can build its own
     vocabulary from the config it already has (no tokenizer crosses a process)."""
-    from kvflow.engine.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_path(tokenizer_path)
+    tok = load_tokenizer(tokenizer_path)
     eos = set(eos_token_ids)
     if tok.eos_token_id is not None:
         eos.add(tok.eos_token_id)
