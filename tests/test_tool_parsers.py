@@ -306,3 +306,25 @@ def test_long_arguments_stream_in_linear_time(factory, wrap):
     got = "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", []))
     assert got == args
 
+
+def test_constraints_start_after_the_thinking():
+    from kvflow.entrypoints.openai.chat_tools import ChatTools
+    from kvflow.entrypoints.openai.server_args import ServerArgs
+    from kvflow.sampling_params import SamplingParams
+
+    args = ServerArgs(reasoning_parser="qwen3")
+    req = _chat_request(tools=[TOOL], tool_choice="required")
+    thinking = "{{ messages }}{% if enable_thinking is false %}<think></think>{% endif %}"
+    tools = ChatTools(_Tok(thinking), args, req)
+    tools.prompt = "<|im_start|>assistant\n"
+    so = tools.sampling_params(SamplingParams()).structured_outputs
+    assert so.start_after == "</think>" and so.json == tools.plan.schema()
+    # Thinking switched off in the prompt (Qwen3's enable_thinking=false): from the start.
+    tools = ChatTools(_Tok(thinking), args, req)
+    tools.prompt = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tools.sampling_params(SamplingParams()).structured_outputs.start_after is None
+    # No reasoning parser, or a template that knows no thinking: from the start.
+    for tok, a in ((_Tok(thinking), ServerArgs()), (_Tok("{{ messages }}"), args)):
+        tools = ChatTools(tok, a, req)
+        tools.prompt = "<|im_start|>assistant\n"
+        assert tools.sampling_params(SamplingParams()).structured_outputs.start_after is None

@@ -4,10 +4,13 @@ kvflow/entrypoints/tools.py, tool_parsers/ and reasoning_parsers.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvflow.entrypoints.openai.chat_parsing import ChoiceParser
 from kvflow.entrypoints.openai.server_args import ServerArgs
 from kvflow.entrypoints.openai.structured import constraint_limits
-from kvflow.entrypoints.reasoning_parsers import reasoning_parser_class
+from kvflow.entrypoints.reasoning_parsers import (THINK_END, THINK_START,
+                                                  reasoning_parser_class)
 from kvflow.entrypoints.tool_parsers import detect_tool_parser, tool_parser_class
 from kvflow.entrypoints.tools import (ToolPlan, messages_for_template, plan_tools,
                                       template_knows_tools)
@@ -30,6 +33,7 @@ class ChatTools:
         template = templates.get("default")
         if self.plan is not None and self.plan.render_tools and "tool_use" in templates:
             template = templates["tool_use"]
+        self.template = template or ""
         self.knows_tools = template_knows_tools(template)
         self.parser_name = args.tool_call_parser or (
             detect_tool_parser(template) if self.knows_tools else "hermes")
@@ -51,6 +55,22 @@ class ChatTools:
         return messages, template_kwargs
 
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
+        params = self._tool_params(params)
+        if params.structured_outputs is not None and self.reasons():
+            # The constraint applies to the answer, after the model's thinking.
+            params.structured_outputs = replace(params.structured_outputs,
+                                                start_after=THINK_END)
+        return params
+
+    def reasons(self) -> bool:
+        """Whether the output is expected to think first: a reasoning parser, a chat
+        template that knows thinking (a template that never mentions <think> is not a
+        thinking model's), and a prompt that did not close the thinking already (as
+        Qwen3's enable_thinking=false does)."""
+        return self.args.reasoning_parser is not None and THINK_START in self.template \
+            and not self.prompt.rstrip().endswith(THINK_END)
+
+    def _tool_params(self, params: SamplingParams) -> SamplingParams:
         if self.plan is None or self.plan.mode == "none":
             return params
         schema = self.plan.schema()
