@@ -174,7 +174,8 @@ def bench_validity(ns) -> dict:
             r = client.chat.completions.create(
                 model="smollm2-135m", tools=TOOLS, tool_choice="required",
                 messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                max_tokens=ns.max_tokens, temperature=1.0, seed=i)
+                max_tokens=ns.max_tokens, temperature=1.0, seed=i,
+                parallel_tool_calls=not ns.one_call)
             choice = r.choices[0]
             calls = choice.message.tool_calls or []
             total += 1
@@ -205,6 +206,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--requests", type=int, default=50)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--one-call", action="store_true",
+                    help="validity: parallel_tool_calls false (a small model may go on "
+                    "adding calls to the array until max_tokens)")
     ap.add_argument("--notes", default="")
     ns = ap.parse_args()
     from kvflow.bench.machine import save_result
