@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass, field
 
 from kvflow import envs
+from kvflow.entrypoints.reasoning_parsers import reasoning_parser_class
+from kvflow.entrypoints.tool_parsers import tool_parser_class
 from kvflow.errors import InvalidParameterError
 
 MiB = 1 << 20
@@ -76,6 +78,13 @@ class ServerArgs:
     """Longest prompt a chat template may render, in characters (400 past it)."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     """Per-request bounds (samples, stop strings, logit_bias entries, messages, prompts)."""
+    tool_call_parser: str | None = None
+    """How the model writes tool calls: hermes, llama3_json or mistral. None: detected
+    from the chat template (hermes for templates without tools: the default tool prompt
+    asks for it)."""
+    reasoning_parser: str | None = None
+    """Split the model's thinking into reasoning_content: qwen3 or deepseek_r1. None: all
+    of the output is content."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -99,6 +108,10 @@ class ServerArgs:
         if not self.chat_template_timeout > 0:
             raise InvalidParameterError("chat_template_timeout must be > 0",
                                         param="chat_template_timeout")
+        if self.tool_call_parser is not None:
+            tool_parser_class(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            reasoning_parser_class(self.reasoning_parser)
         if self.max_chat_prompt_chars < 1:
             raise InvalidParameterError("max_chat_prompt_chars must be >= 1",
                                         param="max_chat_prompt_chars")
@@ -131,6 +144,13 @@ class ServerArgs:
                        help="seconds a chat template may take to render (400 past it)")
         g.add_argument("--max-chat-prompt-chars", type=int, default=d.max_chat_prompt_chars,
                        help="longest prompt a chat template may render, in characters")
+        g.add_argument("--tool-call-parser", default=None,
+                       choices=["hermes", "llama3_json", "mistral"],
+                       help="how the model writes tool calls (default: detected from the "
+                       "chat template; hermes for templates without tools)")
+        g.add_argument("--reasoning-parser", default=None,
+                       choices=["qwen3", "deepseek_r1"],
+                       help="split <think>...</think> into reasoning_content")
         lim = d.limits
         g.add_argument("--max-n", type=int, default=lim.max_n,
                        help="most samples per request (n, best_of)")
@@ -163,6 +183,8 @@ class ServerArgs:
                    shutdown_timeout=ns.shutdown_timeout, request_timeout=ns.request_timeout,
                    chat_template_timeout=ns.chat_template_timeout,
                    max_chat_prompt_chars=ns.max_chat_prompt_chars,
+                   tool_call_parser=ns.tool_call_parser,
+                   reasoning_parser=ns.reasoning_parser,
                    limits=RequestLimits(max_n=ns.max_n, max_stop=ns.max_stop,
                                         max_stop_length=ns.max_stop_length,
                                         max_logit_bias=ns.max_logit_bias,
