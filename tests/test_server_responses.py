@@ -1,0 +1,124 @@
+"""The OpenAI Responses API (/v1/responses) through the official ``openai`` client,
+against the shared ``kvflow serve`` subprocess (the session ``server`` fixture): plain
+and streamed (event sequence, same text as the non-streamed greedy answer),
+instructions, max_output_tokens -> incomplete, previous_response_id and the store,
+refusals in OpenAI's error shape. The chat route on the same messages is the reference."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+MODEL = "smollm2-135m"
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai_client()
+
+
+def chat_text(client, messages, max_tokens=16) -> str:
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                       max_tokens=max_tokens)
+    return r.choices[0].message.content
+
+
+def test_plain_matches_chat_and_usage(server, client):
+    r = client.responses.create(model=MODEL, input=QUESTION, temperature=0,
+                                max_output_tokens=16)
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.model == MODEL and r.output[0].type == "message"
+    assert r.output[0].role == "assistant" and r.output[0].content[0].type == "output_text"
+    assert r.output_text == chat_text(client, [{"role": "user", "content": QUESTION}])
+    assert r.output_text  # the model says something
+    tok = httpx.post(f"{server.url}/tokenize", json={
+        "messages": [{"role": "user", "content": QUESTION}]}).json()
+    assert r.usage.input_tokens == tok["count"]
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.status in ("completed", "incomplete")
+
+
+def test_instructions_and_message_items(client):
+    items = [{"role": "developer", "content": "Answer in one word."},
+             {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
+    r = client.responses.create(model=MODEL, input=items, instructions="You are terse.",
+                                temperature=0, max_output_tokens=12)
+    expected = chat_text(client, [{"role": "system", "content": "You are terse."},
+                                  {"role": "system", "content": "Answer in one word."},
+                                  {"role": "user", "content": QUESTION}], max_tokens=12)
+    assert r.output_text == expected and r.instructions == "You are terse."
+
+
+def test_max_output_tokens_incomplete(client):
+    r = client.responses.create(model=MODEL, input="Write a long story about a dragon.",
+                                temperature=0, max_output_tokens=5)
+    assert r.status == "incomplete"
+    assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 5 and r.output[0].status == "incomplete"
+
+
+def test_stream_events_equal_plain(client):
+    kwargs = dict(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=16)
+    plain = client.responses.create(**kwargs)
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    n_delta = kinds.count("response.output_text.delta")
+    assert n_delta >= 1
+    assert kinds == (["response.created", "response.in_progress",
+                      "response.output_item.added", "response.content_part.added"]
+                     + ["response.output_text.delta"] * n_delta
+                     + ["response.output_text.done", "response.content_part.done",
+                        "response.output_item.done",
+                        "response.incomplete" if plain.status == "incomplete"
+                        else "response.completed"])
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == plain.output_text == events[-4].text
+    final = events[-1].response
+    assert final.output_text == plain.output_text and final.usage == plain.usage
+    # The helper that accumulates the events agrees.
+    with client.responses.stream(**kwargs) as stream:
+        assert stream.get_final_response().output_text == plain.output_text
+
+
+def test_previous_response_id_continues_and_store(server, client):
+    first = client.responses.create(model=MODEL, input="My name is Ada.", temperature=0,
+                                    max_output_tokens=8)
+    follow = client.responses.create(model=MODEL, input="What is my name?", temperature=0,
+                                     max_output_tokens=8, previous_response_id=first.id)
+    expected = chat_text(client, [{"role": "user", "content": "My name is Ada."},
+                                  {"role": "assistant", "content": first.output_text},
+                                  {"role": "user", "content": "What is my name?"}], 8)
+    assert follow.output_text == expected and follow.previous_response_id == first.id
+    assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", previous_response_id=first.id)
+    assert e.value.body["param"] == "previous_response_id"
+    unstored = client.responses.create(model=MODEL, input="hi", max_output_tokens=2,
+                                       store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "reasoning_effort": "high"}, "reasoning_effort"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image",
+                                              "image_url": "x"}]}]}, "input.0.content.0"),
+    ({"input": []}, "input"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "temperature": 3.0}, "temperature"),
+])
+def test_refusals_name_the_field(server, body, param):
+    r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
