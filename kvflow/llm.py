@@ -90,17 +90,27 @@ class LLM:
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of messages) or to
-        several, then generate."""
+        several, then generate. ``tools`` (OpenAI's function tools) are rendered as the
+        server renders them (the template's own tool prompt, or kvflow's default one);
+        parse the output with kvflow.entrypoints.tool_parsers."""
         from kvflow.entrypoints.chat_utils import render_chat
+        from kvflow.entrypoints.tools import messages_for_template, template_knows_tools
 
         tokenizer = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        templates = getattr(tokenizer, "chat_templates", None) or {}
+        knows = template_knows_tools(templates.get("tool_use") if tools and "tool_use"
+                                     in templates else templates.get("default"))
+        kwargs = dict(chat_template_kwargs or {})
+        if tools and knows:
+            kwargs["tools"] = tools
         prompts = []
         for conv in conversations:
-            text, ids = render_chat(tokenizer, conv, add_generation_prompt,
-                                    chat_template_kwargs)
+            conv = messages_for_template(list(conv), tools, knows)
+            text, ids = render_chat(tokenizer, conv, add_generation_prompt, kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json as _json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,101 @@ class OutputKind(enum.Enum):
 def _check(ok: bool, param: str, rule: str, value: object) -> None:
     if not ok:
         raise InvalidParameterError(f"{param} must be {rule}, got {value!r}", param=param)
+
+
+# Where a constraint's text is checked for size before it is compiled; the server's
+# limits (server_args.py) are tighter. These only keep a runaway value out of the engine.
+MAX_CONSTRAINT_CHARS = 1_000_000
+MAX_CHOICES = 10_000
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's ``structured_outputs``).
+
+    Exactly one of ``json``, ``regex``, ``choice``, ``grammar`` and ``json_object`` is
+    set. The grammar engine (kvflow/structured_output/) compiles it off the engine loop;
+    each step the sampler masks every token the constraint forbids, and end-of-sequence
+    is allowed only where the constraint accepts the output so far.
+    """
+
+    json: str | dict | None = None
+    """A JSON Schema (a dict, or its JSON text): the output is a JSON value it accepts."""
+    regex: str | None = None
+    """A regular expression the whole output matches (the xgrammar/ECMAScript dialect)."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A grammar in GBNF (llama.cpp's EBNF dialect, as xgrammar reads it; the start rule
+    is ``root``): the output is a sentence of it."""
+    json_object: bool = False
+    """The output is any JSON object (``response_format: {"type": "json_object"}``)."""
+
+    def __post_init__(self) -> None:
+        set_ = [name for name in ("json", "regex", "choice", "grammar")
+                if getattr(self, name) is not None]
+        if not isinstance(self.json_object, bool):
+            raise InvalidParameterError("structured_outputs.json_object must be a boolean",
+                                        param="structured_outputs.json_object")
+        if self.json_object:
+            set_.append("json_object")
+        if len(set_) != 1:
+            raise InvalidParameterError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar and "
+                f"json_object, got {', '.join(set_) if set_ else 'none'}",
+                param="structured_outputs")
+        if self.json is not None:
+            self._check_json()
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(isinstance(value, str) and 0 < len(value) <= MAX_CONSTRAINT_CHARS,
+                       f"structured_outputs.{name}",
+                       f"a non-empty string of at most {MAX_CONSTRAINT_CHARS} characters",
+                       value if not isinstance(value, str) else value[:80])
+        if self.choice is not None:
+            _check(isinstance(self.choice, list) and 0 < len(self.choice) <= MAX_CHOICES
+                   and all(isinstance(c, str) and c for c in self.choice)
+                   and sum(map(len, self.choice)) <= MAX_CONSTRAINT_CHARS,
+                   "structured_outputs.choice",
+                   f"a list of 1 to {MAX_CHOICES} non-empty strings", self.choice[:8]
+                   if isinstance(self.choice, list) else self.choice)
+
+    def _check_json(self) -> None:
+        param = "structured_outputs.json"
+        if isinstance(self.json, str):
+            _check(len(self.json) <= MAX_CONSTRAINT_CHARS, param,
+                   f"at most {MAX_CONSTRAINT_CHARS} characters", len(self.json))
+            try:
+                schema = _json.loads(self.json)
+            except ValueError as e:
+                raise InvalidParameterError(f"{param} is not valid JSON: {e}",
+                                            param=param) from None
+        else:
+            schema = self.json
+        _check(isinstance(schema, (dict, bool)), param,
+               "a JSON Schema (an object, or its JSON text)", type(schema).__name__)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints have equal keys (the compile cache's
+        key; a schema's key does not depend on its dict order or spacing)."""
+        kind = self.kind
+        if kind == "json":
+            value = _json.loads(self.json) if isinstance(self.json, str) else self.json
+            return kind, _json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return kind, _json.dumps(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
 
 
 @dataclass
@@ -86,6 +182,8 @@ class SamplingParams:
     """Produce text; when False only token ids are returned (stop strings unavailable)."""
     output_kind: OutputKind = OutputKind.CUMULATIVE
     """Cumulative, delta (streaming) or final-only outputs."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """A constraint (JSON schema, regex, choice, grammar) the output must satisfy."""
     # Derived in __post_init__:
     stop_strings: list[str] = field(init=False, default_factory=list)
     all_stop_token_ids: set[int] = field(init=False, default_factory=set)
@@ -166,6 +264,10 @@ class SamplingParams:
                 _check(not isinstance(v, bool) and isinstance(v, (int, float))
                        and math.isfinite(v) and -100.0 <= v <= 100.0, "logit_bias",
                        "a mapping to numbers in [-100, 100]", v)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise InvalidParameterError("structured_outputs must be a StructuredOutputsParams",
+                                        param="structured_outputs")
         if self.stop_strings and not self.detokenize:
             raise InvalidParameterError("stop strings need detokenize=True", param="stop")
 
@@ -192,4 +294,4 @@ class SamplingParams:
         return out
 
 
-__all__ = ["SamplingParams", "OutputKind", "DEFAULTABLE", "GREEDY_TEMPERATURE", "MAX_LOGPROBS"]
+__all__ = ["SamplingParams", "StructuredOutputsParams", "OutputKind", "DEFAULTABLE", "GREEDY_TEMPERATURE", "MAX_LOGPROBS"]

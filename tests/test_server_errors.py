@@ -69,7 +69,11 @@ def test_completion_invalid_parameters(server, body, param):
     ({"messages": [{"content": "no role"}]}, "messages.0.role"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
 ])

@@ -24,6 +24,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, S
 
 from kvflow.entrypoints.chat_utils import RESERVED_TEMPLATE_KWARGS
 from kvflow.entrypoints.openai.server_args import RequestLimits
+from kvflow.entrypoints.tools import check_parameters_schema
 from kvflow.sampling_params import MAX_LOGPROBS
 
 # What the engine can carry: msgspec IPC and int64 tensors (seeds, priorities); token
@@ -92,12 +93,26 @@ ContentPart = Annotated[Annotated[TextPart, Tag("[text]")]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+class FunctionCall(_Request):
+    name: ShortStr
+    arguments: StrictStr
+    """The arguments as JSON text, as the model wrote them."""
+
+
+class ToolCall(_Request):
+    """A tool call of an earlier assistant turn (in the conversation history)."""
+
+    id: ShortStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Role
     content: StrictStr | list[ContentPart] | None = None
     """Text, or a list of text parts; null only for an assistant message with tool_calls."""
     name: ShortStr | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: ShortStr | None = None
     refusal: StrictStr | None = None
     reasoning_content: StrictStr | None = None
@@ -108,6 +123,44 @@ class ChatMessage(_Request):
             raise ValueError("content is required (a string or a list of text parts); it "
                              "may be null only in an assistant message with tool_calls")
         return self
+
+
+MAX_TOOLS = 128
+"""Most tools (and most tool calls in one history message) per request: OpenAI's limit."""
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    """Letters, digits, underscores and dashes, at most 64 characters (OpenAI's rule)."""
+    description: Annotated[StrictStr, Field(max_length=65536)] | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON Schema of type object for the arguments (checked against the JSON Schema
+    meta-schema; at most 32 levels deep). Left out: any object."""
+    strict: StrictBool | None = None
+    """Accepted; arguments of calls the grammar enforces (tool_choice "required" or a
+    named function) always follow the schema."""
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if value is None else check_parameters_schema(value)
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    """Only function tools are served."""
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: ShortStr
+
+
+class NamedToolChoice(_Request):
+    """Force a call of this function (it must be one of ``tools``)."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ResponseFormat(_Request):
@@ -199,9 +252,14 @@ def request_models(limits: RequestLimits = RequestLimits()) -> SimpleNamespace:
         max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)] | None = None
         logprobs: StrictBool = False
         top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-        tools: list[dict[str, Any]] | None = None
-        tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+        tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+        """Functions the model may call (rendered through the chat template)."""
+        tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+        """none: no tools offered or parsed; auto (the default with tools): the model's
+        calls are parsed; required: at least one call, and named: a call of that function,
+        both enforced by the grammar engine so the arguments follow the schema."""
         parallel_tool_calls: StrictBool | None = None
+        """false: at most one tool call per response (default true)."""
         response_format: ResponseFormat | None = None
         add_generation_prompt: StrictBool = True
         chat_template_kwargs: TemplateKwargs = None
@@ -216,6 +274,8 @@ def request_models(limits: RequestLimits = RequestLimits()) -> SimpleNamespace:
     class TokenizeChatRequest(_Request):
         model: ShortStr | None = None
         messages: Messages
+        tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+        """Rendered as a chat request with these tools renders them."""
         add_generation_prompt: StrictBool = True
         chat_template_kwargs: TemplateKwargs = None
 
@@ -297,10 +357,25 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(_Response):
+    _omit_if_none = ("reasoning_content",)
+
     role: str = "assistant"
     content: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None
+    """The model's thinking (with --reasoning-parser), apart from its answer."""
 
 
 class ChatChoice(_Response):
@@ -327,11 +402,32 @@ class ChatCompletionResponse(_Response):
     prompt_token_ids: list[int] | None = None
 
 
+class DeltaFunctionCall(_Response):
+    _omit_if_none = ("name",)
+
+    name: str | None = None
+    arguments: str = ""
+
+
+class DeltaToolCall(_Response):
+    """A tool call in a stream: the first delta of a call has its id, type and name, the
+    next ones add to its arguments (the same index)."""
+
+    _omit_if_none = ("id", "type")
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Response):
-    _omit_if_none = ("role", "content")
+    _omit_if_none = ("role", "content", "reasoning_content", "tool_calls")
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response):

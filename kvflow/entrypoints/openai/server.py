@@ -34,7 +34,7 @@ from kvflow.entrypoints.openai.protocol import (ChatCompletionResponse, Completi
                                                 ModelList, TokenizeResponse, request_models)
 from kvflow.entrypoints.openai.server_args import ServerArgs
 from kvflow.entrypoints.openai.serving import ClientDisconnected, json_response
-from kvflow.entrypoints.openai.serving_chat import ChatServing, message_dict
+from kvflow.entrypoints.openai.serving_chat import ChatServing
 from kvflow.entrypoints.openai.serving_completion import CompletionServing
 from kvflow.entrypoints.openai.serving_responses import add_responses_routes
 from kvflow.entrypoints.anthropic.errors import anthropic_error_body
@@ -258,9 +258,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.completions.check_model(body.model)
         tok = tokenizer()
         if isinstance(body, models.tokenize_chat):
-            messages = [message_dict(m) for m in body.messages]
-            _, ids = await state.chat.render(messages, body.add_generation_prompt,
-                                             body.chat_template_kwargs)
+            _, ids, _ = await state.chat.render_request(body)
         else:
             ids = await engine.run_in_pool(tok.encode, body.prompt, body.add_special_tokens)
         return json_response(TokenizeResponse(

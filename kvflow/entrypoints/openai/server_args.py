@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass, field
 
 from kvflow import envs
+from kvflow.entrypoints.reasoning_parsers import reasoning_parser_class
+from kvflow.entrypoints.tool_parsers import tool_parser_class
 from kvflow.errors import InvalidParameterError
 
 MiB = 1 << 20
@@ -71,6 +73,13 @@ class ServerArgs:
     previous_response_id; 0 stores none."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     """Per-request bounds (samples, stop strings, logit_bias entries, messages, prompts)."""
+    tool_call_parser: str | None = None
+    """How the model writes tool calls: hermes, llama3_json or mistral. None: detected
+    from the chat template (hermes for templates without tools: the default tool prompt
+    asks for it)."""
+    reasoning_parser: str | None = None
+    """Split the model's thinking into reasoning_content: qwen3 or deepseek_r1. None: all
+    of the output is content."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -97,6 +106,10 @@ class ServerArgs:
         if self.responses_store_size < 0:
             raise InvalidParameterError("responses_store_size must be >= 0",
                                         param="responses_store_size")
+        if self.tool_call_parser is not None:
+            tool_parser_class(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            reasoning_parser_class(self.reasoning_parser)
         if self.max_chat_prompt_chars < 1:
             raise InvalidParameterError("max_chat_prompt_chars must be >= 1",
                                         param="max_chat_prompt_chars")
@@ -132,6 +145,13 @@ class ServerArgs:
         g.add_argument("--responses-store-size", type=int, default=d.responses_store_size,
                        help="Responses API responses kept in memory for previous_response_id "
                        "and GET /v1/responses/{id} (least recently used out; 0: none)")
+        g.add_argument("--tool-call-parser", default=None,
+                       choices=["hermes", "llama3_json", "mistral"],
+                       help="how the model writes tool calls (default: detected from the "
+                       "chat template; hermes for templates without tools)")
+        g.add_argument("--reasoning-parser", default=None,
+                       choices=["qwen3", "deepseek_r1"],
+                       help="split <think>...</think> into reasoning_content")
         lim = d.limits
         g.add_argument("--max-n", type=int, default=lim.max_n,
                        help="most samples per request (n, best_of)")
@@ -158,6 +178,8 @@ class ServerArgs:
                    chat_template_timeout=ns.chat_template_timeout,
                    max_chat_prompt_chars=ns.max_chat_prompt_chars,
                    responses_store_size=ns.responses_store_size,
+                   tool_call_parser=ns.tool_call_parser,
+                   reasoning_parser=ns.reasoning_parser,
                    limits=RequestLimits(max_n=ns.max_n, max_stop=ns.max_stop,
                                         max_stop_length=ns.max_stop_length,
                                         max_logit_bias=ns.max_logit_bias,

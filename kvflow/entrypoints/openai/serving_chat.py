@@ -9,6 +9,7 @@ from functools import partial
 from fastapi import Request
 
 from kvflow.entrypoints.chat_utils import render_chat
+from kvflow.entrypoints.openai.chat_tools import ChatTools
 from kvflow.entrypoints.openai.errors import kvflow_error_sse
 from kvflow.entrypoints.openai.protocol import (ChatChoice, ChatCompletionResponse,
                                                 ChatLogprobs, ChatResponseMessage,
@@ -33,6 +34,8 @@ def message_dict(m) -> dict:
     elif content is None:  # an assistant turn of tool calls: templates expect a string
         content = ""
     extras = {k: getattr(m, k) for k in _MESSAGE_EXTRAS if getattr(m, k) is not None}
+    if "tool_calls" in extras:
+        extras["tool_calls"] = [c.model_dump() for c in extras["tool_calls"]]
     return {**extras, "role": m.role, "content": content}
 
 
@@ -47,16 +50,19 @@ class ChatServing(OpenAIServing):
                     template_kwargs, timeout_s=a.chat_template_timeout,
                     max_chars=a.max_chat_prompt_chars))
 
+    async def render_request(self, req) -> tuple[str, list[int], ChatTools]:
+        """A chat (or /tokenize chat) request's prompt, with its tools rendered."""
+        tools = ChatTools(self.engine.tokenizer, self.args, req)
+        messages, template_kwargs = tools.template_input(
+            [message_dict(m) for m in req.messages], req.chat_template_kwargs)
+        text, ids = await self.render(messages, req.add_generation_prompt, template_kwargs)
+        tools.prompt = text
+        return text, ids, tools
+
     def check_request(self, req) -> None:
         if self.engine.tokenizer is None:
             raise InvalidParameterError("this model has no tokenizer, so it cannot chat; use "
                                         "/v1/completions with token ids", param="messages")
-        if req.tools:
-            raise InvalidParameterError("tools are not supported by this server",
-                                        param="tools")
-        if isinstance(req.tool_choice, dict) or req.tool_choice not in (None, "none", "auto"):
-            raise InvalidParameterError("tool_choice is not supported by this server (only "
-                                        "'none' or 'auto' without tools)", param="tool_choice")
         if req.response_format and req.response_format.type != "text":
             raise InvalidParameterError("only response_format {'type': 'text'} is supported",
                                         param="response_format")
@@ -74,9 +80,8 @@ class ChatServing(OpenAIServing):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
         arrival = time.monotonic()
-        messages = [message_dict(m) for m in req.messages]
-        text, ids = await self.render(messages, req.add_generation_prompt,
-                                      req.chat_template_kwargs)
+        text, ids, tools = await self.render_request(req)
+        params = tools.sampling_params(params)
         request_id = random_id("chatcmpl")
         gen = self.engine.generate(request_id, {"prompt": text, "prompt_token_ids": ids},
                                    params, arrival_time=arrival, priority=req.priority,
@@ -87,12 +92,12 @@ class ChatServing(OpenAIServing):
             except BaseException:
                 await gen.aclose()
                 raise
-            return sse_response(self._stream(req, request_id, first, gen, deadline))
+            return sse_response(self._stream(req, request_id, first, gen, deadline, tools))
         try:
             final = await run_until_disconnect(raw, last_output(gen), deadline)
         finally:
             await gen.aclose()
-        return json_response(self._response(req, request_id, final))
+        return json_response(self._response(req, request_id, final, tools))
 
     def _logprobs(self, req, c: CompletionOutput
                   ) -> ChatLogprobs | None:
@@ -114,13 +119,18 @@ class ChatServing(OpenAIServing):
         return ChatTokenLogprob(token=text, logprob=lp.logprob if lp is not None else
                                 float("-inf"), bytes=list(text.encode()), top_logprobs=tops)
 
-    def _response(self, req, request_id: str,
-                  ro: RequestOutput) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=self._logprobs(req, c), finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason,
-                              token_ids=c.token_ids if req.return_token_ids else None)
-                   for c in sorted(ro.outputs, key=lambda c: c.index)]
+    def _response(self, req, request_id: str, ro: RequestOutput,
+                  tools: ChatTools) -> ChatCompletionResponse:
+        choices = []
+        for c in sorted(ro.outputs, key=lambda c: c.index):
+            parser = tools.choice_parser()
+            message = parser.message(c.text) if parser else {"content": c.text}
+            choices.append(ChatChoice(
+                index=c.index, message=ChatResponseMessage(**message),
+                logprobs=self._logprobs(req, c),
+                finish_reason=parser.finish_reason(c.finish_reason) if parser
+                else c.finish_reason, stop_reason=c.stop_reason,
+                token_ids=c.token_ids if req.return_token_ids else None))
         usage = usage_info(len(ro.prompt_token_ids), sum(len(c.token_ids) for c in ro.outputs),
                            ro.num_cached_tokens)
         return ChatCompletionResponse(
@@ -128,15 +138,20 @@ class ChatServing(OpenAIServing):
             prompt_token_ids=ro.prompt_token_ids if req.return_token_ids else None)
 
     async def _stream(self, req, request_id: str, first: RequestOutput, gen,
-                      deadline: float | None) -> AsyncIterator[bytes | str]:
+                      deadline: float | None, tools: ChatTools
+                      ) -> AsyncIterator[bytes | str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk = ChunkBuilder(request_id, "chat.completion.chunk", self.model_name)
+        parsers = {i: tools.choice_parser() for i in range(req.n)}
 
         def choice(index: int, delta: dict, c: CompletionOutput | None = None) -> dict:
             lp = self._logprobs(req, c) if c is not None else None
+            reason = c.finish_reason if c else None
+            if reason is not None and parsers[index] is not None:
+                reason = parsers[index].finish_reason(reason)
             d = {"index": index, "delta": delta,
                  "logprobs": lp.model_dump() if lp is not None else None,
-                 "finish_reason": c.finish_reason if c else None,
+                 "finish_reason": reason,
                  "stop_reason": c.stop_reason if c else None}
             if req.return_token_ids and c is not None:
                 d["token_ids"] = c.token_ids
@@ -151,7 +166,14 @@ class ChatServing(OpenAIServing):
                 last = ro
                 for c in ro.outputs:
                     completion_tokens += len(c.token_ids)
-                    yield chunk([choice(c.index, {"content": c.text}, c)])
+                    parser = parsers.get(c.index)
+                    if parser is None:
+                        yield chunk([choice(c.index, {"content": c.text}, c)])
+                        continue
+                    delta = parser.finish(c.text) if c.finish_reason is not None \
+                        else parser.feed(c.text)
+                    if delta or c.finish_reason is not None or req.logprobs:
+                        yield chunk([choice(c.index, delta, c)])
             if include_usage:
                 yield chunk([], usage_info(len(last.prompt_token_ids), completion_tokens,
                                            last.num_cached_tokens).model_dump())
