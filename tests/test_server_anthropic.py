@@ -6,6 +6,8 @@ route on the same messages is the reference."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -178,3 +180,71 @@ def test_api_key_and_anthropic_errors_in_process():
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert http.post("/v1/nope", headers={"x-api-key": "sekret"}).json()["error"]["type"] \
         == "not_found_error"
+
+
+WEATHER = {"name": "get_weather", "description": "Current weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                            "required": ["city"]}}
+CHAT_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": WEATHER["input_schema"]}}]
+ASK = "What is the weather in Paris? Use the get_weather tool."
+
+
+def test_tools_match_the_chat_route(server, client):
+    ref, _ = chat(server, [{"role": "user", "content": ASK}], max_tokens=40,
+                  tools=CHAT_TOOLS)
+    kwargs = dict(model=MODEL, max_tokens=40, **GREEDY, tools=[WEATHER],
+                  messages=[{"role": "user", "content": ASK}])
+    m = client.messages.create(**kwargs)
+    calls = ref.message.tool_calls or []
+    assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    texts = [b.text for b in m.content if b.type == "text"]
+    assert texts == ([ref.message.content] if ref.message.content else [])
+    assert m.stop_reason == ("tool_use" if calls else
+                             {"stop": "end_turn", "length": "max_tokens"}[ref.finish_reason])
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
+    assert final.stop_reason == m.stop_reason
+
+
+def test_tool_use_and_result_round_trip(server, client):
+    messages = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me check."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+             "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1",
+             "content": [{"type": "text", "text": "18 degrees, sunny"}]}]}]
+    history = [{"role": "user", "content": ASK},
+               {"role": "assistant", "content": "Let me check.", "tool_calls": [
+                   {"id": "toolu_1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "toolu_1", "content": "18 degrees, sunny"}]
+    tok = httpx.post(f"{server.url}/tokenize", json={"messages": history,
+                                                     "tools": CHAT_TOOLS}).json()
+    n = client.messages.count_tokens(model=MODEL, messages=messages, tools=[WEATHER])
+    assert n.input_tokens == tok["count"]
+    m = client.messages.create(model=MODEL, max_tokens=12, **GREEDY, tools=[WEATHER],
+                               messages=messages)
+    ref, usage = chat(server, history, max_tokens=12, tools=CHAT_TOOLS)
+    assert m.usage.input_tokens == usage.prompt_tokens == tok["count"]
+    assert "".join(b.text for b in m.content if b.type == "text") == \
+        (ref.message.content or "")
+
+
+def test_bad_tools_are_400_in_anthropic_shape(client):
+    for kwargs, says in [
+            (dict(tools=[{**WEATHER, "input_schema": {"type": "nonsense"}}]), "input_schema"),
+            (dict(tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"}), "nope"),
+            (dict(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
+             "web_search_20250305")]:
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(model=MODEL, max_tokens=4, **kwargs,
+                                   messages=[{"role": "user", "content": "hi"}])
+        assert e.value.body["error"]["type"] == "invalid_request_error"
+        assert says in e.value.body["error"]["message"], e.value.body

@@ -109,6 +109,7 @@ def test_previous_response_id_continues_and_store(server, client):
 
 @pytest.mark.parametrize("body,param", [
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "reasoning_effort": "high"}, "reasoning_effort"),
     ({"input": [{"role": "user", "content": [{"type": "input_image",
@@ -122,3 +123,72 @@ def test_refusals_name_the_field(server, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
+
+
+WEATHER = {"name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
+CHAT_TOOLS = [{"type": "function", "function": WEATHER}]
+ASK = "What is the weather in Paris? Use the get_weather tool."
+
+
+def _chat_tool_answer(client, messages, max_tokens=40, **extra):
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=CHAT_TOOLS,
+                                       temperature=0, max_tokens=max_tokens, **extra)
+    m = r.choices[0].message
+    return m.content, [(c.id, c.function.name, c.function.arguments)
+                       for c in m.tool_calls or []], r
+
+
+def test_function_tools_match_the_chat_route(client):
+    content, calls, _ = _chat_tool_answer(client, [{"role": "user", "content": ASK}])
+    kwargs = dict(model=MODEL, input=ASK, tools=[{"type": "function", **WEATHER}],
+                  temperature=0, max_output_tokens=40)
+    r = client.responses.create(**kwargs)
+    got = [(o.name, o.arguments) for o in r.output if o.type == "function_call"]
+    assert got == [(name, args) for _, name, args in calls]
+    texts = [o.content[0].text for o in r.output if o.type == "message"]
+    assert texts == ([content] if content or not calls else [])
+    assert all(o.call_id.startswith("call_") for o in r.output if o.type == "function_call")
+    # Streamed: items opened and closed in order, the same output in the end.
+    events = list(client.responses.create(stream=True, **kwargs))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert [(o.type, getattr(o, "name", None), getattr(o, "arguments", None))
+            for o in final.output] == [(o.type, getattr(o, "name", None),
+                                        getattr(o, "arguments", None)) for o in r.output]
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    done = [e.output_index for e in events if e.type == "response.output_item.done"]
+    assert added == done == list(range(len(r.output)))
+    args = "".join(e.delta for e in events
+                   if e.type == "response.function_call_arguments.delta")
+    assert args == "".join(a for _, a in got)
+
+
+def test_function_call_output_round_trip(server, client):
+    items = [{"role": "user", "content": ASK},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1",
+              "output": "18 degrees, sunny"}]
+    r = client.responses.create(model=MODEL, input=items, temperature=0,
+                                tools=[{"type": "function", **WEATHER}], max_output_tokens=12)
+    history = [{"role": "user", "content": ASK},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    content, calls, ref = _chat_tool_answer(client, history, max_tokens=12)
+    assert r.usage.input_tokens == ref.usage.prompt_tokens
+    assert r.output_text == (content or "")
+
+
+def test_bad_function_tool_schema_is_400(server):
+    r = httpx.post(f"{server.url}/v1/responses", json={
+        "model": MODEL, "input": "hi", "tools": [{"type": "function", "name": "f",
+                                                 "parameters": {"type": "nonsense"}}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.parameters"
+    r = httpx.post(f"{server.url}/v1/responses", json={
+        "model": MODEL, "input": "hi", "tools": [{"type": "function", **WEATHER}],
+        "tool_choice": {"type": "function", "name": "nope"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"

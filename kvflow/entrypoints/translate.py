@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request
 
 from kvflow.engine.async_client import AsyncEngine
+from kvflow.entrypoints.openai.chat_tools import ChatTools
 from kvflow.entrypoints.openai.server_args import ServerArgs
 from kvflow.entrypoints.openai.serving import (OpenAIServing, chain_first, last_output,
                                                random_id, run_until_disconnect,
@@ -40,6 +41,45 @@ def sampling_fields(**fields: Any) -> SimpleNamespace:
     return SimpleNamespace(**{**_CHAT_DEFAULTS, **fields})
 
 
+class _Dumped(dict):
+    """A plain dict where ChatTools expects a request model (it calls model_dump)."""
+
+    def model_dump(self, **_: Any) -> dict:
+        return dict(self)
+
+
+def openai_tool(name: str, description: str | None, parameters: dict | None) -> dict:
+    """A function tool in the chat route's (OpenAI chat's) shape."""
+    fn: dict[str, Any] = {"name": name}
+    if description is not None:
+        fn["description"] = description
+    if parameters is not None:
+        fn["parameters"] = parameters
+    return {"type": "function", "function": fn}
+
+
+def chat_tools(tokenizer, args: ServerArgs, tools: list[dict] | None,
+               tool_choice: str | None = None, function: str | None = None,
+               parallel: bool | None = None) -> ChatTools:
+    """The chat route's tool machinery for translated tools (``openai_tool`` dicts):
+    ``tool_choice`` none, auto or required, or ``function``: that function's call forced.
+    plan_tools' errors name the fields ``tools`` and ``tool_choice``."""
+    choice: Any = tool_choice
+    if function is not None:
+        choice = _Dumped({"type": "function", "function": {"name": function}})
+    return ChatTools(tokenizer, args, SimpleNamespace(
+        tools=[_Dumped(t) for t in tools] if tools else None, tool_choice=choice,
+        parallel_tool_calls=parallel))
+
+
+def tool_call_message(calls: list[tuple[str, str, str]], text: str = "") -> dict:
+    """An assistant turn of tool calls, (call id, name, arguments JSON text) each, as the
+    chat route's history carries it."""
+    return {"role": "assistant", "content": text, "tool_calls": [
+        {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+        for cid, name, args in calls]}
+
+
 @dataclass
 class Generation:
     """One started request: its id, prompt token ids and outputs. For a stream,
@@ -54,6 +94,12 @@ class Generation:
     deadline: float | None
     clamped: bool = False
     """max_tokens was lowered to the room the context had left."""
+    tools: ChatTools | None = None
+
+    def parser(self):
+        """A parser of one sample's text into content and tool calls (ChoiceParser), or
+        None when the text is all content."""
+        return self.tools.choice_parser() if self.tools is not None else None
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         assert self.gen is not None
@@ -98,16 +144,23 @@ class TranslatedServing(OpenAIServing):
     async def generate(self, raw: Request, messages: list[dict], params: SamplingParams,
                        stream: bool, template_kwargs: dict | None = None,
                        request_id: str | None = None, clamp_max_tokens: bool = False,
-                       prefill: str | None = None) -> Generation:
+                       prefill: str | None = None, tools: ChatTools | None = None
+                       ) -> Generation:
         """Render ``messages``, submit them and wait for the first (stream) or the final
         output; a client that disconnects or a deadline that passes aborts the request.
         ``clamp_max_tokens``: a max_tokens past the context's room is lowered to it (for
         APIs where max_tokens is a required ceiling that clients set high), instead of
-        refused."""
+        refused. ``tools``: rendered into the prompt as the chat route does; the sampling
+        changes they need applied to ``params``."""
         self.engine.check_ready()
         deadline = self.deadline()
         arrival = time.monotonic()
+        if tools is not None:
+            messages, template_kwargs = tools.template_input(messages, template_kwargs)
+            params = tools.sampling_params(params)
         text, ids = await self.render(messages, template_kwargs, prefill)
+        if tools is not None:
+            tools.prompt = text
         room = self.engine.config.model.max_model_len - len(ids)
         clamped = (clamp_max_tokens and params.max_tokens is not None and room >= 1
                    and params.max_tokens > room)
@@ -122,12 +175,12 @@ class TranslatedServing(OpenAIServing):
             except BaseException:
                 await gen.aclose()
                 raise
-            return Generation(request_id, ids, first, gen, deadline, clamped)
+            return Generation(request_id, ids, first, gen, deadline, clamped, tools)
         try:
             final = await run_until_disconnect(raw, last_output(gen), deadline)
         finally:
             await gen.aclose()
-        return Generation(request_id, ids, final, None, deadline, clamped)
+        return Generation(request_id, ids, final, None, deadline, clamped, tools)
 
 
 def check_not_failed(c: CompletionOutput) -> None:

@@ -16,11 +16,12 @@ from types import SimpleNamespace
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt,
-                      StrictStr, Tag, model_validator)
+                      StrictStr, Tag, field_validator, model_validator)
 
 from kvflow.entrypoints.openai.protocol import (INT32_MAX, Float, ShortStr, _Request,
                                                 _Response)
 from kvflow.entrypoints.openai.server_args import RequestLimits
+from kvflow.entrypoints.tools import check_parameters_schema
 
 
 class CacheControl(_Request):
@@ -100,12 +101,17 @@ class Message(_Request):
 
 
 class Tool(_Request):
-    name: Annotated[StrictStr, Field(min_length=1, max_length=128,
-                                     pattern=r"^[a-zA-Z0-9_-]+$")]
-    description: StrictStr | None = None
+    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Annotated[StrictStr, Field(max_length=65536)] | None = None
     input_schema: dict[str, Any]
+    """A JSON Schema of type object (checked, at most 32 levels deep)."""
     type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_parameters_schema(value)
 
 
 class OtherTool(BaseModel):

@@ -14,11 +14,12 @@ from types import SimpleNamespace
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt,
-                      StrictStr, Tag, model_validator)
+                      StrictStr, Tag, field_validator, model_validator)
 
 from kvflow.entrypoints.openai.protocol import (INT32_MAX, Float, Int64, ShortStr, _Request,
                                                 _Response)
 from kvflow.entrypoints.openai.server_args import RequestLimits
+from kvflow.entrypoints.tools import check_parameters_schema
 
 
 class InputText(_Request):
@@ -106,11 +107,16 @@ InputItem = Annotated[Annotated[MessageItem, Tag("[message]")]
 
 class FunctionTool(_Request):
     type: Literal["function"]
-    name: Annotated[StrictStr, Field(min_length=1, max_length=64,
-                                     pattern=r"^[a-zA-Z0-9_.-]+$")]
-    description: StrictStr | None = None
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Annotated[StrictStr, Field(max_length=65536)] | None = None
     parameters: dict[str, Any] | None = None
+    """A JSON Schema of type object (checked, at most 32 levels deep)."""
     strict: StrictBool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if value is None else check_parameters_schema(value)
 
 
 class OtherTool(BaseModel):

@@ -22,12 +22,13 @@ from fastapi.responses import JSONResponse
 from kvflow.entrypoints.openai.errors import kvflow_error_code
 from kvflow.entrypoints.openai.protocol import ErrorResponse
 from kvflow.entrypoints.openai.protocol_responses import (
-    DeletedResponse, IncompleteDetails, InputTokensDetails, OutputMessage, OutputText,
-    OutputTokensDetails, ResponseError, ResponseObject, ResponseUsage,
-    responses_request_model)
+    DeletedResponse, FunctionCallOutput, FunctionToolChoice, IncompleteDetails,
+    InputTokensDetails, OutputMessage, OutputText, OutputTokensDetails, ResponseError,
+    ResponseObject, ResponseUsage, responses_request_model)
 from kvflow.entrypoints.openai.responses_store import ResponseStore
 from kvflow.entrypoints.openai.serving import ClientDisconnected, json_response, sse_response
-from kvflow.entrypoints.translate import Generation, TranslatedServing, check_not_failed
+from kvflow.entrypoints.translate import (Generation, TranslatedServing, chat_tools,
+                                          check_not_failed, openai_tool, tool_call_message)
 from kvflow.errors import InvalidParameterError, KvflowError
 
 _JSON = msgspec.json.Encoder()
@@ -56,19 +57,6 @@ class ResponsesServing(TranslatedServing):
 
     def check_request(self, req) -> None:
         self.check_tokenizer("input")
-        if req.tools:
-            raise InvalidParameterError("function tools are not supported by this server "
-                                        "yet", param="tools")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise InvalidParameterError("tool_choice needs tools, which this server does not "
-                                        "support yet (only 'none' or 'auto')",
-                                        param="tool_choice")
-        if not isinstance(req.input, str):
-            for i, item in enumerate(req.input):
-                if item.type in ("function_call", "function_call_output"):
-                    raise InvalidParameterError(
-                        f"{item.type} items need function tools, which this server does "
-                        f"not support yet", param=f"input.{i}")
         fmt = req.text.format if req.text else None
         if fmt is not None and fmt.type != "text":
             raise InvalidParameterError(f"text.format {fmt.type!r} (structured output) is not "
@@ -79,9 +67,17 @@ class ResponsesServing(TranslatedServing):
                                         "(--responses-store-size 0), so previous_response_id "
                                         "cannot be used", param="previous_response_id")
 
+    def tools(self, req):
+        tools = [openai_tool(t.name, t.description, t.parameters) for t in req.tools or []]
+        choice = req.tool_choice
+        named = choice.name if isinstance(choice, FunctionToolChoice) else None
+        return chat_tools(self.engine.tokenizer, self.args, tools,
+                          None if named else choice, named, req.parallel_tool_calls)
+
     def conversation(self, req) -> list[dict]:
         """The chat messages of this turn, after the stored ones it continues; without the
-        instructions (those belong to this request only)."""
+        instructions (those belong to this request only). Function calls join the
+        assistant turn they follow; their outputs are tool messages."""
         messages: list[dict] = []
         if req.previous_response_id is not None:
             prev = self.store.get(req.previous_response_id)
@@ -92,8 +88,21 @@ class ResponsesServing(TranslatedServing):
             messages.extend(prev.messages)
         if isinstance(req.input, str):
             messages.append({"role": "user", "content": req.input})
-        else:
-            for item in req.input:
+            return messages
+        for item in req.input:
+            if item.type == "function_call":
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append(tool_call_message([(item.call_id, item.name,
+                                                        item.arguments)]))
+            elif item.type == "function_call_output":
+                messages.append({"role": "tool", "tool_call_id": item.call_id,
+                                 "content": _text(item.output)})
+            else:
                 role = "system" if item.role == "developer" else item.role
                 messages.append({"role": role, "content": _text(item.content)})
         return messages
@@ -101,23 +110,33 @@ class ResponsesServing(TranslatedServing):
     async def create(self, req, raw: Request):
         self.check_model(req.model)
         self.check_request(req)
+        tools = self.tools(req)
         convo = self.conversation(req)
         messages = ([{"role": "system", "content": req.instructions}]
                     if req.instructions is not None else []) + convo
         params = self.params(req.stream, req.max_output_tokens, temperature=req.temperature,
                              top_p=req.top_p, top_k=req.top_k, seed=req.seed)
         g = await self.generate(raw, messages, params, req.stream,
-                                request_id=_hex_id("resp"))
+                                request_id=_hex_id("resp"), tools=tools)
         head = self._head(req, g.request_id, params)
         if req.stream:
             return sse_response(self._stream(req, g, head, convo))
         c = g.first.outputs[0]
         check_not_failed(c)
-        item = OutputMessage(id=_hex_id("msg"), status=_item_status(c.finish_reason),
-                             content=[OutputText(text=c.text)])
-        resp = self._finish(head, item, c.finish_reason, len(g.prompt_ids), len(c.token_ids),
-                            g.first.num_cached_tokens)
-        self._keep(req, resp, convo, c.text)
+        parser = g.parser()
+        message = parser.message(c.text) if parser else {"content": c.text, "tool_calls": []}
+        status = _item_status(c.finish_reason)
+        items: list = []
+        if message["content"] or not message["tool_calls"]:
+            items.append(OutputMessage(id=_hex_id("msg"), status=status,
+                                       content=[OutputText(text=message["content"] or "")]))
+        items += [FunctionCallOutput(id=_hex_id("fc"), call_id=call["id"],
+                                     name=call["function"]["name"],
+                                     arguments=call["function"]["arguments"])
+                  for call in message["tool_calls"]]
+        resp = self._finish(head, items, c.finish_reason, len(g.prompt_ids),
+                            len(c.token_ids), g.first.num_cached_tokens)
+        self._keep(req, resp, convo, message["content"] or "", message["tool_calls"])
         return json_response(resp)
 
     def _head(self, req, request_id: str, params) -> ResponseObject:
@@ -130,50 +149,44 @@ class ResponsesServing(TranslatedServing):
             temperature=params.temperature, top_p=params.top_p,
             tool_choice=(choice if isinstance(choice, str) or choice is None
                          else choice.model_dump()) or "auto",
+            tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
             parallel_tool_calls=req.parallel_tool_calls is not False,
             text={"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
             if req.text and req.text.format else {"format": {"type": "text"}},
             store=req.store, metadata=req.metadata or {}, user=req.user)
 
-    def _finish(self, head: ResponseObject, item: OutputMessage, finish_reason: str | None,
+    def _finish(self, head: ResponseObject, items: list, finish_reason: str | None,
                 input_tokens: int, output_tokens: int, cached: int) -> ResponseObject:
         incomplete = finish_reason == "length"
         return head.model_copy(update=dict(
             status="incomplete" if incomplete else "completed",
             incomplete_details=IncompleteDetails(reason="max_output_tokens")
             if incomplete else None,
-            output=[item],
+            output=items,
             usage=ResponseUsage(
                 input_tokens=input_tokens,
                 input_tokens_details=InputTokensDetails(cached_tokens=cached),
                 output_tokens=output_tokens, output_tokens_details=OutputTokensDetails(),
                 total_tokens=input_tokens + output_tokens)))
 
-    def _keep(self, req, resp: ResponseObject, convo: list[dict], text: str) -> None:
+    def _keep(self, req, resp: ResponseObject, convo: list[dict], text: str,
+              calls: list[dict]) -> None:
         if req.store:
-            self.store.put(resp.id, resp.model_dump(mode="json"),
-                           convo + [{"role": "assistant", "content": text}])
+            turn = {"role": "assistant", "content": text}
+            if calls:
+                turn["tool_calls"] = calls
+            self.store.put(resp.id, resp.model_dump(mode="json"), convo + [turn])
 
     async def _stream(self, req, g: Generation, head: ResponseObject, convo: list[dict]
                       ) -> AsyncIterator[bytes]:
-        seq = 0
-
-        def event(kind: str, **fields: Any) -> bytes:
-            nonlocal seq
-            data = {"type": kind, "sequence_number": seq, **fields}
-            seq += 1
-            return (b"event: " + kind.encode() + b"\ndata: " + _JSON.encode(data) + b"\n\n")
-
-        item_id = _hex_id("msg")
-        loc = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        out = _EventWriter()
         start = head.model_dump(mode="json")
-        yield event("response.created", response=start)
-        yield event("response.in_progress", response=start)
-        yield event("response.output_item.added", output_index=0, item=OutputMessage(
-            id=item_id, status="in_progress", content=[]).model_dump(mode="json"))
-        yield event("response.content_part.added", **loc,
-                    part=OutputText(text="").model_dump(mode="json"))
-        pieces: list[str] = []
+        yield out.event("response.created", response=start)
+        yield out.event("response.in_progress", response=start)
+        parser = g.parser()
+        if parser is None:  # all content: the message opens at once, as OpenAI's does
+            for e in out.text(""):
+                yield e
         output_tokens = 0
         last = g.first
         try:
@@ -181,33 +194,38 @@ class ResponsesServing(TranslatedServing):
                 last = ro
                 c = ro.outputs[0]
                 output_tokens += len(c.token_ids)
-                if c.text:
-                    pieces.append(c.text)
-                    yield event("response.output_text.delta", **loc, delta=c.text,
-                                logprobs=[])
+                if parser is None:
+                    delta = {"content": c.text} if c.text else {}
+                else:
+                    delta = parser.finish(c.text) if c.finish_reason is not None \
+                        else parser.feed(c.text)
+                for e in out.delta(delta):
+                    yield e
             check_not_failed(last.outputs[0])
         except KvflowError as e:
             code = kvflow_error_code(e) or e.error_type
-            yield event("error", code=code, message=e.message, param=e.param)
+            yield out.event("error", code=code, message=e.message, param=e.param)
             failed = head.model_copy(update=dict(
                 status="failed", error=ResponseError(code=code, message=e.message)))
-            yield event("response.failed", response=failed.model_dump(mode="json"))
+            yield out.event("response.failed", response=failed.model_dump(mode="json"))
             return
         finally:
             await g.close()
-        text = "".join(pieces)
         finish = last.outputs[0].finish_reason
-        part = OutputText(text=text)
-        item = OutputMessage(id=item_id, status=_item_status(finish), content=[part])
-        yield event("response.output_text.done", **loc, text=text, logprobs=[])
-        yield event("response.content_part.done", **loc, part=part.model_dump(mode="json"))
-        yield event("response.output_item.done", output_index=0,
-                    item=item.model_dump(mode="json"))
-        resp = self._finish(head, item, finish, len(g.prompt_ids), output_tokens,
+        if not out.items and out.open is None:  # nothing at all: an empty message
+            for e in out.text(""):
+                yield e
+        for e in out.close(_item_status(finish)):
+            yield e
+        resp = self._finish(head, out.items, finish, len(g.prompt_ids), output_tokens,
                             last.num_cached_tokens)
-        self._keep(req, resp, convo, text)
+        text = "".join(i["content"][0]["text"] for i in out.items if i["type"] == "message")
+        calls = [{"id": i["call_id"], "type": "function",
+                  "function": {"name": i["name"], "arguments": i["arguments"]}}
+                 for i in out.items if i["type"] == "function_call"]
+        self._keep(req, resp, convo, text, calls)
         kind = "response.incomplete" if resp.status == "incomplete" else "response.completed"
-        yield event(kind, response=resp.model_dump(mode="json"))
+        yield out.event(kind, response=resp.model_dump(mode="json"))
 
     def retrieve(self, response_id: str) -> dict:
         entry = self.store.get(response_id)
@@ -221,6 +239,80 @@ class ResponsesServing(TranslatedServing):
             raise ResponseNotFoundError(f"no stored response with id {response_id!r}",
                                         param="response_id")
         return DeletedResponse(id=response_id)
+
+
+class _EventWriter:
+    """The Responses stream's events: numbered, and the output items opened and closed
+    as the text turns from content to function calls (one item open at a time)."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.items: list[dict] = []  # finished output items
+        self.open: dict | None = None
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _JSON.encode(data) + b"\n\n"
+
+    def _loc(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.items)}
+
+    def text(self, text: str) -> list[bytes]:
+        events = []
+        if self.open is None or self.open["type"] != "message":
+            events += self.close("completed")
+            self.open = {"id": _hex_id("msg"), "type": "message", "role": "assistant",
+                         "status": "in_progress", "content": [], "_text": []}
+            item = {k: v for k, v in self.open.items() if k != "_text"}
+            events.append(self.event("response.output_item.added",
+                                     output_index=len(self.items), item=item))
+            events.append(self.event("response.content_part.added", **self._loc(),
+                                     content_index=0,
+                                     part=OutputText(text="").model_dump(mode="json")))
+        if text:
+            self.open["_text"].append(text)
+            events.append(self.event("response.output_text.delta", **self._loc(),
+                                     content_index=0, delta=text, logprobs=[]))
+        return events
+
+    def delta(self, delta: dict) -> list[bytes]:
+        events = self.text(delta["content"]) if delta.get("content") else []
+        for call in delta.get("tool_calls", []):
+            fn = call["function"]
+            if call.get("id"):
+                events += self.close("completed")
+                self.open = {"id": _hex_id("fc"), "type": "function_call",
+                             "call_id": call["id"], "name": fn["name"], "arguments": "",
+                             "status": "in_progress"}
+                events.append(self.event("response.output_item.added",
+                                         output_index=len(self.items), item=dict(self.open)))
+            if fn.get("arguments") and self.open and self.open["type"] == "function_call":
+                self.open["arguments"] += fn["arguments"]
+                events.append(self.event("response.function_call_arguments.delta",
+                                         **self._loc(), delta=fn["arguments"]))
+        return events
+
+    def close(self, status: str) -> list[bytes]:
+        if self.open is None:
+            return []
+        item, loc, events = self.open, self._loc(), []
+        if item["type"] == "message":
+            part = OutputText(text="".join(item.pop("_text"))).model_dump(mode="json")
+            events.append(self.event("response.output_text.done", **loc, content_index=0,
+                                     text=part["text"], logprobs=[]))
+            events.append(self.event("response.content_part.done", **loc, content_index=0,
+                                     part=part))
+            item = {**item, "status": status, "content": [part]}
+        else:
+            events.append(self.event("response.function_call_arguments.done", **loc,
+                                     name=item["name"], arguments=item["arguments"]))
+            item = {**item, "status": "completed"}
+        events.append(self.event("response.output_item.done",
+                                 output_index=loc["output_index"], item=item))
+        self.items.append(item)
+        self.open = None
+        return events
 
 
 def _item_status(finish_reason: str | None) -> str:
