@@ -25,7 +25,7 @@ def client(server):
                                timeout=120)
 
 
-def chat(server, messages, max_tokens=16, **extra):
+def chat(server, messages, max_tokens=10, **extra):
     client = server.openai_client()
     r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
                                        max_tokens=max_tokens, **extra)
@@ -33,7 +33,7 @@ def chat(server, messages, max_tokens=16, **extra):
 
 
 def test_create_matches_chat(server, client):
-    m = client.messages.create(model=MODEL, max_tokens=16, **GREEDY,
+    m = client.messages.create(model=MODEL, max_tokens=10, **GREEDY,
                                system="You are a helpful assistant.",
                                messages=[{"role": "user", "content": QUESTION}])
     ref, usage = chat(server, [{"role": "system", "content": "You are a helpful assistant."},
@@ -47,7 +47,7 @@ def test_create_matches_chat(server, client):
 
 
 def test_stream_text_and_final_message(server, client):
-    kwargs = dict(model=MODEL, max_tokens=16, **GREEDY,
+    kwargs = dict(model=MODEL, max_tokens=10, **GREEDY,
                   system=[{"type": "text", "text": "Be brief.",
                            "cache_control": {"type": "ephemeral"}}],
                   messages=[{"role": "user",
@@ -61,7 +61,7 @@ def test_stream_text_and_final_message(server, client):
     assert final.usage.output_tokens == plain.usage.output_tokens
     assert final.usage.input_tokens == plain.usage.input_tokens
     # The raw event names (the client drops the ping).
-    body = {"model": MODEL, "max_tokens": 16, "temperature": 0, "stream": True,
+    body = {"model": MODEL, "max_tokens": 10, "temperature": 0, "stream": True,
             "messages": kwargs["messages"], "system": kwargs["system"]}
     with httpx.stream("POST", f"{server.url}/v1/messages", json=body, timeout=120) as r:
         events = [line[len("event: "):] for line in r.iter_lines()
@@ -74,12 +74,12 @@ def test_stream_text_and_final_message(server, client):
 
 
 def test_stop_sequences_and_max_tokens(server, client):
-    plain = client.messages.create(model=MODEL, max_tokens=24, **GREEDY,
+    plain = client.messages.create(model=MODEL, max_tokens=12, **GREEDY,
                                    messages=[{"role": "user", "content": "Count from 1 to 9."}])
     text = plain.content[0].text
     # A stop sequence taken from the greedy answer itself must end it there.
     stop = next(ch for ch in "3456" if ch in text)
-    m = client.messages.create(model=MODEL, max_tokens=24, **GREEDY,
+    m = client.messages.create(model=MODEL, max_tokens=12, **GREEDY,
                                stop_sequences=[stop],
                                messages=[{"role": "user", "content": "Count from 1 to 9."}])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
@@ -192,9 +192,9 @@ ASK = "What is the weather in Paris? Use the get_weather tool."
 
 
 def test_tools_match_the_chat_route(server, client):
-    ref, _ = chat(server, [{"role": "user", "content": ASK}], max_tokens=40,
+    ref, _ = chat(server, [{"role": "user", "content": ASK}], max_tokens=32,
                   tools=CHAT_TOOLS)
-    kwargs = dict(model=MODEL, max_tokens=40, **GREEDY, tools=[WEATHER],
+    kwargs = dict(model=MODEL, max_tokens=32, **GREEDY, tools=[WEATHER],
                   messages=[{"role": "user", "content": ASK}])
     m = client.messages.create(**kwargs)
     calls = ref.message.tool_calls or []
@@ -229,9 +229,9 @@ def test_tool_use_and_result_round_trip(server, client):
                                                      "tools": CHAT_TOOLS}).json()
     n = client.messages.count_tokens(model=MODEL, messages=messages, tools=[WEATHER])
     assert n.input_tokens == tok["count"]
-    m = client.messages.create(model=MODEL, max_tokens=12, **GREEDY, tools=[WEATHER],
+    m = client.messages.create(model=MODEL, max_tokens=4, **GREEDY, tools=[WEATHER],
                                messages=messages)
-    ref, usage = chat(server, history, max_tokens=12, tools=CHAT_TOOLS)
+    ref, usage = chat(server, history, max_tokens=4, tools=CHAT_TOOLS)
     assert m.usage.input_tokens == usage.prompt_tokens == tok["count"]
     assert "".join(b.text for b in m.content if b.type == "text") == \
         (ref.message.content or "")

@@ -19,7 +19,7 @@ def client(server):
     return server.openai_client()
 
 
-def chat_text(client, messages, max_tokens=16) -> str:
+def chat_text(client, messages, max_tokens=10) -> str:
     r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
                                        max_tokens=max_tokens)
     return r.choices[0].message.content
@@ -27,7 +27,7 @@ def chat_text(client, messages, max_tokens=16) -> str:
 
 def test_plain_matches_chat_and_usage(server, client):
     r = client.responses.create(model=MODEL, input=QUESTION, temperature=0,
-                                max_output_tokens=16)
+                                max_output_tokens=10)
     assert r.object == "response" and r.id.startswith("resp_")
     assert r.model == MODEL and r.output[0].type == "message"
     assert r.output[0].role == "assistant" and r.output[0].content[0].type == "output_text"
@@ -44,10 +44,10 @@ def test_instructions_and_message_items(client):
     items = [{"role": "developer", "content": "Answer in one word."},
              {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
     r = client.responses.create(model=MODEL, input=items, instructions="You are terse.",
-                                temperature=0, max_output_tokens=12)
+                                temperature=0, max_output_tokens=8)
     expected = chat_text(client, [{"role": "system", "content": "You are terse."},
                                   {"role": "system", "content": "Answer in one word."},
-                                  {"role": "user", "content": QUESTION}], max_tokens=12)
+                                  {"role": "user", "content": QUESTION}], max_tokens=8)
     assert r.output_text == expected and r.instructions == "You are terse."
 
 
@@ -60,7 +60,7 @@ def test_max_output_tokens_incomplete(client):
 
 
 def test_stream_events_equal_plain(client):
-    kwargs = dict(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=16)
+    kwargs = dict(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=10)
     plain = client.responses.create(**kwargs)
     events = list(client.responses.create(stream=True, **kwargs))
     kinds = [e.type for e in events]
@@ -85,12 +85,12 @@ def test_stream_events_equal_plain(client):
 
 def test_previous_response_id_continues_and_store(server, client):
     first = client.responses.create(model=MODEL, input="My name is Ada.", temperature=0,
-                                    max_output_tokens=8)
+                                    max_output_tokens=6)
     follow = client.responses.create(model=MODEL, input="What is my name?", temperature=0,
-                                     max_output_tokens=8, previous_response_id=first.id)
+                                     max_output_tokens=6, previous_response_id=first.id)
     expected = chat_text(client, [{"role": "user", "content": "My name is Ada."},
                                   {"role": "assistant", "content": first.output_text},
-                                  {"role": "user", "content": "What is my name?"}], 8)
+                                  {"role": "user", "content": "What is my name?"}], 6)
     assert follow.output_text == expected and follow.previous_response_id == first.id
     assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     got = client.responses.retrieve(first.id)
@@ -132,7 +132,7 @@ CHAT_TOOLS = [{"type": "function", "function": WEATHER}]
 ASK = "What is the weather in Paris? Use the get_weather tool."
 
 
-def _chat_tool_answer(client, messages, max_tokens=40, **extra):
+def _chat_tool_answer(client, messages, max_tokens=32, **extra):
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=CHAT_TOOLS,
                                        temperature=0, max_tokens=max_tokens, **extra)
     m = r.choices[0].message
@@ -143,7 +143,7 @@ def _chat_tool_answer(client, messages, max_tokens=40, **extra):
 def test_function_tools_match_the_chat_route(client):
     content, calls, _ = _chat_tool_answer(client, [{"role": "user", "content": ASK}])
     kwargs = dict(model=MODEL, input=ASK, tools=[{"type": "function", **WEATHER}],
-                  temperature=0, max_output_tokens=40)
+                  temperature=0, max_output_tokens=32)
     r = client.responses.create(**kwargs)
     got = [(o.name, o.arguments) for o in r.output if o.type == "function_call"]
     assert got == [(name, args) for _, name, args in calls]
@@ -172,13 +172,13 @@ def test_function_call_output_round_trip(server, client):
              {"type": "function_call_output", "call_id": "call_1",
               "output": "18 degrees, sunny"}]
     r = client.responses.create(model=MODEL, input=items, temperature=0,
-                                tools=[{"type": "function", **WEATHER}], max_output_tokens=12)
+                                tools=[{"type": "function", **WEATHER}], max_output_tokens=4)
     history = [{"role": "user", "content": ASK},
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "call_1", "type": "function", "function": {
                        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
-    content, calls, ref = _chat_tool_answer(client, history, max_tokens=12)
+    content, calls, ref = _chat_tool_answer(client, history, max_tokens=4)
     assert r.usage.input_tokens == ref.usage.prompt_tokens
     assert r.output_text == (content or "")
 
