@@ -192,22 +192,34 @@ ASK = "What is the weather in Paris? Use the get_weather tool."
 
 
 def test_tools_match_the_chat_route(server, client):
-    ref, _ = chat(server, [{"role": "user", "content": ASK}], max_tokens=32,
-                  tools=CHAT_TOOLS)
-    kwargs = dict(model=MODEL, max_tokens=32, **GREEDY, tools=[WEATHER],
+    # A forced tool: a call whatever this small model would say (its arguments are JSON
+    # once the grammar engine enforces the schema; until then input holds the text).
+    ref, _ = chat(server, [{"role": "user", "content": ASK}], max_tokens=12,
+                  tools=CHAT_TOOLS,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls = ref.message.tool_calls
+    assert calls
+    kwargs = dict(model=MODEL, max_tokens=12, **GREEDY, tools=[WEATHER],
+                  tool_choice={"type": "tool", "name": "get_weather"},
                   messages=[{"role": "user", "content": ASK}])
     m = client.messages.create(**kwargs)
-    calls = ref.message.tool_calls or []
-    assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == \
-        [(c.function.name, json.loads(c.function.arguments)) for c in calls]
-    texts = [b.text for b in m.content if b.type == "text"]
-    assert texts == ([ref.message.content] if ref.message.content else [])
-    assert m.stop_reason == ("tool_use" if calls else
-                             {"stop": "end_turn", "length": "max_tokens"}[ref.finish_reason])
+    assert [b.type for b in m.content] == ["tool_use"]
+    block, args = m.content[0], calls[0].function.arguments
+    assert block.name == "get_weather" and block.id == block.id.strip()
+    try:
+        assert block.input == json.loads(args)
+    except ValueError:
+        assert block.input == {"arguments": args}
+    assert m.stop_reason == ("tool_use" if ref.finish_reason == "tool_calls"
+                             else "max_tokens")
     with client.messages.stream(**kwargs) as stream:
+        events = [e.type for e in stream]
         final = stream.get_final_message()
-    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
+    assert [(b.type, b.name, b.input) for b in final.content] == \
+        [(b.type, b.name, b.input) for b in m.content]
     assert final.stop_reason == m.stop_reason
+    assert events[:2] == ["message_start", "content_block_start"]
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
 
 
 def test_tool_use_and_result_round_trip(server, client):

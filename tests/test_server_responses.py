@@ -141,28 +141,34 @@ def _chat_tool_answer(client, messages, max_tokens=32, **extra):
 
 
 def test_function_tools_match_the_chat_route(client):
-    content, calls, _ = _chat_tool_answer(client, [{"role": "user", "content": ASK}])
+    # A named tool_choice: a call whatever this small model would say.
+    content, calls, _ = _chat_tool_answer(
+        client, [{"role": "user", "content": ASK}], max_tokens=12,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert calls and content is None
     kwargs = dict(model=MODEL, input=ASK, tools=[{"type": "function", **WEATHER}],
-                  temperature=0, max_output_tokens=32)
+                  tool_choice={"type": "function", "name": "get_weather"},
+                  temperature=0, max_output_tokens=12)
     r = client.responses.create(**kwargs)
     got = [(o.name, o.arguments) for o in r.output if o.type == "function_call"]
     assert got == [(name, args) for _, name, args in calls]
-    texts = [o.content[0].text for o in r.output if o.type == "message"]
-    assert texts == ([content] if content or not calls else [])
-    assert all(o.call_id.startswith("call_") for o in r.output if o.type == "function_call")
-    # Streamed: items opened and closed in order, the same output in the end.
+    assert [o.type for o in r.output] == ["function_call"]
+    assert r.output[0].call_id.startswith("call_")
+    assert r.tool_choice.name == "get_weather"
+    # Streamed: the item opened and closed in order, the same output in the end.
     events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    n = kinds.count("response.function_call_arguments.delta")
+    assert kinds == (["response.created", "response.in_progress",
+                      "response.output_item.added"]
+                     + ["response.function_call_arguments.delta"] * n
+                     + ["response.function_call_arguments.done", "response.output_item.done",
+                        events[-1].type])
     assert [e.sequence_number for e in events] == list(range(len(events)))
     final = events[-1].response
-    assert [(o.type, getattr(o, "name", None), getattr(o, "arguments", None))
-            for o in final.output] == [(o.type, getattr(o, "name", None),
-                                        getattr(o, "arguments", None)) for o in r.output]
-    added = [e.output_index for e in events if e.type == "response.output_item.added"]
-    done = [e.output_index for e in events if e.type == "response.output_item.done"]
-    assert added == done == list(range(len(r.output)))
-    args = "".join(e.delta for e in events
-                   if e.type == "response.function_call_arguments.delta")
-    assert args == "".join(a for _, a in got)
+    assert [(o.name, o.arguments) for o in final.output] == got
+    assert events[-3].arguments == got[0][1] == "".join(
+        e.delta for e in events if e.type == "response.function_call_arguments.delta")
 
 
 def test_function_call_output_round_trip(server, client):

@@ -218,6 +218,8 @@ def anthropic_request_models(limits: RequestLimits = RequestLimits()) -> SimpleN
 # --- responses ----------------------------------------------------------------------
 
 class Usage(_Response):
+    _omit_if_none = ("cache_read_input_tokens",)
+
     input_tokens: int
     output_tokens: int
     cache_read_input_tokens: int | None = None

@@ -189,11 +189,15 @@ class MessagesServing(TranslatedServing):
 
 class _Blocks:
     """The stream's content blocks, opened and closed as the text turns from text to
-    tool calls (one block open at a time, indexes counting from 0)."""
+    tool calls (one block open at a time, indexes counting from 0). A tool_use block's
+    input goes out as one input_json_delta when the block closes: the client parses the
+    joined deltas as a JSON object, which the model's text is only once complete (and
+    only when it is an object at all; see _arguments)."""
 
     def __init__(self) -> None:
         self.index = -1
         self.kind: str | None = None  # the open block's type
+        self.args: list[str] = []  # the open tool_use block's arguments so far
         self.called = False
 
     def _open(self, block: dict) -> list[bytes]:
@@ -220,18 +224,23 @@ class _Blocks:
                 self.called = True
                 events += self._open({"type": "tool_use", "id": call["id"],
                                       "name": fn["name"], "input": {}})
+                self.args = []
             if fn.get("arguments") and self.kind == "tool_use":
-                events.append(_sse("content_block_delta", {
-                    "type": "content_block_delta", "index": self.index,
-                    "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]}}))
+                self.args.append(fn["arguments"])
         return events
 
     def close(self) -> list[bytes]:
         if self.kind is None:
             return []
+        events = []
+        if self.kind == "tool_use":
+            events.append(_sse("content_block_delta", {
+                "type": "content_block_delta", "index": self.index,
+                "delta": {"type": "input_json_delta", "partial_json": json.dumps(
+                    _arguments("".join(self.args)), ensure_ascii=False)}}))
         self.kind = None
-        return [_sse("content_block_stop", {"type": "content_block_stop",
-                                            "index": self.index})]
+        return events + [_sse("content_block_stop", {"type": "content_block_stop",
+                                                      "index": self.index})]
 
 
 def _arguments(text: str) -> dict:
