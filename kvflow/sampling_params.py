@@ -63,6 +63,11 @@ class StructuredOutputsParams:
     is ``root``): the output is a sentence of it."""
     json_object: bool = False
     """The output is any JSON object (``response_format: {"type": "json_object"}``)."""
+    start_after: str | None = None
+    """Constrain only what follows this text (e.g. ``"</think>"``: a reasoning model
+    thinks freely, then its answer follows the constraint). Matched on token ids: the
+    text as the tokenizer encodes it alone (a special token such as Qwen3's is one id).
+    None: the whole output is constrained."""
 
     def __post_init__(self) -> None:
         set_ = [name for name in ("json", "regex", "choice", "grammar")
@@ -77,6 +82,10 @@ class StructuredOutputsParams:
                 "structured_outputs needs exactly one of json, regex, choice, grammar and "
                 f"json_object, got {', '.join(set_) if set_ else 'none'}",
                 param="structured_outputs")
+        if self.start_after is not None:
+            _check(isinstance(self.start_after, str) and 0 < len(self.start_after) <= 256,
+                   "structured_outputs.start_after", "a non-empty string of at most 256 "
+                   "characters", self.start_after)
         if self.json is not None:
             self._check_json()
         for name in ("regex", "grammar"):
@@ -119,11 +128,12 @@ class StructuredOutputsParams:
 
     def key(self) -> tuple[str, str]:
         """(kind, canonical text): equal constraints have equal keys (the compile cache's
-        key; a schema's key does not depend on its dict order or spacing)."""
+        key; a schema's key does not depend on its spacing or on whether it came as a dict
+        or as text). Key order is kept: the output follows the schema's property order."""
         kind = self.kind
         if kind == "json":
             value = _json.loads(self.json) if isinstance(self.json, str) else self.json
-            return kind, _json.dumps(value, sort_keys=True, separators=(",", ":"))
+            return kind, _json.dumps(value, separators=(",", ":"), ensure_ascii=False)
         if kind == "choice":
             return kind, _json.dumps(self.choice)
         if kind == "json_object":

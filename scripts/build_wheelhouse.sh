@@ -34,6 +34,8 @@ PACKAGES=(
   "msgspec==0.23.0"                   # typed IPC messages (binary)
   "pyzmq==27.3.0"                     # IPC sockets (binary, bundles libzmq)
   "gguf==0.19.0"                      # GGUF weights and metadata
+  "xgrammar==0.2.9"                   # structured outputs: the grammar engine (binary)
+  "apache-tvm-ffi==0.1.15.post2"      # xgrammar's FFI (binary)
 )
 
 while [[ $# -gt 0 ]]; do

@@ -126,6 +126,14 @@ def add_bench_parser(sub) -> None:
 
     srv.set_defaults(func=_lazy("kvflow.bench.serve", "run_serve_benchmark"))
 
+    so = kinds.add_parser("structured", help="constrained decoding: JSON-schema validity, "
+                          "overhead per output token, compile time, ngram speculation")
+    EngineArgs.add_cli_args(so, model_positional=False)
+    from kvflow.bench.structured import add_structured_args
+
+    add_structured_args(so)
+    so.set_defaults(func=_lazy("kvflow.bench.structured", "run_structured"))
+
     abl = kinds.add_parser("ablation", help="one workload with each optimization switched "
                            "off in turn: markdown report, PNG plots, JSON")
     EngineArgs.add_cli_args(abl, model_positional=False)

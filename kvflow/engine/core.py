@@ -19,7 +19,7 @@ from kvflow.core.latency import LatencyTarget, StepTimeModel
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SwapPolicy
-from kvflow.engine.messages import CoreStats, spec_fields
+from kvflow.engine.messages import CoreStats, spec_fields, structured_fields
 from kvflow.engine.processor import bound_for_engine
 from kvflow.engine.step_prior import step_time_prior
 from kvflow.errors import InvalidParameterError, QueueFullError
@@ -411,7 +411,15 @@ class EngineCore:
                          kv_cache_usage=s.kv.usage, num_preemptions=s.num_preemptions,
                          num_steps=self.num_steps, num_cached_blocks=counts["cached"],
                          num_shared_blocks=counts["shared"], block_map=bmap,
+                         structured=self._structured_stats(),
                          **(spec_fields(s.spec_stats) if self.config.speculative else {}))
+
+    def _structured_stats(self) -> tuple[float, ...]:
+        runner = getattr(self.executor, "runner", None)
+        so = getattr(runner, "structured", None)
+        if so is None or not so.used:
+            return ()
+        return structured_fields(so.stats())
 
     def _kv_block_map(self) -> tuple[str, dict]:
         # A walk over every block: at most once per BLOCK_MAP_INTERVAL_S, not every step.

@@ -41,6 +41,34 @@ class CoreStats(msgspec.Struct, frozen=True):
     num_cached_blocks: int = 0  # free blocks that still hold a findable prefix
     num_shared_blocks: int = 0  # blocks held by more than one request
     block_map: str = ""  # one state digit per cell of blocks (kvflow.core.block_map)
+    # Constrained decoding, since start, in STRUCTURED_FIELDS order (empty: never used).
+    structured: tuple[float, ...] = ()
+
+
+# What CoreStats.structured holds, in order: (name, /metrics counter, help).
+STRUCTURED_FIELDS = (
+    ("num_compiles", "structured_compiles", "Grammars compiled (JSON schema, regex, "
+     "choice, grammar)."),
+    ("compile_s", "structured_compile_seconds", "Seconds spent compiling grammars."),
+    ("num_cache_hits", "structured_compile_cache_hits", "Constrained requests whose "
+     "grammar was already compiled."),
+    ("num_errors", "structured_compile_errors", "Grammars that failed to compile."),
+    ("num_masked_steps", "structured_masked_steps", "Engine steps that masked logits "
+     "with a grammar."),
+    ("num_masked_rows", "structured_masked_rows", "Sampled positions masked by a grammar."),
+    ("fill_s", "structured_mask_fill_seconds", "Seconds spent filling grammar bitmasks "
+     "(beside the forward)."),
+    ("num_draft_rejections", "structured_draft_rejections", "Speculative drafts cut "
+     "because the grammar forbids a draft token."),
+)
+
+
+def structured_fields(stats) -> tuple[float, ...]:
+    """CoreStats.structured from a StructuredStats (kvflow.structured_output.manager)."""
+    c = stats.compile
+    return (c.num_compiles, c.compile_s, c.num_cache_hits, c.num_errors,
+            stats.num_masked_steps, stats.num_masked_rows, stats.fill_s,
+            stats.num_draft_rejections)
 
 
 class AddRequest(msgspec.Struct, tag="add", frozen=True):

@@ -89,6 +89,10 @@ class InputProcessor:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         self.vocab_size = config.model.arch.vocab_size
+        from kvflow.structured_output.check import DEFAULT_LIMITS
+
+        # The server replaces these with its --structured-outputs-* limits.
+        self.structured_limits = DEFAULT_LIMITS
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's recommended sampling settings applied."""
@@ -102,6 +106,23 @@ class InputProcessor:
         if params.max_tokens is None and m.max_tokens_default is not None:
             params = params.clone(max_tokens=m.max_tokens_default)
         return params
+
+    def check_structured(self, params: SamplingParams, param: str | None = None) -> None:
+        """Refuse a constraint this engine cannot run or must not compile (sizes, parse)."""
+        from kvflow.structured_output.check import check_constraint
+
+        cfg = self.config
+        why = None
+        if self.tokenizer is None or cfg.model.tokenizer is None:
+            why = "needs the model's tokenizer (this model has none)"
+        elif cfg.parallel.pipeline_parallel_size > 1:
+            why = "is not supported with pipeline parallelism yet"
+        elif cfg.speculative is not None and cfg.speculative.method == "medusa":
+            why = "is not supported with Medusa tree verification yet"
+        if why is not None:
+            raise InvalidParameterError(f"structured_outputs {why}",
+                                        param=param or "structured_outputs")
+        check_constraint(params.structured_outputs, self.structured_limits, param)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -150,6 +171,8 @@ class InputProcessor:
         params = self.apply_defaults(params)
         cfg = self.config
         params = bound_for_engine(params, self.vocab_size, cfg.model.max_model_len)
+        if params.structured_outputs is not None:
+            self.check_structured(params)
         text, ids = self.tokenize_prompt(prompt)
         check_request_fits(len(ids), params.max_tokens, cfg.model.max_model_len,
                            cfg.cache.block_size, self.num_blocks)

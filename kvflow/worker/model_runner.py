@@ -15,6 +15,7 @@ from kvflow.distributed.parallel_state import ParallelState
 from kvflow.layers.attention import AttentionSpec, get_attention_backend, model_rotary
 from kvflow.layers.custom_op import use_kernels
 from kvflow.layers.sampler import Sampler, SamplerOutput, gather_logprobs
+from kvflow.layers.token_bitmask import apply_token_bitmask
 from kvflow.logger import init_logger
 from kvflow.models.loader import load_model
 from kvflow.utils import cdiv
@@ -123,6 +124,9 @@ class ModelRunner:
         # (worker/cpu_threads.py); made at the first step, when the thread count is set.
         self.thread_policy: StepThreadPolicy | None = None
         # Ranks of a parallel group keep the thread count set_rank_threads gave them.
+        # Constrained decoding: the rank that samples keeps the matchers; None elsewhere.
+        self.structured = _structured_manager(config, self.parallel)
+        self._last_handle: StepHandle | None = None  # resolves a constrained row's token
         self._adaptive_threads = (self.device.type == "cpu"
                                   and config.device.cpu_step_threads == "adaptive"
                                   and self.parallel.world.world_size == 1)
@@ -221,6 +225,8 @@ class ModelRunner:
     def _execute(self, so: SchedulerOutput) -> StepHandle:
         start = time.perf_counter()
         self.step_builder.update(so)
+        if self.structured is not None:
+            self.structured.update(so)
         # Order matters: a block swapped out may be reused by a swap-in or a copy.
         for dev_block, host_block in so.blocks_to_swap_out:
             self.host_cache[host_block].copy_(self.kv_caches[:, :, dev_block],
@@ -241,13 +247,40 @@ class ModelRunner:
         if self.idle_meter is not None:
             self.idle_meter.step_start()
         inputs = self.step_builder.build(so)
+        # The grammar mask fills while the forward runs: on the CPU on the mask thread
+        # (started first), on CUDA on the host once the forward is queued.
+        mask = self._start_mask(inputs) if self.device.type == "cpu" else None
         if self.graphs is not None and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
         elif self.graphs is not None:
             hidden = self.graphs.run_eager(inputs)
         else:
             hidden = self.forward_model(inputs.input_ids, inputs.positions, inputs.meta)
-        return self._launch_sampling(inputs, hidden, start)
+        if self.device.type != "cpu":
+            mask = self._start_mask(inputs)
+        handle = self._launch_sampling(inputs, hidden, start, mask)
+        self._last_handle = handle
+        return handle
+
+    def _start_mask(self, inputs: StepInputs):
+        """Start filling the grammar bitmask of the step's constrained rows (None: none).
+        A constrained request whose last token is still in flight (overlapped steps)
+        needs it on the host first: the previous step is resolved, only then."""
+        if self.structured is None or not self.structured.reqs:
+            return None
+        try:
+            plans = self.structured.plan(inputs, self.step_builder.batch)
+        except LookupError:
+            self._last_handle.result()
+            plans = self.structured.plan(inputs, self.step_builder.batch)
+        return None if plans is None else self.structured.start(plans)
+
+    def _masked(self, logits: torch.Tensor, mask) -> torch.Tensor:
+        if mask is None:
+            return logits
+        m = mask.result()
+        return apply_token_bitmask(logits, m.rows.to(logits.device),
+                                   m.bitmask.to(logits.device))
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst := block src in every layer, before the step runs."""
@@ -264,7 +297,7 @@ class ModelRunner:
             copy(self.kv_scales, idx)
 
     def _launch_sampling(self, inputs: StepInputs, hidden: torch.Tensor,
-                         start: float) -> StepHandle:
+                         start: float, mask=None) -> StepHandle:
         host = StepHostOutputs()
         collect = None
         if self.spec is not None and self.spec.wants_hidden and hidden is not None:
@@ -275,7 +308,8 @@ class ModelRunner:
             self._verify_tree(inputs, hidden, host)
         elif inputs.sample.num_draft is not None:
             sample, builder = inputs.sample, self.step_builder
-            logits = self.model.compute_logits(hidden[sample.logits_indices])  # [N, V]
+            logits = self._masked(self.model.compute_logits(
+                hidden[sample.logits_indices]), mask)  # [N, V]
             tokens, logprobs = self.spec.verify(
                 logits, builder.sampling_metadata(inputs), sample.num_draft,
                 sample.draft_token_ids, builder.min_tokens_left(inputs),
@@ -287,7 +321,8 @@ class ModelRunner:
         elif inputs.sample.num_reqs:
             logits = None if hidden is None else self.model.compute_logits(
                 hidden[inputs.sample.logits_indices])  # only the last pipeline stage has them
-            out = self._sample(logits, inputs)
+            out = self._sample(self._masked(logits, mask) if logits is not None else logits,
+                               inputs)
             host.sampled = to_host_async(out.sampled)
             if out.logprobs is not None:
                 host.logprobs = tuple(to_host_async(t) for t in (
@@ -345,6 +380,19 @@ class ModelRunner:
         k_max = max(span.num_logprobs for span in plan.spans)
         return gather_logprobs(logits.log_softmax(dim=-1),
                                to_device(plan.targets, dev, torch.int64), k_max)
+
+
+def _structured_manager(config: EngineConfig, parallel: ParallelState):
+    """The sampling rank's StructuredOutputManager (constrained decoding), or None where
+    this rank does not sample or the model has no tokenizer (the input processor then
+    refuses constrained requests)."""
+    samples = parallel.rank == parallel.world.world_size - parallel.tp.world_size
+    if not samples or parallel.pp.world_size > 1 or config.model.tokenizer is None:
+        return None
+    from kvflow.structured_output.manager import StructuredOutputManager
+
+    return StructuredOutputManager(config.model.tokenizer, config.model.arch.vocab_size,
+                                   list(config.model.arch.eos_token_ids))
 
 
 def _kernels_available() -> bool:

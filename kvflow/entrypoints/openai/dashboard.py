@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from kvflow.engine.messages import CoreStats
+from kvflow.engine.messages import STRUCTURED_FIELDS, CoreStats
 from kvflow.engine.stats import IterationStats
 
 # How far back the charts and distributions reach.
@@ -146,6 +146,9 @@ class DashboardStats:
                        # Preempted requests wait again at the front of the queue.
                        "preemptions": c.num_preemptions if c else 0},
             "steps": c.num_steps if c else 0,
+            # Constrained decoding counters (None until a constrained request came).
+            "structured": dict(zip((f[0] for f in STRUCTURED_FIELDS), c.structured))
+            if c is not None and c.structured else None,
             "kv": kv,
             "tokens_per_s": sum(b.generation_tokens for b in recent) / 10.0,
             "totals": {"generation_tokens": self.total_generation_tokens,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
 
-from kvflow.engine.messages import CoreStats, spec_totals
+from kvflow.engine.messages import STRUCTURED_FIELDS, CoreStats, spec_totals
 from kvflow.engine.stats import IterationStats
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -89,6 +89,9 @@ class PrometheusMetrics:
                                         "Time of verification steps, from launch until "
                                         "their tokens reached the host.")
         self._spec_last = spec_totals(None)
+        # Constrained decoding (CoreStats.structured, in STRUCTURED_FIELDS order).
+        self._structured = [counter(metric, doc) for _, metric, doc in STRUCTURED_FIELDS]
+        self._structured_last = [0.0] * len(STRUCTURED_FIELDS)
         self._spec_pos_last: list[int] = []
         for reason in ("stop", "length", "abort"):
             self._success.labels(finished_reason=reason, **self._labels)
@@ -108,6 +111,10 @@ class PrometheusMetrics:
                 self._preemptions = core.num_preemptions
             if core.spec_num_drafts or core.spec_num_proposals:
                 self._record_spec(core)
+            for i, new in enumerate(core.structured):
+                if new > self._structured_last[i]:
+                    self._structured[i].inc(new - self._structured_last[i])
+                    self._structured_last[i] = new
         if it is None:
             return
         self.prompt_tokens.inc(it.num_prompt_tokens)

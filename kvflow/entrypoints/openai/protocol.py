@@ -163,11 +163,6 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 def _check_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
     if value:
         clash = sorted(set(value) & RESERVED_TEMPLATE_KWARGS)
@@ -183,6 +178,9 @@ def request_models(limits: RequestLimits = RequestLimits()) -> SimpleNamespace:
     ``.tokenize`` (completion or chat form), ``.detokenize``."""
     lim = limits
     StopStr = Annotated[StrictStr, Field(min_length=1, max_length=lim.max_stop_length)]
+    from kvflow.entrypoints.openai.structured import request_models as structured_models
+
+    ResponseFormat, StructuredOutputs = structured_models(lim)
     TemplateKwargs = Annotated[dict[str, Any] | None, Field(
         description="extra variables for the chat template; may not set "
         + ", ".join(sorted(RESERVED_TEMPLATE_KWARGS)))]
@@ -221,6 +219,8 @@ def request_models(limits: RequestLimits = RequestLimits()) -> SimpleNamespace:
         """kvflow/vLLM extension: requests share cached prefix KV only with the same salt."""
         return_token_ids: StrictBool = False
         """kvflow/vLLM extension: add token_ids (and prompt_token_ids) to each choice."""
+        structured_outputs: StructuredOutputs | None = None
+        """kvflow/vLLM extension: constrain the output (json schema, regex, choice, grammar)."""
         # Accepted for compatibility; they change nothing here.
         store: StrictBool | None = None
         metadata: Annotated[dict[Annotated[str, Field(max_length=64)],

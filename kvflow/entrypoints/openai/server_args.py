@@ -29,10 +29,18 @@ class RequestLimits:
     """Most messages in one chat request."""
     max_prompts: int = 256
     """Most prompts in one completion request (a list of prompts)."""
+    max_structured_chars: int = 100_000
+    """Longest JSON schema (compact JSON), regex or grammar in response_format /
+    structured_outputs, in characters."""
+    max_structured_depth: int = 32
+    """Deepest nesting of a JSON schema (objects and lists)."""
+    max_structured_choices: int = 2000
+    """Most choices in structured_outputs.choice, and most values in one schema enum."""
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_stop", "max_stop_length", "max_logit_bias",
-                     "max_messages", "max_prompts"):
+                     "max_messages", "max_prompts", "max_structured_chars",
+                     "max_structured_depth", "max_structured_choices"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidParameterError(f"{name} must be an integer >= 1, got {value!r}",
@@ -165,6 +173,13 @@ class ServerArgs:
                        help="most messages per chat request")
         g.add_argument("--max-prompts", type=int, default=lim.max_prompts,
                        help="most prompts per completion request")
+        g.add_argument("--max-structured-chars", type=int, default=lim.max_structured_chars,
+                       help="longest JSON schema, regex or grammar of a constrained request")
+        g.add_argument("--max-structured-depth", type=int, default=lim.max_structured_depth,
+                       help="deepest nesting of a JSON schema in a request")
+        g.add_argument("--max-structured-choices", type=int,
+                       default=lim.max_structured_choices,
+                       help="most choices (structured_outputs.choice) and most enum values")
         return parser
 
     @classmethod
@@ -184,4 +199,7 @@ class ServerArgs:
                                         max_stop_length=ns.max_stop_length,
                                         max_logit_bias=ns.max_logit_bias,
                                         max_messages=ns.max_messages,
-                                        max_prompts=ns.max_prompts))
+                                        max_prompts=ns.max_prompts,
+                                        max_structured_chars=ns.max_structured_chars,
+                                        max_structured_depth=ns.max_structured_depth,
+                                        max_structured_choices=ns.max_structured_choices))

@@ -15,9 +15,11 @@ from fastapi.responses import StreamingResponse
 from kvflow.engine.async_client import AsyncEngine
 from kvflow.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from kvflow.entrypoints.openai.server_args import ServerArgs
+from kvflow.entrypoints.openai.structured import constraint_limits, structured_params
 from kvflow.errors import InvalidParameterError, ModelNotFoundError, RequestTimeoutError
 from kvflow.outputs import Logprob, PositionLogprobs, RequestOutput
 from kvflow.sampling_params import OutputKind, SamplingParams
+from kvflow.structured_output.check import check_constraint
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty")
@@ -246,7 +248,8 @@ class OpenAIServing:
             raise InvalidParameterError("stop strings need a tokenizer and this model has "
                                         "none; use stop_token_ids", param="stop")
         return SamplingParams(
-            n=req.n, seed=req.seed, stop=req.stop,
+            structured_outputs=self.structured_outputs(req), n=req.n, seed=req.seed,
+            stop=req.stop,
             logit_bias={int(k): float(v) for k, v in req.logit_bias.items()}
             if req.logit_bias else None, stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -257,6 +260,14 @@ class OpenAIServing:
             detokenize=has_tokenizer,
             output_kind=OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY,
             **values)
+
+    def structured_outputs(self, req):
+        """The request's constraint (response_format / structured_outputs), checked
+        against the server's limits: a 400 naming the field, before the engine."""
+        so, param = structured_params(req)
+        if so is not None:
+            check_constraint(so, constraint_limits(self.args.limits), param)
+        return so
 
     def token_text(self, lp: Logprob | None, token_id: int) -> str:
         if lp is not None and lp.decoded_token is not None:

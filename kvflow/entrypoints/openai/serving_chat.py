@@ -63,9 +63,6 @@ class ChatServing(OpenAIServing):
         if self.engine.tokenizer is None:
             raise InvalidParameterError("this model has no tokenizer, so it cannot chat; use "
                                         "/v1/completions with token ids", param="messages")
-        if req.response_format and req.response_format.type != "text":
-            raise InvalidParameterError("only response_format {'type': 'text'} is supported",
-                                        param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidParameterError("top_logprobs needs logprobs to be true",
                                         param="top_logprobs")

@@ -1,0 +1,47 @@
+"""The model's vocabulary as the grammar engine reads it (xgrammar's TokenizerInfo).
+
+Built once per engine from the tokenizer the API process uses too (a Hugging Face
+``tokenizer.json`` or a GGUF file's vocabulary rebuilt by ``kvflow.engine.tokenizer``),
+so both sides agree on what every token id spells.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+def tokenizer_info(backend, vocab_size: int, eos_token_ids: list[int]):
+    """xgrammar TokenizerInfo for a ``tokenizers.Tokenizer`` whose model has
+    ``vocab_size`` logits (it may pad past the tokenizer's own size)."""
+    import xgrammar as xgr
+
+    vocab = backend.get_vocab(with_added_tokens=True)  # token text -> id
+    encoded = [""] * max(vocab_size, max(vocab.values()) + 1)
+    for text, idx in vocab.items():
+        encoded[idx] = text
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+    return xgr.TokenizerInfo(encoded[:vocab_size], vocab_type=meta["vocab_type"],
+                             vocab_size=vocab_size, stop_token_ids=list(eos_token_ids),
+                             add_prefix_space=meta["add_prefix_space"])
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(tokenizer_path: str):
+    """The tokenizer at ``tokenizer_path`` (cached per process)."""
+    from kvflow.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(tokenizer_path)
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer_info(tokenizer_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    """TokenizerInfo of the tokenizer at ``tokenizer_path`` (cached per process).
+
+    The tokenizer module is the engine floor's, but it imports nothing above
+    ``models/``; the worker reads it here so the sampling rank can build its own
+    vocabulary from the config it already has (no tokenizer crosses a process)."""
+    tok = load_tokenizer(tokenizer_path)
+    eos = set(eos_token_ids)
+    if tok.eos_token_id is not None:
+        eos.add(tok.eos_token_id)
+    return tokenizer_info(tok.backend, vocab_size, sorted(eos))
