@@ -260,3 +260,24 @@ def test_bad_tools_are_400_in_anthropic_shape(client):
                                    messages=[{"role": "user", "content": "hi"}])
         assert e.value.body["error"]["type"] == "invalid_request_error"
         assert says in e.value.body["error"]["message"], e.value.body
+
+
+def test_output_config_format_matches_chat_response_format(server, client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Which city is the capital of France? JSON."}]
+    ref, _ = chat(server, messages, max_tokens=30, response_format={
+        "type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    m = client.messages.create(model=MODEL, max_tokens=30, **GREEDY, messages=messages,
+                               output_config={"format": {"type": "json_schema",
+                                                         "schema": schema}})
+    assert m.content[0].text == ref.message.content
+    if m.stop_reason == "end_turn":
+        jsonschema.validate(json.loads(m.content[0].text), schema)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL, max_tokens=4, messages=messages,
+                               output_config={"format": {"type": "json_schema",
+                                                         "schema": {"type": "nonsense"}}})
+    assert e.value.body["error"]["type"] == "invalid_request_error"

@@ -109,7 +109,9 @@ def test_previous_response_id_continues_and_store(server, client):
 
 @pytest.mark.parametrize("body,param", [
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0"),
-    ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                         "schema": {"type": "nonsense"}}}},
+     "text.format.schema"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "reasoning_effort": "high"}, "reasoning_effort"),
     ({"input": [{"role": "user", "content": [{"type": "input_image",
@@ -198,3 +200,28 @@ def test_bad_function_tool_schema_is_400(server):
         "model": MODEL, "input": "hi", "tools": [{"type": "function", **WEATHER}],
         "tool_choice": {"type": "function", "name": "nope"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "sunny": {"type": "boolean"}},
+        "required": ["city", "sunny"], "additionalProperties": False}
+
+
+def test_text_format_json_schema_matches_chat_response_format(client):
+    import json
+
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Describe the weather in Paris as JSON."}]
+    ref = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=40,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "city", "schema": CITY}})
+    r = client.responses.create(model=MODEL, input=messages, temperature=0,
+                                max_output_tokens=40,
+                                text={"format": {"type": "json_schema", "name": "city",
+                                                 "schema": CITY}})
+    assert r.output_text == ref.choices[0].message.content
+    assert r.text.format.type == "json_schema"
+    if r.status == "completed":
+        jsonschema.validate(json.loads(r.output_text), CITY)

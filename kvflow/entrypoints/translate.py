@@ -17,13 +17,14 @@ from fastapi import Request
 from kvflow.engine.async_client import AsyncEngine
 from kvflow.entrypoints.openai.chat_tools import ChatTools
 from kvflow.entrypoints.openai.server_args import ServerArgs
+from kvflow.entrypoints.openai.structured import constraint_limits
 from kvflow.entrypoints.openai.serving import (OpenAIServing, chain_first, last_output,
                                                random_id, run_until_disconnect,
                                                until_deadline)
 from kvflow.entrypoints.openai.serving_chat import ChatServing
 from kvflow.errors import InvalidParameterError, RequestFailedError
 from kvflow.outputs import CompletionOutput, RequestOutput
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
 # What OpenAIServing.sampling_params reads from a chat request, at the chat route's
 # defaults; a translation overrides the fields its API has.
@@ -137,9 +138,27 @@ class TranslatedServing(OpenAIServing):
             ids = await self.engine.run_in_pool(self.engine.tokenizer.encode, text, False)
         return text, ids
 
-    def params(self, stream: bool, max_tokens: int | None, **fields: Any) -> SamplingParams:
-        return self.sampling_params(sampling_fields(stream=stream, **fields),
-                                    max_tokens=max_tokens, logprobs=None)
+    def params(self, stream: bool, max_tokens: int | None,
+               constraint: StructuredOutputsParams | None = None, **fields: Any
+               ) -> SamplingParams:
+        params = self.sampling_params(sampling_fields(stream=stream, **fields),
+                                      max_tokens=max_tokens, logprobs=None)
+        params.structured_outputs = constraint
+        return params
+
+    def json_constraint(self, schema: dict | None, param: str) -> StructuredOutputsParams:
+        """The output must be JSON following ``schema`` (None: any JSON object), through
+        the structured-output engine; checked against the server's limits (a 400 naming
+        ``param``, before the engine)."""
+        from kvflow.structured_output.check import check_constraint
+
+        try:
+            so = StructuredOutputsParams(json_object=True) if schema is None \
+                else StructuredOutputsParams(json=schema)
+        except InvalidParameterError as e:
+            raise InvalidParameterError(e.message, param=param) from None
+        check_constraint(so, constraint_limits(self.args.limits), param)
+        return so
 
     async def generate(self, raw: Request, messages: list[dict], params: SamplingParams,
                        stream: bool, template_kwargs: dict | None = None,

@@ -58,10 +58,6 @@ class MessagesServing(TranslatedServing):
 
     def check_request(self, req) -> None:
         self.check_tokenizer("messages")
-        if req.output_config is not None and req.output_config.format is not None:
-            raise InvalidParameterError("output_config.format (structured output) is not "
-                                        "supported by this server yet",
-                                        param="output_config.format")
 
     def tools(self, req):
         tools = [openai_tool(t.name, t.description, t.input_schema) for t in req.tools or []]
@@ -125,8 +121,12 @@ class MessagesServing(TranslatedServing):
         self.check_request(req)
         tools = self.tools(req)
         messages, prefill = self.conversation(req)
-        params = self.params(req.stream, req.max_tokens, temperature=req.temperature,
-                             top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences)
+        fmt = req.output_config.format if req.output_config is not None else None
+        constraint = self.json_constraint(fmt.schema_, "output_config.format.schema") \
+            if fmt is not None else None
+        params = self.params(req.stream, req.max_tokens, constraint,
+                             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                             stop=req.stop_sequences)
         request_id = f"msg_{uuid.uuid4().hex}"
         g = await self.generate(raw, messages, params, req.stream, request_id=request_id,
                                 clamp_max_tokens=True, prefill=prefill, tools=tools)

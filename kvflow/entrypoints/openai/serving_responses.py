@@ -57,11 +57,6 @@ class ResponsesServing(TranslatedServing):
 
     def check_request(self, req) -> None:
         self.check_tokenizer("input")
-        fmt = req.text.format if req.text else None
-        if fmt is not None and fmt.type != "text":
-            raise InvalidParameterError(f"text.format {fmt.type!r} (structured output) is not "
-                                        f"supported by this server yet; only 'text'",
-                                        param="text.format")
         if req.previous_response_id is not None and not self.store.enabled:
             raise InvalidParameterError("this server stores no responses "
                                         "(--responses-store-size 0), so previous_response_id "
@@ -114,8 +109,15 @@ class ResponsesServing(TranslatedServing):
         convo = self.conversation(req)
         messages = ([{"role": "system", "content": req.instructions}]
                     if req.instructions is not None else []) + convo
-        params = self.params(req.stream, req.max_output_tokens, temperature=req.temperature,
-                             top_p=req.top_p, top_k=req.top_k, seed=req.seed)
+        fmt = req.text.format if req.text else None
+        constraint = None
+        if fmt is not None and fmt.type != "text":
+            constraint = self.json_constraint(
+                fmt.schema_ if fmt.type == "json_schema" else None,
+                "text.format.schema" if fmt.type == "json_schema" else "text.format")
+        params = self.params(req.stream, req.max_output_tokens, constraint,
+                             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                             seed=req.seed)
         g = await self.generate(raw, messages, params, req.stream,
                                 request_id=_hex_id("resp"), tools=tools)
         head = self._head(req, g.request_id, params)
