@@ -4,8 +4,9 @@
     scripts/fuzz_api.py --max-time 900                 # starts its own server
     scripts/fuzz_api.py --url http://127.0.0.1:8000 --max-time 600
 
-schemathesis reads /openapi.json, generates requests from each route's schema (valid ones
-that reach the engine, and invalid ones), and checks that no response is a 5xx, that
+schemathesis reads /openapi.json, generates requests from the schema of each route it
+lists (chat, completions, the Responses and Anthropic Messages APIs ...: valid ones that
+reach the engine, and invalid ones), and checks that no response is a 5xx, that
 responses match the documented schemas and status codes, and that schema-invalid
 requests are refused. The server it starts has a short context (--max-model-len) so
 that generated requests stay cheap on CPU. Exit code 0 when nothing failed.

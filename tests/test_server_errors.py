@@ -76,6 +76,7 @@ def test_completion_invalid_parameters(server, body, param):
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
 ])
 def test_chat_invalid_parameters(server, body, param):
     r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
+import httpx
 import pytest
 from server_utils import RemoteServer
 
@@ -22,6 +23,10 @@ def test_schema_fuzzing_finds_nothing():
 
     srv = RemoteServer(fuzz_api.FUZZ_SERVER_ARGS, api_key="fuzz")
     try:
+        # The fuzzer covers what the schema lists: the Responses and Anthropic routes too.
+        paths = httpx.get(f"{srv.url}/openapi.json", headers=srv.headers).json()["paths"]
+        assert {"/v1/responses", "/v1/responses/{response_id}", "/v1/messages",
+                "/v1/messages/count_tokens"} <= set(paths)
         out = fuzz_api.run(srv.url, max_time=40, api_key="fuzz", seed=0, timeout=600)
     finally:
         log = srv.log()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +28,18 @@ _CODES: tuple[tuple[type, str], ...] = (
 )
 
 
+# Another API's error body, for the routes under a path prefix (the Anthropic routes):
+# (status, message, error type, param, code) -> the JSON body.
+ErrorShape = Callable[[int, str, str, "str | None", "str | int | None"], dict]
+
+
+def shape_for(shapes: Mapping[str, ErrorShape] | None, path: str) -> ErrorShape | None:
+    for prefix, shape in (shapes or {}).items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return shape
+    return None
+
+
 def error_body(message: str, err_type: str, param: str | None = None,
                code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
@@ -39,9 +52,11 @@ def error_response(status: int, message: str, err_type: str, param: str | None =
                         headers=headers)
 
 
-def error_bytes(status: int, message: str, err_type: str, code: str | None = None
-                ) -> bytes:
+def error_bytes(status: int, message: str, err_type: str, code: str | None = None,
+                shape: ErrorShape | None = None) -> bytes:
     """The body of an error answered below FastAPI (the ASGI guard middleware)."""
+    if shape is not None:
+        return json.dumps(shape(status, message, err_type, None, code)).encode()
     return json.dumps(error_body(message, err_type, None, code)).encode()
 
 
@@ -132,23 +147,37 @@ def validation_error(errs: list) -> InvalidParameterError:
     return InvalidParameterError(message, param=param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI,
+                           shapes: Mapping[str, ErrorShape] | None = None) -> None:
+    """OpenAI error bodies, except under the path prefixes of ``shapes``."""
+
+    def reshape(request: Request, resp: JSONResponse) -> JSONResponse:
+        shape = shape_for(shapes, request.url.path)
+        if shape is None:
+            return resp
+        err = json.loads(resp.body)["error"]
+        return JSONResponse(shape(resp.status_code, err["message"], err["type"],
+                                  err["param"], err["code"]), status_code=resp.status_code,
+                            headers={k: v for k, v in resp.headers.items()
+                                     if k.lower() in ("retry-after", "www-authenticate")})
+
     @app.exception_handler(KvflowError)
-    async def _kvflow(_: Request, e: KvflowError):
-        return kvflow_error_response(e)
+    async def _kvflow(request: Request, e: KvflowError):
+        return reshape(request, kvflow_error_response(e))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError):
-        return kvflow_error_response(validation_error(e.errors()))
+    async def _validation(request: Request, e: RequestValidationError):
+        return reshape(request, kvflow_error_response(validation_error(e.errors())))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException):
+    async def _http(request: Request, e: StarletteHTTPException):
         err_type = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         code = "request_too_large" if e.status_code == 413 else None
-        return error_response(e.status_code, str(e.detail), err_type, code=code)
+        return reshape(request, error_response(e.status_code, str(e.detail), err_type,
+                                               code=code))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception):
+    async def _unexpected(request: Request, e: Exception):
         logger.exception("unhandled error in a request")
-        return error_response(500, f"internal server error: {type(e).__name__}",
-                              "internal_error")
+        return reshape(request, error_response(
+            500, f"internal server error: {type(e).__name__}", "internal_error"))

@@ -11,7 +11,7 @@ import hmac
 
 from starlette.exceptions import HTTPException
 
-from kvflow.entrypoints.openai.errors import error_bytes
+from kvflow.entrypoints.openai.errors import ErrorShape, error_bytes, shape_for
 
 # Routes a load balancer or supervisor must reach without the key.
 PUBLIC_PATHS = frozenset({"/health"})
@@ -31,16 +31,19 @@ def _too_large_message(limit: int) -> str:
 
 
 class GuardMiddleware:
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app, api_key: str | None, max_body_bytes: int,
+                 shapes: dict[str, ErrorShape] | None = None) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.shapes = shapes  # path prefix -> another API's error body
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
+        shape = shape_for(self.shapes, scope["path"])
         if self.api_key is not None and scope["path"] not in PUBLIC_PATHS:
             if not self._authorized(headers):
                 # A browser cannot send a Bearer token for a page: the dashboard asks for
@@ -49,7 +52,8 @@ class GuardMiddleware:
                              if scope["path"].startswith("/dashboard") else b"Bearer")
                 await _respond(send, 401, error_bytes(
                     401, "missing or incorrect API key: send it as 'Authorization: Bearer "
-                    "<key>'", "authentication_error", "invalid_api_key"),
+                    "<key>' or 'x-api-key: <key>'", "authentication_error", "invalid_api_key",
+                    shape),
                     [(b"www-authenticate", challenge)])
                 return
         length = headers.get(b"content-length")
@@ -59,7 +63,7 @@ class GuardMiddleware:
             except ValueError:
                 too_large = False
             if too_large:
-                await self._too_large(send)
+                await self._too_large(send, shape)
                 return
         started = False
         received = 0
@@ -83,7 +87,7 @@ class GuardMiddleware:
             await self.app(scope, counting_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
-                await self._too_large(send)
+                await self._too_large(send, shape)
 
     def _authorized(self, headers: dict) -> bool:
         auth = headers.get(b"authorization", b"")
@@ -97,10 +101,10 @@ class GuardMiddleware:
             token = headers.get(b"x-api-key", b"")
         return hmac.compare_digest(token.strip(), self.api_key)
 
-    async def _too_large(self, send) -> None:
+    async def _too_large(self, send, shape: ErrorShape | None) -> None:
         await _respond(send, 413, error_bytes(
             413, _too_large_message(self.max_body_bytes), "invalid_request_error",
-            "request_too_large"))
+            "request_too_large", shape))
 
 
 async def _respond(send, status: int, body: bytes, extra_headers=()) -> None:

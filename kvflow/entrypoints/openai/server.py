@@ -37,6 +37,9 @@ from kvflow.entrypoints.openai.serving import ClientDisconnected, json_response
 from kvflow.entrypoints.openai.serving_chat import ChatServing
 from kvflow.entrypoints.openai.serving_completion import CompletionServing
 from kvflow.entrypoints.openai.serving_pooling import PoolingServing, add_pooling_routes
+from kvflow.entrypoints.openai.serving_responses import add_responses_routes
+from kvflow.entrypoints.anthropic.errors import anthropic_error_body
+from kvflow.entrypoints.anthropic.serving import add_anthropic_routes
 from kvflow.entrypoints.utils import raise_fd_limit
 from kvflow.errors import InvalidParameterError, KvflowError
 from kvflow.logger import init_logger
@@ -164,10 +167,14 @@ def build_app(engine: AsyncEngine, args: ServerArgs, request_exit: Callable[[int
                   docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.kvflow = state
     app.openapi = lambda: _openapi(app)
-    install_error_handlers(app)
+    # The Anthropic routes answer errors in Anthropic's shape.
+    shapes = {"/v1/messages": anthropic_error_body}
+    install_error_handlers(app, shapes)
     app.add_middleware(GuardMiddleware, api_key=args.api_key,
-                       max_body_bytes=args.max_body_bytes)
+                       max_body_bytes=args.max_body_bytes, shapes=shapes)
     _add_routes(app, state)
+    state.responses = add_responses_routes(app, state)
+    state.messages = add_anthropic_routes(app, state)
     install_dashboard(app, engine, state.model_name)
     state.routes = [f"{method} {route.path}" for route in app.routes
                     for method in sorted(getattr(route, "methods", ()) or ()) if method != "HEAD"]

@@ -76,6 +76,9 @@ class ServerArgs:
     """Longest a chat template may take to render one request's messages (400 past it)."""
     max_chat_prompt_chars: int = 4 * MiB
     """Longest prompt a chat template may render, in characters (400 past it)."""
+    responses_store_size: int = 1024
+    """Most Responses API responses kept in memory (LRU) for GET /v1/responses/{id} and
+    previous_response_id; 0 stores none."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     """Per-request bounds (samples, stop strings, logit_bias entries, messages, prompts)."""
     tool_call_parser: str | None = None
@@ -108,6 +111,9 @@ class ServerArgs:
         if not self.chat_template_timeout > 0:
             raise InvalidParameterError("chat_template_timeout must be > 0",
                                         param="chat_template_timeout")
+        if self.responses_store_size < 0:
+            raise InvalidParameterError("responses_store_size must be >= 0",
+                                        param="responses_store_size")
         if self.tool_call_parser is not None:
             tool_parser_class(self.tool_call_parser)
         if self.reasoning_parser is not None:
@@ -144,6 +150,9 @@ class ServerArgs:
                        help="seconds a chat template may take to render (400 past it)")
         g.add_argument("--max-chat-prompt-chars", type=int, default=d.max_chat_prompt_chars,
                        help="longest prompt a chat template may render, in characters")
+        g.add_argument("--responses-store-size", type=int, default=d.responses_store_size,
+                       help="Responses API responses kept in memory for previous_response_id "
+                       "and GET /v1/responses/{id} (least recently used out; 0: none)")
         g.add_argument("--tool-call-parser", default=None,
                        choices=["hermes", "llama3_json", "mistral"],
                        help="how the model writes tool calls (default: detected from the "
@@ -183,6 +192,7 @@ class ServerArgs:
                    shutdown_timeout=ns.shutdown_timeout, request_timeout=ns.request_timeout,
                    chat_template_timeout=ns.chat_template_timeout,
                    max_chat_prompt_chars=ns.max_chat_prompt_chars,
+                   responses_store_size=ns.responses_store_size,
                    tool_call_parser=ns.tool_call_parser,
                    reasoning_parser=ns.reasoning_parser,
                    limits=RequestLimits(max_n=ns.max_n, max_stop=ns.max_stop,
