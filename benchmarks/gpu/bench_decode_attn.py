@@ -87,7 +87,7 @@ def bench(contexts: list[int], splits_list: list[int]) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--contexts", default="256,1024,4096")
     ap.add_argument("--splits", default="1,4,16")

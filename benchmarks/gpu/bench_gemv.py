@@ -218,7 +218,7 @@ def _parse_config(text: str) -> GemvConfig:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--ms", default="1,2,4,8", help="activation row counts")

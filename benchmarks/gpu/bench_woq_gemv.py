@@ -287,7 +287,7 @@ def bench(budget_s: float, ms: tuple[int, ...], formats: tuple[str, ...],
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--ms", default="1,2,4,8")
     p.add_argument("--formats", default=",".join(FORMATS))

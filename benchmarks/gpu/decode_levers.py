@@ -167,7 +167,7 @@ def measure(engine, prompt: list[int], out_len: int, iters: int, tag: str) -> di
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--variants", default="base,fused,row+table,pdl,pdl+fused,"
                                           "pdl+fused+row+table,pdl+keys256+row+table,"

@@ -214,7 +214,8 @@ class AsyncEngine:
             return None
         from kvflow.engine.tokenizer import Tokenizer
 
-        return Tokenizer.from_path(self.config.model.tokenizer)
+        return Tokenizer.from_path(self.config.model.tokenizer).with_chat_template(
+            self.config.model.chat_template)
 
     def _watch(self, proc: subprocess.Popen) -> None:
         """Watchdog thread: wait for the core process to exit, then tell the loop."""

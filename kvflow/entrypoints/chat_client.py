@@ -82,9 +82,11 @@ def chat_with_server(ns: argparse.Namespace) -> int:
     except ServerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # Flags left unset are left out: the server's defaults apply, as they do here.
     params = {"model": model, "max_tokens": ns.max_tokens, "temperature": ns.temperature,
               "top_p": ns.top_p, "top_k": ns.top_k, "min_p": ns.min_p,
               "repetition_penalty": ns.repetition_penalty}
+    params = {k: v for k, v in params.items() if v is not None}
     if ns.sampling_seed is not None:
         params["seed"] = ns.sampling_seed
 

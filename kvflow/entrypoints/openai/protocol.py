@@ -24,7 +24,10 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, S
 
 from kvflow.entrypoints.chat_utils import RESERVED_TEMPLATE_KWARGS
 from kvflow.entrypoints.openai.server_args import RequestLimits
-from kvflow.sampling_params import MAX_LOGPROBS
+from kvflow.sampling_params import MAX_LOGPROBS, MAX_REPETITION_GUARD
+
+# The longest chat template a request may bring (real templates are 1-10 KB).
+MAX_CHAT_TEMPLATE_CHARS = 65536
 
 # What the engine can carry: msgspec IPC and int64 tensors (seeds, priorities); token
 # ids and token counts fit in 32 bits.
@@ -134,6 +137,11 @@ def request_models(limits: RequestLimits = RequestLimits()) -> SimpleNamespace:
         description="extra variables for the chat template; may not set "
         + ", ".join(sorted(RESERVED_TEMPLATE_KWARGS)))]
 
+    ChatTemplate = Annotated[StrictStr, Field(
+        min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS,
+        description="vLLM extension: a Jinja chat template (or the name of one of the "
+        "model's templates) used for this request instead of the model's")]
+
     class SamplingRequest(_Request):
         """Parameters shared by completions and chat completions."""
 
@@ -168,6 +176,11 @@ def request_models(limits: RequestLimits = RequestLimits()) -> SimpleNamespace:
         """kvflow/vLLM extension: requests share cached prefix KV only with the same salt."""
         return_token_ids: StrictBool = False
         """kvflow/vLLM extension: add token_ids (and prompt_token_ids) to each choice."""
+        repetition_guard: Annotated[StrictInt, Field(
+            ge=0, le=MAX_REPETITION_GUARD)] | None = None
+        """kvflow extension: end the answer (finish_reason stop, stop_reason repetition)
+        once it ends in one block of tokens repeated 3 times over at least this many
+        tokens; 0: off; unset: the server's default (see /v1/models)."""
         # Accepted for compatibility; they change nothing here.
         store: StrictBool | None = None
         metadata: Annotated[dict[Annotated[str, Field(max_length=64)],
@@ -205,6 +218,7 @@ def request_models(limits: RequestLimits = RequestLimits()) -> SimpleNamespace:
         response_format: ResponseFormat | None = None
         add_generation_prompt: StrictBool = True
         chat_template_kwargs: TemplateKwargs = None
+        chat_template: ChatTemplate | None = None
 
         _kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
@@ -374,6 +388,7 @@ class ModelCard(_Response):
     generation_defaults: dict[str, float | int] | None = None
     generation_source: str | None = None
     max_tokens_default: int | None = None
+    repetition_guard: int | None = None
 
 
 class ModelList(_Response):

@@ -36,7 +36,7 @@ from kvflow.entrypoints.openai.server_args import ServerArgs
 from kvflow.entrypoints.openai.serving import ClientDisconnected, json_response
 from kvflow.entrypoints.openai.serving_chat import ChatServing, message_dict
 from kvflow.entrypoints.openai.serving_completion import CompletionServing
-from kvflow.entrypoints.utils import raise_fd_limit
+from kvflow.entrypoints.utils import listen_socket, raise_fd_limit
 from kvflow.errors import InvalidParameterError, KvflowError
 from kvflow.logger import init_logger
 
@@ -211,7 +211,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                          max_model_len=m.max_model_len,
                          generation_defaults=dict(m.generation_defaults),
                          generation_source=m.generation_source,
-                         max_tokens_default=m.max_tokens_default)
+                         max_tokens_default=m.max_tokens_default,
+                         repetition_guard=m.repetition_guard)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models_route():
@@ -274,19 +275,37 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return json_response(DetokenizeResponse(prompt=text))
 
 
+# `kvflow serve` exit code when --host/--port cannot be bound (in use, not allowed): the
+# engine was not started. (uvicorn's own start-up failure code, now documented.)
+EXIT_CANNOT_LISTEN = 3
+
+
 def run_server(engine_args, server_args: ServerArgs) -> int:
-    """Serve until SIGINT/SIGTERM (exit 0) or until the engine core dies (exit 1)."""
+    """Serve until SIGINT/SIGTERM (exit 0) or until the engine core dies (exit 1); exit
+    EXIT_CANNOT_LISTEN (3) when the address cannot be bound, before anything starts."""
     start = time.monotonic()
     raise_fd_limit()
+    try:
+        sock = listen_socket(server_args.host, server_args.port)
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s (is another server running there? pick "
+                     "another --port)", server_args.host, server_args.port,
+                     e.strerror or e)
+        return EXIT_CANNOT_LISTEN
     if engine_args.max_queued_requests is None:
         engine_args = dataclasses.replace(engine_args,
                                           max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS)
     # The core's start-up (imports, model load) overlaps this process's own.
-    core = CoreProcess(engine_args)
+    try:
+        core = CoreProcess(engine_args)
+    except BaseException:
+        sock.close()
+        raise
     try:
         config = engine_args.create_engine_config()
     except BaseException:
         core.close()
+        sock.close()
         raise
     engine = AsyncEngine(engine_args, config, tokenizer_workers=server_args.tokenizer_workers,
                          core=core)
@@ -304,7 +323,8 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
         log_level=server_args.uvicorn_log_level, access_log=server_args.access_log,
         timeout_graceful_shutdown=server_args.shutdown_timeout, lifespan="on"))
     holder.append(server)
-    server.run()
+    with sock:
+        server.run(sockets=[sock])
     if not server.started and exit_code[0] == 0:
         exit_code[0] = 1  # e.g. the port was taken
     return exit_code[0]

@@ -38,14 +38,15 @@ def message_dict(m) -> dict:
 
 class ChatServing(OpenAIServing):
     async def render(self, messages: list[dict], add_generation_prompt: bool,
-                     template_kwargs: dict | None) -> tuple[str, list[int]]:
+                     template_kwargs: dict | None, chat_template: str | None = None
+                     ) -> tuple[str, list[int]]:
         """Chat template -> (prompt text, token ids), in the tokenizer thread pool, limited
         in time and size (--chat-template-timeout, --max-chat-prompt-chars)."""
         a = self.args
         return await self.engine.run_in_pool(
             partial(render_chat, self.engine.tokenizer, messages, add_generation_prompt,
                     template_kwargs, timeout_s=a.chat_template_timeout,
-                    max_chars=a.max_chat_prompt_chars))
+                    max_chars=a.max_chat_prompt_chars, chat_template=chat_template))
 
     def check_request(self, req) -> None:
         if self.engine.tokenizer is None:
@@ -76,7 +77,7 @@ class ChatServing(OpenAIServing):
         arrival = time.monotonic()
         messages = [message_dict(m) for m in req.messages]
         text, ids = await self.render(messages, req.add_generation_prompt,
-                                      req.chat_template_kwargs)
+                                      req.chat_template_kwargs, req.chat_template)
         request_id = random_id("chatcmpl")
         gen = self.engine.generate(request_id, {"prompt": text, "prompt_token_ids": ids},
                                    params, arrival_time=arrival, priority=req.priority,
