@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -115,18 +116,32 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     def respond(history: list[dict]) -> str | None:
         prompt = tok.apply_chat_template(history, add_generation_prompt=True)
         ids = tok.encode(prompt, add_special_tokens=False)
+        rid = f"chat-{next(turns)}"
         try:
-            engine.add_request(f"chat-{next(turns)}", {"prompt_token_ids": ids},
+            engine.add_request(rid, {"prompt_token_ids": ids},
                                _sampling_params(ns, output_kind=OutputKind.DELTA))
         except KvflowError as e:
             print(f"error: {e}", file=sys.stderr)
             return None
         reply = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                for c in out.outputs:
-                    reply.append(c.text)
-                    print(c.text, end="", flush=True)
+        # Ctrl-C stops this reply, not the chat: it is noted between steps (an interrupt
+        # inside a step would leave the scheduler half-way through it).
+        stop: list[int] = []
+        previous = signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+        try:
+            while engine.has_unfinished_requests() and not stop:
+                for out in engine.step():
+                    for c in out.outputs:
+                        reply.append(c.text)
+                        print(c.text, end="", flush=True)
+            if stop:
+                engine.abort_request(rid)
+                while engine.has_unfinished_requests():
+                    engine.step()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if stop:
+            raise KeyboardInterrupt
         print()
         return "".join(reply)
     return run_chat_loop(ns.system, "kvflow chat", respond)

@@ -117,3 +117,122 @@ def test_request_chat_template_and_repetition_guard(client, server):
             model="smollm2-135m", messages=[{"role": "user", "content": "x"}],
             max_tokens=2, extra_body={"chat_template": "{% for %}"})
     assert "repetition guard 64 tokens" in server.log()
+
+
+def test_chat_loop_quits_only_when_asked_and_ctrl_c_stops_a_reply(capsys):
+    from kvflow.entrypoints.chat_client import run_chat_loop
+
+    lines = iter(["first", "", "   ", "second", "third", "/quit", "never read"])
+    asked: list[list[dict]] = []
+
+    def read() -> str:
+        return next(lines)
+
+    def respond(history: list[dict]) -> str | None:
+        asked.append([dict(m) for m in history])
+        if history[-1]["content"] == "second":
+            raise KeyboardInterrupt  # Ctrl-C during the reply
+        return f"re: {history[-1]['content']}"
+
+    assert run_chat_loop("sys", "test", respond, read) == 0
+    assert [a[-1]["content"] for a in asked] == ["first", "second", "third"]
+    # The stopped turn is dropped; the chat goes on with the rest of the history.
+    assert asked[2] == [{"role": "system", "content": "sys"},
+                        {"role": "user", "content": "first"},
+                        {"role": "assistant", "content": "re: first"},
+                        {"role": "user", "content": "third"}]
+    assert "[reply stopped]" in capsys.readouterr().err
+
+    def eof() -> str:
+        raise EOFError  # Ctrl-D
+
+    assert run_chat_loop(None, "test", respond, eof) == 0
+
+
+def test_docs_page_works_offline(server):
+    import httpx
+
+    page = httpx.get(f"{server.url}/docs", timeout=30).text
+    assert "cdn.jsdelivr" not in page and "/docs/assets/swagger-ui-bundle.js" in page
+    for asset in ("swagger-ui-bundle.js", "swagger-ui.css"):
+        r = httpx.get(f"{server.url}/docs/assets/{asset}", timeout=30)
+        assert r.status_code == 200 and len(r.content) > 10_000
+
+
+def test_schema_states_what_the_server_refuses():
+    """Bodies the fuzzer found schema-valid but refused: the published schema now says
+    so (checked with a JSON Schema validator against the OpenAPI document's models)."""
+    import jsonschema
+
+    from kvflow.entrypoints.openai.protocol import request_models
+
+    models = request_models()
+    by_name = {"CompletionRequest": models.completion, "ChatCompletionRequest": models.chat,
+               "DetokenizeRequest": models.detokenize}
+
+    def valid(name: str, body: dict) -> bool:
+        schema = by_name[name].model_json_schema()
+        return jsonschema.Draft202012Validator(schema).is_valid(body)
+
+    assert not valid("CompletionRequest", {"prompt": ""})
+    assert not valid("CompletionRequest", {"prompt": ["a", ""]})
+    assert valid("CompletionRequest", {"prompt": "a"})
+    assert not valid("ChatCompletionRequest", {"messages": [{"role": "tool"}]})
+    assert not valid("ChatCompletionRequest",
+                     {"messages": [{"role": "user", "content": None}]})
+    assert valid("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}]})
+    assert valid("ChatCompletionRequest", {"messages": [
+        {"role": "assistant", "tool_calls": [{"id": "1"}]}]})
+    # An integral float is an integer to JSON Schema, so the server takes it too.
+    assert valid("DetokenizeRequest", {"tokens": [1069.0]})
+    assert models.detokenize.model_validate({"tokens": [1069.0]}).tokens == [1069]
+    with pytest.raises(Exception):
+        models.detokenize.model_validate({"tokens": [1069.5]})
+
+
+def test_bench_serve_warns_on_a_warm_cache_and_fresh_prompts_avoid_it(server, tmp_path,
+                                                                       capsys):
+    import json
+
+    from kvflow.cli import main
+
+    def run(*extra: str) -> dict:
+        out = tmp_path / "r.json"
+        assert main(["bench", "serve", "--base-url", server.url, "--num-prompts", "3",
+                     "--input-len", "64", "--output-len", "2", "--seed", "777",
+                     "--save-result", str(out), *extra]) == 0
+        return json.loads(out.read_text())
+
+    run()
+    capsys.readouterr()
+    again = run()  # the same prompts again: found in the prefix cache, and said so
+    assert again["server_prefix_cache_hit_rate"] > 0.7
+    assert "prefix cache" in capsys.readouterr().err
+    fresh = run("--fresh-prompts")  # a new seed, warm-up included: nothing cached
+    assert fresh["server_prefix_cache_hit_rate"] < 0.2
+    assert fresh["workload"]["fresh_prompts"] and fresh["workload"]["seed"] != 777
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_plan_reads_a_gguf_files_real_weight_bytes():
+    from kvflow.models.gguf_file import gguf_weight_bytes
+    from kvflow.models.registry import embedded_model_path
+    from kvflow.plan.cli import stored_bytes_per_param
+
+    path = embedded_model_path("smollm2-135m")
+    nbytes, elements = gguf_weight_bytes(path)
+    # The tensors are nearly the whole file (the rest: metadata, the vocabulary).
+    assert 0.9 * os.path.getsize(path) < nbytes < os.path.getsize(path)
+    per = stored_bytes_per_param(path)
+    assert per == nbytes / elements and 0.55 < per < 0.8  # Q4_1 (+ a Q8_0 token table)
+    assert stored_bytes_per_param("llama-3.1-8b") is None  # a preset: --dtype applies
+    from kvflow.cli import main
+
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", "--model", path]) == 0
+    text = out.getvalue()
+    assert "GGUF as stored" in text and f"weights                  0.09 GiB" in text

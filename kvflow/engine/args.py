@@ -128,7 +128,8 @@ class EngineArgs:
                                         "each step's token budget and running batch are "
                                         "capped so its predicted time stays under it; "
                                         "requests beyond that wait (see "
-                                        "--max-queued-requests)")
+                                        "--max-queued-requests); 0: off (default: off, "
+                                        "except kvflow serve on CPU: 50)")
     target_ttft_ms: float | None = _arg(None, "with --target-tpot-ms: a waiting request "
                                         "that would miss this time to first token (and "
                                         "can still make it) is admitted with the prefill "
@@ -249,7 +250,7 @@ class EngineArgs:
             else self.max_num_seqs,
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
             max_queued_requests=self.max_queued_requests,
-            target_tpot_ms=self.target_tpot_ms, target_ttft_ms=self.target_ttft_ms,
+            target_tpot_ms=self.target_tpot_ms or None, target_ttft_ms=self.target_ttft_ms,
             batching=self.batching,
             async_scheduling=async_scheduling)
         parallel = ParallelConfig(

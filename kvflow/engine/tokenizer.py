@@ -317,9 +317,13 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizer
     """GPT-2 style byte-level BPE; ``pre`` (tokenizer.ggml.pre) picks the text splitting."""
     style = _GGUF_PRE.get(pre)
     if style is None:
-        logger.warning("GGUF pre-tokenizer %r is unknown to kvflow; splitting text like GPT-2",
-                       pre)
-        style = "gpt2"
+        # The split decides the token ids: GPT-2's on another family's vocabulary gives
+        # ids llama.cpp would not, silently. Refuse instead.
+        raise ModelLoadError(
+            f"the GGUF file's pre-tokenizer (tokenizer.ggml.pre) {pre!r} is not supported "
+            f"(supported: {', '.join(sorted(_GGUF_PRE))}); its text splitting decides the "
+            f"token ids, so kvflow will not guess it. Point --tokenizer at the model's "
+            f"Hugging Face folder (its tokenizer.json) instead")
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     # Llama 3's tokenizer.json (and llama.cpp) take a whole word from the vocabulary first.
     backend = tokenizers.Tokenizer(models.BPE(

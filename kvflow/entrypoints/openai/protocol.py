@@ -18,9 +18,9 @@ from functools import lru_cache
 from types import SimpleNamespace
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat,
-                      StrictInt, StrictStr, Tag, field_validator, model_serializer,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field,
+                      StrictBool, StrictFloat, StrictInt, StrictStr, Tag, field_validator,
+                      model_serializer, model_validator)
 
 from kvflow.entrypoints.chat_utils import RESERVED_TEMPLATE_KWARGS
 from kvflow.entrypoints.openai.server_args import RequestLimits
@@ -56,7 +56,14 @@ class _Response(BaseModel):
 # --- requests -----------------------------------------------------------------------
 
 Float = Annotated[StrictFloat, Field(allow_inf_nan=False)]
-TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+def _integral(value: Any) -> Any:
+    """1069.0 is an integer to JSON Schema (and so to the published schema): take it."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+TokenId = Annotated[StrictInt, BeforeValidator(_integral), Field(ge=0, le=INT32_MAX)]
 Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 ShortStr = Annotated[StrictStr, Field(max_length=1024)]
 
@@ -96,6 +103,13 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class ChatMessage(_Request):
+    # What _content_required checks, stated in the schema: content (not null), unless
+    # an assistant message carries tool_calls.
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["role", "tool_calls"], "properties": {
+            "role": {"const": "assistant"}, "tool_calls": {"type": "array",
+                                                           "minItems": 1}}}]})
     role: Role
     content: StrictStr | list[ContentPart] | None = None
     """Text, or a list of text parts; null only for an assistant message with tool_calls."""
@@ -192,9 +206,11 @@ def request_models(limits: RequestLimits = RequestLimits()) -> SimpleNamespace:
 
     TokenPrompt = Annotated[list[TokenId], Field(min_length=1)]
 
+    Prompt = Annotated[StrictStr, Field(min_length=1)]  # an empty prompt is refused
+
     class CompletionRequest(SamplingRequest):
-        prompt: (StrictStr | Annotated[list[StrictStr], Field(min_length=1,
-                                                              max_length=lim.max_prompts)]
+        prompt: (Prompt | Annotated[list[Prompt], Field(min_length=1,
+                                                        max_length=lim.max_prompts)]
                  | TokenPrompt
                  | Annotated[list[TokenPrompt], Field(min_length=1,
                                                       max_length=lim.max_prompts)])

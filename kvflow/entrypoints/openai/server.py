@@ -25,6 +25,7 @@ from kvflow.config import GiB
 from kvflow.engine.async_client import AsyncEngine, CoreProcess, EngineState
 from kvflow.engine.stats import LoggingStatsListener
 from kvflow.entrypoints.openai.dashboard import install_dashboard
+from kvflow.entrypoints.openai.docs_page import install_docs
 from kvflow.entrypoints.openai.errors import (error_response, install_error_handlers,
                                               kvflow_error_response)
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusMetrics
@@ -151,7 +152,8 @@ def build_app(engine: AsyncEngine, args: ServerArgs, request_exit: Callable[[int
     # /openapi.json and /docs sit behind the API key like every route but /health.
     app = FastAPI(title="kvflow", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of kvflow (see docs/serving.md)",
-                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    install_docs(app)  # /docs from local assets: works offline
     app.state.kvflow = state
     app.openapi = lambda: _openapi(app)
     install_error_handlers(app)
@@ -295,6 +297,7 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
     if engine_args.max_queued_requests is None:
         engine_args = dataclasses.replace(engine_args,
                                           max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS)
+    engine_args = _smooth_on_cpu(engine_args)
     # The core's start-up (imports, model load) overlaps this process's own.
     try:
         core = CoreProcess(engine_args)
@@ -328,6 +331,22 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
     if not server.started and exit_code[0] == 0:
         exit_code[0] = 1  # e.g. the port was taken
     return exit_code[0]
+
+
+# `kvflow serve` on CPU: the latency target unless the operator sets one (0: off). A
+# step's time is then planned to stay near 50 ms per output token (the bar for smooth
+# streaming): a burst of prompts enters in chunks beside the running streams instead of
+# one 2048-token step that freezes them for seconds (at ~1.7 ms per prompt token on two
+# cores). Offline use (LLM, kvflow generate, bench throughput) keeps the full budget.
+CPU_SERVER_TPOT_MS = 50.0
+
+
+def _smooth_on_cpu(engine_args):
+    if engine_args.target_tpot_ms is not None:
+        return engine_args
+    if engine_args._resolve_device() != "cpu":
+        return engine_args
+    return dataclasses.replace(engine_args, target_tpot_ms=CPU_SERVER_TPOT_MS)
 
 
 class _Server(uvicorn.Server):
