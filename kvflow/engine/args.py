@@ -116,7 +116,9 @@ class EngineArgs:
                           "--no-enable-prefix-caching)", choices=["paged", "contiguous"])
     swap_space: str = _arg("4GiB", "host memory for swapped-out KV (swap/auto modes)")
     max_num_batched_tokens: int | None = _arg(None, "token budget per step (default 8192 "
-                                              "on GPU, 2048 on CPU)")
+                                              "on GPU, 2048 on CPU; kvflow serve on CPU: "
+                                              "256, so a prefill step cannot freeze the "
+                                              "running streams for seconds)")
     max_num_seqs: int | None = _arg(None, "most requests running at once (default 256 on "
                                     "GPU, 128 on CPU)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
@@ -128,8 +130,7 @@ class EngineArgs:
                                         "each step's token budget and running batch are "
                                         "capped so its predicted time stays under it; "
                                         "requests beyond that wait (see "
-                                        "--max-queued-requests); 0: off (default: off, "
-                                        "except kvflow serve on CPU: 50)")
+                                        "--max-queued-requests); 0: off (the default)")
     target_ttft_ms: float | None = _arg(None, "with --target-tpot-ms: a waiting request "
                                         "that would miss this time to first token (and "
                                         "can still make it) is admitted with the prefill "

@@ -326,6 +326,18 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
         log_level=server_args.uvicorn_log_level, access_log=server_args.access_log,
         timeout_graceful_shutdown=server_args.shutdown_timeout, lifespan="on"))
     holder.append(server)
+    grace = server_args.shutdown_timeout
+
+    def drain() -> None:
+        # Just before uvicorn's grace period ends (when it would cancel the responses
+        # mid-body, logging a traceback for each), end the streams still running.
+        engine.call_soon_threadsafe(
+            lambda: asyncio.get_running_loop().call_later(
+                max(0.0, grace - DRAIN_MARGIN_S), engine.end_streams,
+                f"the server is shutting down and this request did not finish within the "
+                f"shutdown grace period (--shutdown-timeout {grace:g} s)"))
+
+    server.on_exit = drain
     with sock:
         server.run(sockets=[sock])
     if not server.started and exit_code[0] == 0:
@@ -333,29 +345,41 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
     return exit_code[0]
 
 
-# `kvflow serve` on CPU: the latency target unless the operator sets one (0: off). A
-# step's time is then planned to stay near 50 ms per output token (the bar for smooth
-# streaming): a burst of prompts enters in chunks beside the running streams instead of
-# one 2048-token step that freezes them for seconds (at ~1.7 ms per prompt token on two
-# cores). Offline use (LLM, kvflow generate, bench throughput) keeps the full budget.
-CPU_SERVER_TPOT_MS = 50.0
+# `kvflow serve` on CPU: a step budget of 256 tokens unless the operator sets one. At
+# ~1.7 ms per prompt token on two cores, the engine's 2048-token default made single
+# prefill steps of 3-8 s that froze every running stream; 256 tokens bound a step near
+# 0.4 s there, a burst of prompts enters in chunks beside the running streams, and each
+# step stays within the C++ decode step's 256 rows. (The latency target,
+# --target-tpot-ms, bounds steps tighter but learns its costs online, and on a machine
+# whose load varies it can shrink prefill to a few tokens a step.) Offline use (LLM,
+# kvflow generate, bench throughput) keeps the full budget.
+CPU_SERVER_STEP_TOKENS = 256
 
 
 def _smooth_on_cpu(engine_args):
-    if engine_args.target_tpot_ms is not None:
+    if engine_args.max_num_batched_tokens is not None or engine_args.target_tpot_ms:
         return engine_args
     if engine_args._resolve_device() != "cpu":
         return engine_args
-    return dataclasses.replace(engine_args, target_tpot_ms=CPU_SERVER_TPOT_MS)
+    return dataclasses.replace(engine_args, max_num_batched_tokens=CPU_SERVER_STEP_TOKENS)
+
+
+# Streams still running this long before the shutdown grace period ends are ended by the
+# server (an error event, then [DONE]) so they close before uvicorn cuts them.
+DRAIN_MARGIN_S = 1.0
 
 
 class _Server(uvicorn.Server):
     """Ends a signalled shutdown with a normal return (exit 0); uvicorn itself re-raises
     the signal once it has shut down."""
 
+    on_exit: Callable[[], None] | None = None
+
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: stop waiting
             self.force_exit = True
         else:
             logger.info("%s: shutting down gracefully", signal.Signals(sig).name)
+            if not self.should_exit and self.on_exit is not None:
+                self.on_exit()
             self.should_exit = True
