@@ -235,4 +235,4 @@ def test_plan_reads_a_gguf_files_real_weight_bytes():
     with contextlib.redirect_stdout(out):
         assert main(["plan", "--model", path]) == 0
     text = out.getvalue()
-    assert "GGUF as stored" in text and f"weights                  0.09 GiB" in text
+    assert "GGUF as stored" in text and "weights                  0.09 GiB" in text
