@@ -108,7 +108,7 @@ def profile(kv: str, seed: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--kv-cache-dtypes", default="auto,int8")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-result", default=None)

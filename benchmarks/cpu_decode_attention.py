@@ -40,7 +40,7 @@ def best_ms(fn, reps: int, inner: int, clock=time.perf_counter) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--min-context", type=int, default=16)
     ap.add_argument("--max-context", type=int, default=768)

@@ -32,7 +32,7 @@ def best_ms(fn, reps: int, n: int = 3) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--rows", default="1,2,3,4,5,8,9,16")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--output", default=None)

@@ -35,7 +35,7 @@ SHAPES = SMOLLM2_LINEARS[:4]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--save-result", default=None)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--m", default="1,64,512")

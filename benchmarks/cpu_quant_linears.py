@@ -26,7 +26,7 @@ SHAPES = SMOLLM2_LINEARS
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--save-result", default=None)
     ap.add_argument("--reps", type=int, default=7)
     ns = ap.parse_args()

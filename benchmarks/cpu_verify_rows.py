@@ -36,7 +36,7 @@ def best_ms(fn, reps: int) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--rows", default="1,2,3,5,9")
     p.add_argument("--ctx", type=int, default=64)
     p.add_argument("--reps", type=int, default=20)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -17,13 +18,17 @@ EXAMPLE_PROMPTS = [
 ]
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    # Unset flags stay None so the engine fills them, as for the server and LLM: the
+    # model's recommended sampling, the max_tokens default and the repetition guard.
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate "
+                   "(default: the engine's --max-tokens-default, else up to the context)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the model's recommendation, else 1.0)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
 
 
@@ -102,7 +107,8 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
     tok = engine.tokenizer
     if tok is None or tok.chat_template is None:
-        print("error: this model has no chat template", file=sys.stderr)
+        print("error: this model has no chat template: pass one with --chat-template "
+              "(a file or inline Jinja)", file=sys.stderr)
         return 2
     from kvflow.entrypoints.chat_client import run_chat_loop
 
@@ -111,25 +117,49 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     def respond(history: list[dict]) -> str | None:
         prompt = tok.apply_chat_template(history, add_generation_prompt=True)
         ids = tok.encode(prompt, add_special_tokens=False)
+        rid = f"chat-{next(turns)}"
         try:
-            engine.add_request(f"chat-{next(turns)}", {"prompt_token_ids": ids},
+            engine.add_request(rid, {"prompt_token_ids": ids},
                                _sampling_params(ns, output_kind=OutputKind.DELTA))
         except KvflowError as e:
             print(f"error: {e}", file=sys.stderr)
             return None
         reply = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                for c in out.outputs:
-                    reply.append(c.text)
-                    print(c.text, end="", flush=True)
+        # Ctrl-C stops this reply, not the chat: it is noted between steps (an interrupt
+        # inside a step would leave the scheduler half-way through it).
+        stop: list[int] = []
+        previous = signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+        try:
+            while engine.has_unfinished_requests() and not stop:
+                for out in engine.step():
+                    for c in out.outputs:
+                        reply.append(c.text)
+                        print(c.text, end="", flush=True)
+            if stop:
+                engine.abort_request(rid)
+                while engine.has_unfinished_requests():
+                    engine.step()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if stop:
+            raise KeyboardInterrupt
         print()
         return "".join(reply)
     return run_chat_loop(ns.system, "kvflow chat", respond)
 
 
+class NoAbbrevParser(argparse.ArgumentParser):
+    """A parser that takes flags only as spelled: argparse's prefix matching would turn
+    ``--max-tokens 100`` into ``--max-tokens-default 100`` without a word. Subcommand
+    parsers are made of the parent's class, so the whole tree inherits this."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvflow", description=__doc__)
+    parser = NoAbbrevParser(prog="kvflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the "
@@ -146,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "a few example questions")
     gen.add_argument("--no-chat-template", action="store_true",
                      help="send prompts as raw text instead of chat messages")
-    _add_sampling_args(gen, max_tokens=128)
+    _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat, streaming as tokens arrive")
@@ -156,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "http://127.0.0.1:8000) instead of loading the model here")
     chat.add_argument("--api-key", default=None, help="the server's API key (with --url; "
                       "default: $KVFLOW_API_KEY)")
-    _add_sampling_args(chat, max_tokens=512)
+    _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
     from kvflow.bench.cli import add_bench_parser

@@ -268,6 +268,14 @@ class ModelConfig:
     max_tokens_default: int | None = None
     """Output tokens for a request that leaves max_tokens unset; None: up to
     max_model_len (as in the OpenAI API)."""
+    chat_template: str | None = None
+    """Jinja chat template replacing the model's default one (--chat-template, read from
+    its file by EngineArgs); None: the model's."""
+    max_tokens_source: str = "none"
+    """Where max_tokens_default came from (--max-tokens-default or kvflow's registry)."""
+    repetition_guard: int = 0
+    """Repeated-output span (tokens) that ends a request leaving repetition_guard unset
+    (kvflow/core/repetition.py); 0: off."""
     quantization: str = "auto"
     """Weight storage: auto (a GGUF file on CPU keeps its blocks; anything else is dense),
     none (dense in ``dtype``), int8, int4 (quantized at load), gguf, or fp8 (W8A8).
@@ -304,6 +312,8 @@ class ModelConfig:
         require(self.max_model_len >= 1, "max_model_len", "must be >= 1")
         if self.max_tokens_default is not None:
             require(self.max_tokens_default >= 1, "max_tokens_default", "must be >= 1")
+        require(isinstance(self.repetition_guard, int) and self.repetition_guard >= 0,
+                "repetition_guard", f"must be an integer >= 0, got {self.repetition_guard!r}")
 
     @property
     def name(self) -> str:
@@ -312,8 +322,10 @@ class ModelConfig:
     def generation_defaults_line(self) -> str:
         """One log line saying which sampling defaults are in force and why."""
         values = ", ".join(f"{k}={v}" for k, v in self.generation_defaults)
-        cap = (f"max_tokens={self.max_tokens_default}" if self.max_tokens_default
-               else "max_tokens up to max_model_len")
+        cap = (f"max_tokens={self.max_tokens_default} (from {self.max_tokens_source})"
+               if self.max_tokens_default else "max_tokens up to max_model_len")
+        cap += (f"; repetition guard {self.repetition_guard} tokens" if self.repetition_guard
+                else "; repetition guard off")
         if not values:
             return f"sampling defaults: none (temperature 1.0, no filters); {cap}"
         return f"sampling defaults: {values} (from {self.generation_source}); {cap}"

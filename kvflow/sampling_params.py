@@ -14,6 +14,8 @@ from kvflow.errors import InvalidParameterError
 GREEDY_TEMPERATURE = 1e-5
 # The most top-N logprobs a request may ask for, per generated or prompt token.
 MAX_LOGPROBS = 20
+# The longest repeated span the repetition guard may be asked to wait for.
+MAX_REPETITION_GUARD = 1 << 16
 
 
 # Sampling fields a model may recommend values for (generation_config.json, GGUF
@@ -178,6 +180,11 @@ class SamplingParams:
     """Most tokens to generate; None means up to the model's context length."""
     min_tokens: int = 0
     """Fewest tokens to generate before end-of-sequence or stop ids may end the request."""
+    repetition_guard: int | None = None
+    """End the request (finish_reason "stop", stop_reason "repetition") once its output
+    ends in one block of tokens repeated over at least this many tokens and three times
+    (kvflow/core/repetition.py); 0 turns it off; None: the engine's default
+    (``--repetition-guard``). Never fires with ignore_eos or before min_tokens."""
     logprobs: int | None = None
     """Return this many top logprobs (plus the sampled token's) per generated token."""
     prompt_logprobs: int | None = None
@@ -255,6 +262,12 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.repetition_guard is not None:
+            _check(isinstance(self.repetition_guard, int)
+                   and not isinstance(self.repetition_guard, bool)
+                   and 0 <= self.repetition_guard <= MAX_REPETITION_GUARD,
+                   "repetition_guard", f"an integer in [0, {MAX_REPETITION_GUARD}]",
+                   self.repetition_guard)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:

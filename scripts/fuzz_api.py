@@ -55,7 +55,7 @@ def run(url: str, max_time: int, api_key: str | None = None, seed: int | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="a running server (default: start one)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-time", type=int, default=900, help="seconds of fuzzing")

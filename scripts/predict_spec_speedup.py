@@ -136,7 +136,7 @@ def predict(gpu: dict, cpu_files: list[str], eagle: dict | None = None) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", required=True, help="kvflow bench spec-verify result JSON")
     ap.add_argument("--out", default=None)
     ap.add_argument("--eagle", default=None, help="eagle_head_timing.py result JSON (the "

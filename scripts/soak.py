@@ -280,7 +280,7 @@ async def wait_idle(url: str, headers: dict, timeout: float) -> dict[str, float]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=6, help="largest max_tokens sent")

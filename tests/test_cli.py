@@ -19,8 +19,10 @@ def kvflow(*args: str, stdin: str | None = None, timeout: int = 300):
 
 
 def test_generate_prints_answers_and_speed():
+    # Greedy: this checks the command, not sampling (benchmarks/first_answers.py measures
+    # the answers at the model's default sampling).
     p = kvflow("generate", *SMALL, "--prompt", "What is the capital of France?",
-               "--max-tokens", "16")
+               "--max-tokens", "16", "--temperature", "0")
     assert p.returncode == 0, p.stderr
     assert ">>> What is the capital of France?" in p.stdout and "Paris" in p.stdout
     assert "output tokens/s" in p.stdout
@@ -40,7 +42,7 @@ def test_chat_in_process_streams_and_keeps_history(monkeypatch, capsys):
         return render(self, messages, *args, **kwargs)
 
     monkeypatch.setattr(Tokenizer, "apply_chat_template", recording)
-    monkeypatch.setattr(sys, "stdin", io.StringIO("Say hello.\nAnd again.\n\n"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Say hello.\n\nAnd again.\n/quit\n"))
     assert cli.main(["chat", *SMALL, "--max-tokens", "12", "--system", "Be brief."]) == 0
     streamed = capsys.readouterr().out
     assert len(rendered) == 2

@@ -77,7 +77,8 @@ def test_no_tokenizer_no_chat():
 
 
 @pytest.mark.parametrize("url", ["http://h:8000", "http://h:8000/", "http://h:8000/v1",
-                                 "http://h:8000/v1/", " http://h:8000 "])
+                                 "http://h:8000/v1/", " http://h:8000 ", "h:8000",
+                                 "h:8000/v1"])
 def test_base_url_normaliser(url):
     assert normalize_base_url(url) == "http://h:8000"
 

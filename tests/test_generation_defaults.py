@@ -117,12 +117,12 @@ def test_processor_applies_defaults_and_max_tokens_default():
     assert (explicit.temperature, explicit.max_tokens) == (1.0, 7)
     assert proc.default_sampling_params().temperature == 0.2
     with pytest.raises(InvalidParameterError, match="max_tokens_default"):
-        EngineArgs(max_tokens_default=0).create_engine_config()
+        EngineArgs(max_tokens_default=-1).create_engine_config()
 
 
 def test_models_endpoint_says_which_defaults(server):
     card = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
     assert card["generation_defaults"] == {"temperature": 0.2, "top_p": 0.9}
     assert "registry" in card["generation_source"]
-    assert card["max_tokens_default"] is None
+    assert card["max_tokens_default"] == 1024 and card["repetition_guard"] == 64
     assert "sampling defaults: temperature=0.2, top_p=0.9" in server.log()

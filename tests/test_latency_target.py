@@ -146,7 +146,7 @@ def test_idle_gaps_are_not_step_times():
 
 def test_target_option_validation():
     with pytest.raises(InvalidParameterError, match="target_tpot_ms"):
-        EngineArgs(target_tpot_ms=0).create_engine_config()
+        EngineArgs(target_tpot_ms=-1).create_engine_config()
     cfg = EngineArgs(target_tpot_ms=80).create_engine_config()
     assert cfg.scheduler.target_tpot_ms == 80
     from kvflow.engine.core import latency_target

@@ -467,3 +467,12 @@ def test_directory_with_only_a_gguf(tmp_path, gguf_path, smollm):
     os.symlink(gguf_path, tmp_path / "model.gguf")
     tok = Tokenizer.from_path(tmp_path)
     assert tok.encode("Hello 2024 😀") == smollm.encode("Hello 2024 😀")
+
+
+def test_unknown_gguf_pre_tokenizer_is_refused(tmp_path):
+    """A split kvflow does not know would give other ids than llama.cpp: refused, with
+    the key, the supported values and the way out, instead of GPT-2 splitting."""
+    path = _byte_level_gguf(tmp_path / "bl.gguf", "some-new-family")
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.ggml\.pre\) 'some-new-family' is "
+                       r"not supported \(supported: .*llama-bpe.*smollm.*--tokenizer"):
+        Tokenizer.from_gguf(path)

@@ -80,7 +80,7 @@ def bench(rows_list: list[int], vocab: int, blocks: list[int], calls: int,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,8,64", help="batch sizes B")
     ap.add_argument("--vocab", type=int, default=128256)

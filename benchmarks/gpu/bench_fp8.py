@@ -202,7 +202,7 @@ def _sweep(name, m, n, k, x, wq, sw, block, total, bf16_ms) -> list[dict]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreter, CPU")

@@ -275,7 +275,7 @@ def bench_chain(budget_s: float, ms: tuple[int, ...]) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--ms", default="1,8")

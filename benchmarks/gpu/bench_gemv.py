@@ -221,7 +221,7 @@ def _parse_config(text: str) -> GemvConfig:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--write-tuning", default=None, metavar="FILE",
                    help="merge the measured table into this tuning data file "

@@ -141,7 +141,7 @@ def _sweep(name, m, n, k, x, fmt, args, total, bf16_ms) -> list[dict]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--sweep", action="store_true")
     ns = p.parse_args()

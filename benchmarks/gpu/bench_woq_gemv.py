@@ -289,7 +289,7 @@ def bench(budget_s: float, ms: tuple[int, ...], formats: tuple[str, ...],
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--write-tuning", default=None, metavar="FILE",
                    help="merge the measured table into this tuning data file "

@@ -148,7 +148,7 @@ def measure(engine, prompt: list[int], out_len: int, iters: int, tag: str) -> di
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--variants", default="base,auto,rope+argmax,base,auto,rope+argmax")
     ap.add_argument("--table", default=None,

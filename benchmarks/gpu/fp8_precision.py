@@ -285,7 +285,7 @@ def summary(rows) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreter, CPU")
     ns = p.parse_args()

@@ -29,7 +29,7 @@ from kvflow.sampling_params import SamplingParams  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--input-len", type=int, default=128)

@@ -96,7 +96,7 @@ def profile_step(engine, label: str, floor: dict, prepare=lambda: None) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--out", default=None)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--cases", default="decode1,decode256,prefill",

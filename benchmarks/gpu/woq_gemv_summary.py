@@ -51,7 +51,7 @@ def step_ms(rows: list[dict], fmt: str, m: int, impl: str, fused: bool = False
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir")
     p.add_argument("--out", default=None)
     ns = p.parse_args()

@@ -332,7 +332,7 @@ def _git() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="path of the JSON result file")
     parser.add_argument("--only", choices=["norm", "silu", "rotary", "attention"],
                         action="append", help="run only these groups (repeatable)")

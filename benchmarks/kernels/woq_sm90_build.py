@@ -128,7 +128,7 @@ def default_rows() -> list[dict]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--bits", type=int, choices=[4, 8])
     p.add_argument("--m", type=int, default=1)
     p.add_argument("--block-n", type=int, default=64)

@@ -116,8 +116,9 @@ def run_allreduce(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="an all-reduce rank (started by kvflow bench "
-                                "allreduce)")
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description="an all-reduce rank (started by kvflow bench "
+        "allreduce)")
     add_allreduce_args(p)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--port", type=int, required=True)

@@ -13,16 +13,22 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from tqdm import tqdm
 
 from kvflow import envs
 from kvflow.bench.datasets import BenchRequest, length_range, random_requests
 from kvflow.bench.machine import save_result
 from kvflow.entrypoints.utils import normalize_base_url, raise_fd_limit
+
+# Above this share of prompt tokens found in the server's prefix cache, say so.
+PREFIX_HIT_WARNING = 0.1
 
 
 @dataclass
@@ -57,6 +63,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-output-len", type=int, default=None)
     p.add_argument("--max-output-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fresh-prompts", action="store_true",
+                   help="draw new random prompts for this run (a random seed, recorded in "
+                   "the result) instead of --seed's: a second run against the same server "
+                   "then measures prefill, not its prefix cache")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests per second (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0,
@@ -295,11 +305,15 @@ async def run_benchmark(ns: argparse.Namespace) -> dict:
                               ns.max_input_len)
         out_rng = length_range(ns.output_len, ns.range_ratio, ns.min_output_len,
                                ns.max_output_len)
-        requests = random_requests(ns.num_prompts, in_rng, out_rng, vocab, ns.seed, special)
+        seed = int.from_bytes(os.urandom(4), "little") if ns.fresh_prompts else ns.seed
+        # Fresh prompts: the warm-up gets a prompt of its own (the extra last one), so no
+        # measured prompt is cached by it either.
+        requests = random_requests(ns.num_prompts + bool(ns.fresh_prompts), in_rng, out_rng,
+                                   vocab, seed, special)
+        warm_req = requests.pop() if ns.fresh_prompts else requests[0]
         url = base + ns.endpoint
         for _ in range(ns.num_warmups):
-            warm = BenchRequest(requests[0].prompt_token_ids,
-                                min(requests[0].output_len, 16))
+            warm = BenchRequest(warm_req.prompt_token_ids, min(warm_req.output_len, 16))
             r = await send_request(session, url, headers, model, warm, ns.temperature)
             if not r.success:
                 raise SystemExit(f"the warm-up request failed: {r.error}")
@@ -315,13 +329,20 @@ async def run_benchmark(ns: argparse.Namespace) -> dict:
             async with sem:
                 return await send_request(session, url, headers, model, req, ns.temperature)
 
-        rng = np.random.default_rng(ns.seed)
+        rng = np.random.default_rng(seed)
+        bar = None if envs.no_progress_bar() else tqdm(total=len(requests), unit="req",
+                                                       desc="requests", file=sys.stderr)
         start = time.perf_counter()
         tasks = []
         async for req in _arrivals(requests, ns.request_rate, ns.burstiness, rng):
-            tasks.append(asyncio.create_task(limited(req)))
+            task = asyncio.create_task(limited(req))
+            if bar is not None:
+                task.add_done_callback(lambda _: bar.update(1))
+            tasks.append(task)
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
         after = await _scrape_prefix_cache(session, base, headers)
     summary = summarize(results, duration, parse_goodput(ns.goodput))
     if before is not None and after is not None and after[0] > before[0]:
@@ -329,12 +350,18 @@ async def run_benchmark(ns: argparse.Namespace) -> dict:
         # figures would not describe this workload, so the hit rate goes with them.
         summary["server_prefix_cache_hit_rate"] = (after[1] - before[1]) / (after[0] -
                                                                             before[0])
+        if summary["server_prefix_cache_hit_rate"] > PREFIX_HIT_WARNING:
+            print(f"warning: {100 * summary['server_prefix_cache_hit_rate']:.0f}% of the "
+                  f"prompt tokens were found in the server's prefix cache (these prompts "
+                  f"were sent to it before): prefill was nearly free and the figures flatter "
+                  f"it. Restart the server or pass --fresh-prompts.", file=sys.stderr)
     summary["workload"] = {
         "dataset": ns.dataset, "num_prompts": len(requests),
         "input_len_range": list(in_rng), "output_len_range": list(out_rng),
         "request_rate": ns.request_rate if not math.isinf(ns.request_rate) else "inf",
         "burstiness": ns.burstiness, "max_concurrency": ns.max_concurrency,
-        "temperature": ns.temperature, "seed": ns.seed, "vocab_size": vocab}
+        "temperature": ns.temperature, "seed": seed, "fresh_prompts": ns.fresh_prompts,
+        "vocab_size": vocab}
     summary["server"] = {"base_url": base, "endpoint": ns.endpoint, "model": model,
                          "max_model_len": card.get("max_model_len")}
     summary["metadata"] = dict(kv.split("=", 1) for kv in ns.metadata)

@@ -20,6 +20,7 @@ from kvflow.config import SchedulerConfig, check_preemption_mode
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.latency import LatencyTarget
+from kvflow.core.repetition import loop_period, should_check
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.spec_stats import SpecDecodingStats
 from kvflow.core.sched_output import (
@@ -530,6 +531,12 @@ class Scheduler:
             if token in sp.all_stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token
+                return True
+            guard = sp.repetition_guard
+            if guard and not sp.ignore_eos and should_check(req.num_output_tokens) \
+                    and loop_period(req.all_token_ids, req.num_prompt_tokens, guard):
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = "repetition"
                 return True
         if (req.num_output_tokens >= req.max_tokens
                 or req.num_tokens >= self.config.max_model_len):

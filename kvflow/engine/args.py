@@ -6,14 +6,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass, field
 
 from kvflow.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
                            ParallelConfig, SchedulerConfig, SpeculativeConfig)
+from kvflow.core.repetition import DEFAULT_GUARD
 from kvflow.errors import InvalidParameterError
 from kvflow.models.registry import DEFAULT_MODEL, load_generation_config, resolve_model
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import MAX_REPETITION_GUARD, SamplingParams
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "mb": 10**6, "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30,
@@ -84,7 +86,16 @@ class EngineArgs:
                                   "model), none (temperature 1, no filters), or the path "
                                   "of a generation_config.json (or its folder)")
     max_tokens_default: int | None = _arg(None, "output tokens for requests that leave "
-                                          "max_tokens out (default: up to max_model_len)")
+                                          "max_tokens out; 0: up to max_model_len "
+                                          "(default: kvflow's registry entry for a file it "
+                                          "knows, 1024 for the embedded model, else 0)")
+    repetition_guard: int | None = _arg(None, "end a request whose output ends in one "
+                                        "block of tokens repeated 3 times over at least "
+                                        "this many tokens (stop_reason 'repetition'); 0: "
+                                        "off (default: 64, off with dummy weights); a "
+                                        "request's repetition_guard wins")
+    chat_template: str | None = _arg(None, "chat template replacing the model's: a file "
+                                     "path or the Jinja text itself (as vLLM takes it)")
     skip_tokenizer_init: bool = _arg(False, "run without a tokenizer (token ids in and out)")
     block_size: int = _arg(16, "tokens per KV cache block")
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, "
@@ -105,7 +116,9 @@ class EngineArgs:
                           "--no-enable-prefix-caching)", choices=["paged", "contiguous"])
     swap_space: str = _arg("4GiB", "host memory for swapped-out KV (swap/auto modes)")
     max_num_batched_tokens: int | None = _arg(None, "token budget per step (default 8192 "
-                                              "on GPU, 2048 on CPU)")
+                                              "on GPU, 2048 on CPU; kvflow serve on CPU: "
+                                              "256, so a prefill step cannot freeze the "
+                                              "running streams for seconds)")
     max_num_seqs: int | None = _arg(None, "most requests running at once (default 256 on "
                                     "GPU, 128 on CPU)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
@@ -117,7 +130,7 @@ class EngineArgs:
                                         "each step's token budget and running batch are "
                                         "capped so its predicted time stays under it; "
                                         "requests beyond that wait (see "
-                                        "--max-queued-requests)")
+                                        "--max-queued-requests); 0: off (the default)")
     target_ttft_ms: float | None = _arg(None, "with --target-tpot-ms: a waiting request "
                                         "that would miss this time to first token (and "
                                         "can still make it) is admitted with the prefill "
@@ -221,7 +234,8 @@ class EngineArgs:
             arch=resolved.arch, dtype=dtype, max_model_len=max_len, tokenizer=tokenizer,
             served_model_name=self.served_model_name or self.model, seed=self.seed,
             generation_defaults=tuple(sorted(gen_defaults.items())),
-            generation_source=gen_source, max_tokens_default=self.max_tokens_default,
+            generation_source=gen_source, **self._length_defaults(resolved),
+            chat_template=read_chat_template(self.chat_template),
             quantization=self.quantization,
             quantization_group_size=self.quantization_group_size,
             quantization_symmetric=self.quantization_symmetric,
@@ -262,7 +276,7 @@ class EngineArgs:
             else self.max_num_seqs,
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
             max_queued_requests=self.max_queued_requests,
-            target_tpot_ms=self.target_tpot_ms, target_ttft_ms=self.target_ttft_ms,
+            target_tpot_ms=self.target_tpot_ms or None, target_ttft_ms=self.target_ttft_ms,
             batching=self.batching,
             async_scheduling=async_scheduling)
         parallel = ParallelConfig(
@@ -339,6 +353,27 @@ class EngineArgs:
                     f"environment ({env[name]}); give one or the other", param=name)
         return dict(env, launcher="torchrun")
 
+    def _length_defaults(self, resolved) -> dict:
+        """max_tokens_default (flag, else the registry's for a known file) and the
+        repetition guard (flag, else on for real weights: dummy weights loop by nature
+        and their benches want every request to its full length)."""
+        cap, source = self.max_tokens_default, "--max-tokens-default"
+        if cap is None and self.generation_config == "auto":
+            cap, source = resolved.max_tokens_default, resolved.generation_source
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int)
+                                or cap < 0):
+            raise InvalidParameterError("max_tokens_default must be an integer >= 0",
+                                        param="max_tokens_default")
+        guard = self.repetition_guard
+        if guard is None:
+            guard = 0 if resolved.load_format == "dummy" else DEFAULT_GUARD
+        if isinstance(guard, bool) or not isinstance(guard, int) \
+                or not 0 <= guard <= MAX_REPETITION_GUARD:
+            raise InvalidParameterError(f"repetition_guard must be an integer in [0, "
+                                        f"{MAX_REPETITION_GUARD}]", param="repetition_guard")
+        return dict(max_tokens_default=cap or None,
+                    max_tokens_source=source if cap else "none", repetition_guard=guard)
+
     def _generation_defaults(self, resolved) -> tuple[dict, str]:
         choice = self.generation_config
         if not isinstance(choice, str) or not choice:
@@ -369,6 +404,24 @@ class EngineArgs:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: the text of the file it names, or the Jinja template itself."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidParameterError("chat_template must be a file path or a Jinja template",
+                                    param="chat_template")
+    if "{" not in value and "\n" not in value:  # a template has tags; a path has neither
+        try:
+            with open(os.path.expanduser(value), encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise InvalidParameterError(
+                f"chat_template {value!r} is not a readable file ({e.strerror}) nor a Jinja "
+                f"template", param="chat_template") from None
+    return value
 
 
 def parse_speculative_config(value: str | dict | SpeculativeConfig | None

@@ -214,7 +214,8 @@ class AsyncEngine:
             return None
         from kvflow.engine.tokenizer import Tokenizer
 
-        return Tokenizer.from_path(self.config.model.tokenizer)
+        return Tokenizer.from_path(self.config.model.tokenizer).with_chat_template(
+            self.config.model.chat_template)
 
     def _watch(self, proc: subprocess.Popen) -> None:
         """Watchdog thread: wait for the core process to exit, then tell the loop."""
@@ -368,6 +369,20 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.put(_ABORTED)
+
+    def end_streams(self, message: str) -> None:
+        """End every request in flight with EngineDeadError(message): a shutdown whose
+        grace period ran out. Each response then closes as an error (a stream with an
+        error event and [DONE]) instead of being cut by the server mid-body."""
+        for request_id, stream in list(self._streams.items()):
+            stream.put(EngineDeadError(message))  # before abort's marker: this is raised
+            self.abort(request_id)
+
+    def call_soon_threadsafe(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the engine's event loop (e.g. from a signal handler)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(fn, *args)
 
     @property
     def num_unfinished_requests(self) -> int:

@@ -165,8 +165,9 @@ def _remove_ipc_dir(address: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="kvflow engine-core process (started by "
-                                     "the API server, not by hand)")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description="kvflow engine-core process (started by "
+        "the API server, not by hand)")
     parser.add_argument("--input", required=True, help="ZMQ address to read requests from")
     parser.add_argument("--output", required=True, help="ZMQ address to send outputs to")
     parser.add_argument("--engine-args", required=True, help="EngineArgs as a JSON object")

@@ -22,7 +22,8 @@ def load_tokenizer(config: EngineConfig):
         return None
     from kvflow.engine.tokenizer import Tokenizer
 
-    return Tokenizer.from_path(config.model.tokenizer)
+    return Tokenizer.from_path(config.model.tokenizer).with_chat_template(
+        config.model.chat_template)
 
 
 class LLMEngine:

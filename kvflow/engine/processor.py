@@ -106,6 +106,8 @@ class InputProcessor:
         params = params.with_defaults(dict(m.generation_defaults))
         if params.max_tokens is None and m.max_tokens_default is not None:
             params = params.clone(max_tokens=m.max_tokens_default)
+        if params.repetition_guard is None:
+            params = params.clone(repetition_guard=m.repetition_guard)
         return params
 
     def check_structured(self, params: SamplingParams, param: str | None = None) -> None:

@@ -225,6 +225,13 @@ class Tokenizer:
         """The default chat template, or None when the model has none."""
         return self.chat_templates.get("default")
 
+    def with_chat_template(self, template: str | None) -> Tokenizer:
+        """This tokenizer with ``template`` as its default chat template (the operator's
+        --chat-template); None keeps the model's. The model's named templates stay."""
+        if template is not None:
+            self.chat_templates["default"] = template
+        return self
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
                             chat_template: str | None = None, max_chars: int | None = None,
                             **template_kwargs: Any) -> str:
@@ -243,8 +250,8 @@ class Tokenizer:
                      "pad_token": self.pad_token, "unk_token": self.unk_token,
                      "tools": None, "documents": None, **template_kwargs,
                      "messages": messages, "add_generation_prompt": add_generation_prompt}
-        compiled = _compile_template(template)
         try:
+            compiled = _compile_template(template)  # a request's own may not compile
             if max_chars is None:
                 return compiled.render(**variables)
             parts, size = [], 0
@@ -270,8 +277,9 @@ class Tokenizer:
         if self.chat_template is None:
             raise InvalidParameterError(
                 "this model's tokenizer has no chat template, so chat messages cannot be "
-                "turned into a prompt: pass a chat template (e.g. the server's "
-                "--chat-template) or send a plain completion prompt instead", param="messages")
+                "turned into a prompt: pass one with --chat-template (a file or inline "
+                "Jinja) or a request's chat_template, or send a plain completion prompt "
+                "instead", param="messages")
         return self.chat_template
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -309,9 +317,13 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizer
     """GPT-2 style byte-level BPE; ``pre`` (tokenizer.ggml.pre) picks the text splitting."""
     style = _GGUF_PRE.get(pre)
     if style is None:
-        logger.warning("GGUF pre-tokenizer %r is unknown to kvflow; splitting text like GPT-2",
-                       pre)
-        style = "gpt2"
+        # The split decides the token ids: GPT-2's on another family's vocabulary gives
+        # ids llama.cpp would not, silently. Refuse instead.
+        raise ModelLoadError(
+            f"the GGUF file's pre-tokenizer (tokenizer.ggml.pre) {pre!r} is not supported "
+            f"(supported: {', '.join(sorted(_GGUF_PRE))}); its text splitting decides the "
+            f"token ids, so kvflow will not guess it. Point --tokenizer at the model's "
+            f"Hugging Face folder (its tokenizer.json) instead")
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     # Llama 3's tokenizer.json (and llama.cpp) take a whole word from the vocabulary first.
     backend = tokenizers.Tokenizer(models.BPE(

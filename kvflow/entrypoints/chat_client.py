@@ -82,9 +82,11 @@ def chat_with_server(ns: argparse.Namespace) -> int:
     except ServerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # Flags left unset are left out: the server's defaults apply, as they do here.
     params = {"model": model, "max_tokens": ns.max_tokens, "temperature": ns.temperature,
               "top_p": ns.top_p, "top_k": ns.top_k, "min_p": ns.min_p,
               "repetition_penalty": ns.repetition_penalty}
+    params = {k: v for k, v in params.items() if v is not None}
     if ns.sampling_seed is not None:
         params["seed"] = ns.sampling_seed
 
@@ -97,23 +99,54 @@ def chat_with_server(ns: argparse.Namespace) -> int:
     return run_chat_loop(ns.system, f"kvflow chat with {model} at {base}", respond)
 
 
+QUIT_COMMANDS = ("/quit", "/exit", "/bye")
+
+
+def line_reader() -> Callable[[], str]:
+    """A function reading one user turn (EOFError at the end). On a terminal,
+    prompt-toolkit gives line editing and history (arrow keys edit the line instead of
+    reaching the model as escape codes); piped input is read plainly."""
+    if sys.stdin.isatty() and sys.stdout.isatty():
+        try:
+            from prompt_toolkit import PromptSession
+            from prompt_toolkit.history import InMemoryHistory
+        except ImportError:
+            pass
+        else:
+            session = PromptSession(history=InMemoryHistory())
+            return lambda: session.prompt("> ")
+    return lambda: input("> ")
+
+
 def run_chat_loop(system: str | None, banner: str,
-                  respond: Callable[[list[dict]], str | None]) -> int:
-    """Read user turns until an empty line or EOF; ``respond`` streams a reply to the
-    conversation so far and returns its text (None: it failed, the turn is dropped)."""
+                  respond: Callable[[list[dict]], str | None],
+                  read: Callable[[], str] | None = None) -> int:
+    """Read user turns until /quit, /exit or Ctrl-D; ``respond`` streams a reply to the
+    conversation so far and returns its text (None: it failed, the turn is dropped).
+    An empty line asks nothing; Ctrl-C at the prompt clears the line, and during a reply
+    stops only that reply (the turn is dropped, as if it had not been asked)."""
+    read = read or line_reader()
     history: list[dict] = []
     if system:
         history.append({"role": "system", "content": system})
-    print(f"{banner} - empty line or Ctrl-D to quit", file=sys.stderr)
+    print(f"{banner} - /quit or Ctrl-D to quit, Ctrl-C stops a reply", file=sys.stderr)
     while True:
         try:
-            user = input("> ")
+            user = read()
         except EOFError:
             break
-        if not user.strip():
+        except KeyboardInterrupt:
+            continue
+        if user.strip() in QUIT_COMMANDS:
             break
+        if not user.strip():
+            continue
         history.append({"role": "user", "content": user})
-        reply = respond(history)
+        try:
+            reply = respond(history)
+        except KeyboardInterrupt:
+            print("\n[reply stopped]", file=sys.stderr)
+            reply = None
         if reply is None:
             history.pop()
             continue

@@ -35,15 +35,16 @@ def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 template_kwargs: Mapping[str, Any] | None = None, *,
-                timeout_s: float | None = None, max_chars: int | None = None
-                ) -> tuple[str, list[int]]:
+                timeout_s: float | None = None, max_chars: int | None = None,
+                chat_template: str | None = None) -> tuple[str, list[int]]:
     """Render one conversation with the model's chat template; returns (prompt text,
     token ids). The template adds the special tokens, so encoding adds none.
 
     ``max_chars`` stops a rendering that grows past it; ``timeout_s`` stops one that runs
     longer (a template looping without output included): both raise
     InvalidParameterError, so a pathological template or conversation costs its request
-    a 400 and the thread that rendered it nothing more.
+    a 400 and the thread that rendered it nothing more. ``chat_template`` (a request's
+    own, Jinja text or the name of one of the model's templates) replaces the model's.
     """
     if tokenizer is None:
         raise InvalidParameterError("chat needs a tokenizer and this model has none; send "
@@ -53,7 +54,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     def render() -> str:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=
                                              add_generation_prompt, max_chars=max_chars,
-                                             **kwargs)
+                                             chat_template=chat_template, **kwargs)
 
     text = render() if timeout_s is None else _with_deadline(render, timeout_s)
     return text, tokenizer.encode(text, add_special_tokens=False)

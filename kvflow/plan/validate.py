@@ -214,7 +214,7 @@ def build_report(results: str, extra_runs: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--results", default="benchmarks/results")
     ap.add_argument("--out", default="benchmarks/results/plan-validation-h200.json")
     ap.add_argument("--import-run", action="append", default=[], metavar="JSON[:LOG]",

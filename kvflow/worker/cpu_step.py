@@ -28,6 +28,7 @@ import fcntl
 import functools
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -112,23 +113,57 @@ def load_extension():
     with open(build_dir / "kvflow.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
-        _module = cpp_extension.load(name=EXTENSION, sources=[str(p) for p in SOURCES],
+        sources = _copy_sources(build_dir)
+        fresh = not (build_dir / f"{EXTENSION}.so").exists()
+        if fresh:
+            logger.info("building the C++ CPU decode step once for this environment (a "
+                        "minute or two; later starts load it) in %s", build_dir)
+        _module = cpp_extension.load(name=EXTENSION, sources=[str(p) for p in sources],
                                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                                      build_directory=str(build_dir), verbose=False)
-    return _module, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if fresh:
+        logger.info("built the C++ CPU decode step in %.1f s", seconds)
+    return _module, seconds
+
+
+def _copy_sources(build_dir: Path) -> list[Path]:
+    """The sources, copied into the build folder (their layout kept) so that the
+    generated build.ninja names the same files whichever checkout holds kvflow: ninja
+    rebuilds whenever build.ninja changes, so two checkouts of the same source that
+    built from their own paths would rebuild each other's library on every start."""
+    pkg = Path(__file__).resolve().parent.parent
+    out = []
+    for path in SOURCES + HEADERS:
+        dest = build_dir / "src" / path.resolve().relative_to(pkg)
+        data = path.read_bytes()
+        if not dest.exists() or dest.read_bytes() != data:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_suffix(dest.suffix + ".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, dest)  # the hash in the folder name says the content is equal
+        if path in SOURCES:
+            out.append(dest)
+    return out
 
 
 def build_root() -> Path:
     """This source's build folder in torch's extension cache. Its name carries a hash of
     the source, the flags, torch's version and the CPU's feature flags (-march=native):
     ninja alone compares times, so another checkout's older but different copy, or a
-    cache shared with another CPU, would load a library built from something else."""
+    cache shared with another CPU, would load a library built from something else. The
+    torch and Python installation count too (see the comment below); the checkout does
+    not (the build reads copies of the sources, see ``_copy_sources``)."""
     import hashlib
 
     from torch.utils import cpp_extension
 
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS))
     key.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
+    # The environment: build.ninja names torch's and Python's include folders, so two
+    # virtual environments (even with the same torch version) need folders of their own
+    # or each start would rebuild the other's library.
+    key.update(os.path.dirname(torch.__file__).encode() + sys.prefix.encode())
     try:
         with open("/proc/cpuinfo") as f:
             key.update(next((line for line in f if line.startswith("flags")), "").encode())

@@ -68,8 +68,9 @@ def run_rank(config, rank: int, local_rank: int, port: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="kvflow rank process (started by the "
-                                     "engine, not by hand)")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description="kvflow rank process (started by the "
+        "engine, not by hand)")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--local-rank", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)

@@ -18,14 +18,17 @@ from functools import lru_cache
 from types import SimpleNamespace
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat,
-                      StrictInt, StrictStr, Tag, field_validator, model_serializer,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field,
+                      StrictBool, StrictFloat, StrictInt, StrictStr, Tag, field_validator,
+                      model_serializer, model_validator)
 
 from kvflow.entrypoints.chat_utils import RESERVED_TEMPLATE_KWARGS
 from kvflow.entrypoints.openai.server_args import RequestLimits
 from kvflow.entrypoints.tools import check_parameters_schema
-from kvflow.sampling_params import MAX_LOGPROBS
+from kvflow.sampling_params import MAX_LOGPROBS, MAX_REPETITION_GUARD
+
+# The longest chat template a request may bring (real templates are 1-10 KB).
+MAX_CHAT_TEMPLATE_CHARS = 65536
 
 # What the engine can carry: msgspec IPC and int64 tensors (seeds, priorities); token
 # ids and token counts fit in 32 bits.
@@ -54,7 +57,14 @@ class _Response(BaseModel):
 # --- requests -----------------------------------------------------------------------
 
 Float = Annotated[StrictFloat, Field(allow_inf_nan=False)]
-TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+def _integral(value: Any) -> Any:
+    """1069.0 is an integer to JSON Schema (and so to the published schema): take it."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+TokenId = Annotated[StrictInt, BeforeValidator(_integral), Field(ge=0, le=INT32_MAX)]
 Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 ShortStr = Annotated[StrictStr, Field(max_length=1024)]
 
@@ -108,6 +118,13 @@ class ToolCall(_Request):
 
 
 class ChatMessage(_Request):
+    # What _content_required checks, stated in the schema: content (not null), unless
+    # an assistant message carries tool_calls.
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["role", "tool_calls"], "properties": {
+            "role": {"const": "assistant"}, "tool_calls": {"type": "array",
+                                                           "minItems": 1}}}]})
     role: Role
     content: StrictStr | list[ContentPart] | None = None
     """Text, or a list of text parts; null only for an assistant message with tool_calls."""
@@ -185,6 +202,11 @@ def request_models(limits: RequestLimits = RequestLimits()) -> SimpleNamespace:
         description="extra variables for the chat template; may not set "
         + ", ".join(sorted(RESERVED_TEMPLATE_KWARGS)))]
 
+    ChatTemplate = Annotated[StrictStr, Field(
+        min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS,
+        description="vLLM extension: a Jinja chat template (or the name of one of the "
+        "model's templates) used for this request instead of the model's")]
+
     class SamplingRequest(_Request):
         """Parameters shared by completions and chat completions."""
 
@@ -221,6 +243,11 @@ def request_models(limits: RequestLimits = RequestLimits()) -> SimpleNamespace:
         """kvflow/vLLM extension: add token_ids (and prompt_token_ids) to each choice."""
         structured_outputs: StructuredOutputs | None = None
         """kvflow/vLLM extension: constrain the output (json schema, regex, choice, grammar)."""
+        repetition_guard: Annotated[StrictInt, Field(
+            ge=0, le=MAX_REPETITION_GUARD)] | None = None
+        """kvflow extension: end the answer (finish_reason stop, stop_reason repetition)
+        once it ends in one block of tokens repeated 3 times over at least this many
+        tokens; 0: off; unset: the server's default (see /v1/models)."""
         # Accepted for compatibility; they change nothing here.
         store: StrictBool | None = None
         metadata: Annotated[dict[Annotated[str, Field(max_length=64)],
@@ -232,9 +259,11 @@ def request_models(limits: RequestLimits = RequestLimits()) -> SimpleNamespace:
 
     TokenPrompt = Annotated[list[TokenId], Field(min_length=1)]
 
+    Prompt = Annotated[StrictStr, Field(min_length=1)]  # an empty prompt is refused
+
     class CompletionRequest(SamplingRequest):
-        prompt: (StrictStr | Annotated[list[StrictStr], Field(min_length=1,
-                                                              max_length=lim.max_prompts)]
+        prompt: (Prompt | Annotated[list[Prompt], Field(min_length=1,
+                                                        max_length=lim.max_prompts)]
                  | TokenPrompt
                  | Annotated[list[TokenPrompt], Field(min_length=1,
                                                       max_length=lim.max_prompts)])
@@ -263,6 +292,7 @@ def request_models(limits: RequestLimits = RequestLimits()) -> SimpleNamespace:
         response_format: ResponseFormat | None = None
         add_generation_prompt: StrictBool = True
         chat_template_kwargs: TemplateKwargs = None
+        chat_template: ChatTemplate | None = None
 
         _kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
@@ -471,6 +501,7 @@ class ModelCard(_Response):
     generation_defaults: dict[str, float | int] | None = None
     generation_source: str | None = None
     max_tokens_default: int | None = None
+    repetition_guard: int | None = None
 
 
 class ModelList(_Response):

@@ -25,6 +25,7 @@ from kvflow.config import GiB
 from kvflow.engine.async_client import AsyncEngine, CoreProcess, EngineState
 from kvflow.engine.stats import LoggingStatsListener
 from kvflow.entrypoints.openai.dashboard import install_dashboard
+from kvflow.entrypoints.openai.docs_page import install_docs
 from kvflow.entrypoints.openai.errors import (error_response, install_error_handlers,
                                               kvflow_error_response)
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusMetrics
@@ -40,7 +41,7 @@ from kvflow.entrypoints.openai.serving_pooling import PoolingServing, add_poolin
 from kvflow.entrypoints.openai.serving_responses import add_responses_routes
 from kvflow.entrypoints.anthropic.errors import anthropic_error_body
 from kvflow.entrypoints.anthropic.serving import add_anthropic_routes
-from kvflow.entrypoints.utils import raise_fd_limit
+from kvflow.entrypoints.utils import listen_socket, raise_fd_limit
 from kvflow.errors import InvalidParameterError, KvflowError
 from kvflow.logger import init_logger
 
@@ -164,7 +165,8 @@ def build_app(engine: AsyncEngine, args: ServerArgs, request_exit: Callable[[int
     # /openapi.json and /docs sit behind the API key like every route but /health.
     app = FastAPI(title="kvflow", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of kvflow (see docs/serving.md)",
-                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    install_docs(app)  # /docs from local assets: works offline
     app.state.kvflow = state
     app.openapi = lambda: _openapi(app)
     # The Anthropic routes answer errors in Anthropic's shape.
@@ -230,7 +232,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                          max_model_len=m.max_model_len,
                          generation_defaults=dict(m.generation_defaults),
                          generation_source=m.generation_source,
-                         max_tokens_default=m.max_tokens_default)
+                         max_tokens_default=m.max_tokens_default,
+                         repetition_guard=m.repetition_guard)
 
     if state.loras is not None and engine.config.lora.allow_runtime_updating:
         from kvflow.entrypoints.openai.lora_routes import add_lora_routes
@@ -311,19 +314,37 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return json_response(DetokenizeResponse(prompt=text))
 
 
+# `kvflow serve` exit code when --host/--port cannot be bound (in use, not allowed): the
+# engine was not started. (uvicorn's own start-up failure code, now documented.)
+EXIT_CANNOT_LISTEN = 3
+
+
 def run_server(engine_args, server_args: ServerArgs) -> int:
-    """Serve until SIGINT/SIGTERM (exit 0) or until the engine core dies (exit 1)."""
+    """Serve until SIGINT/SIGTERM (exit 0) or until the engine core dies (exit 1); exit
+    EXIT_CANNOT_LISTEN (3) when the address cannot be bound, before anything starts."""
     start = time.monotonic()
     raise_fd_limit()
+    try:
+        sock = listen_socket(server_args.host, server_args.port)
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s (is another server running there? pick "
+                     "another --port)", server_args.host, server_args.port,
+                     e.strerror or e)
+        return EXIT_CANNOT_LISTEN
     if engine_args.max_queued_requests is None:
         engine_args = dataclasses.replace(engine_args,
                                           max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS)
     # The core's start-up (imports, model load) overlaps this process's own.
-    core = CoreProcess(engine_args)
+    try:
+        core = CoreProcess(engine_args)
+    except BaseException:
+        sock.close()
+        raise
     try:
         config = engine_args.create_engine_config()
     except BaseException:
         core.close()
+        sock.close()
         raise
     engine = AsyncEngine(engine_args, config, tokenizer_workers=server_args.tokenizer_workers,
                          core=core)
@@ -341,19 +362,41 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
         log_level=server_args.uvicorn_log_level, access_log=server_args.access_log,
         timeout_graceful_shutdown=server_args.shutdown_timeout, lifespan="on"))
     holder.append(server)
-    server.run()
+    grace = server_args.shutdown_timeout
+
+    def drain() -> None:
+        # Just before uvicorn's grace period ends (when it would cancel the responses
+        # mid-body, logging a traceback for each), end the streams still running.
+        engine.call_soon_threadsafe(
+            lambda: asyncio.get_running_loop().call_later(
+                max(0.0, grace - DRAIN_MARGIN_S), engine.end_streams,
+                f"the server is shutting down and this request did not finish within the "
+                f"shutdown grace period (--shutdown-timeout {grace:g} s)"))
+
+    server.on_exit = drain
+    with sock:
+        server.run(sockets=[sock])
     if not server.started and exit_code[0] == 0:
         exit_code[0] = 1  # e.g. the port was taken
     return exit_code[0]
+
+
+# Streams still running this long before the shutdown grace period ends are ended by the
+# server (an error event, then [DONE]) so they close before uvicorn cuts them.
+DRAIN_MARGIN_S = 1.0
 
 
 class _Server(uvicorn.Server):
     """Ends a signalled shutdown with a normal return (exit 0); uvicorn itself re-raises
     the signal once it has shut down."""
 
+    on_exit: Callable[[], None] | None = None
+
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: stop waiting
             self.force_exit = True
         else:
             logger.info("%s: shutting down gracefully", signal.Signals(sig).name)
+            if not self.should_exit and self.on_exit is not None:
+                self.on_exit()
             self.should_exit = True

@@ -261,6 +261,7 @@ class OpenAIServing:
             logit_bias={int(k): float(v) for k, v in req.logit_bias.items()}
             if req.logit_bias else None, stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            repetition_guard=req.repetition_guard,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,

@@ -41,21 +41,23 @@ def message_dict(m) -> dict:
 
 class ChatServing(OpenAIServing):
     async def render(self, messages: list[dict], add_generation_prompt: bool,
-                     template_kwargs: dict | None) -> tuple[str, list[int]]:
+                     template_kwargs: dict | None, chat_template: str | None = None
+                     ) -> tuple[str, list[int]]:
         """Chat template -> (prompt text, token ids), in the tokenizer thread pool, limited
         in time and size (--chat-template-timeout, --max-chat-prompt-chars)."""
         a = self.args
         return await self.engine.run_in_pool(
             partial(render_chat, self.engine.tokenizer, messages, add_generation_prompt,
                     template_kwargs, timeout_s=a.chat_template_timeout,
-                    max_chars=a.max_chat_prompt_chars))
+                    max_chars=a.max_chat_prompt_chars, chat_template=chat_template))
 
     async def render_request(self, req) -> tuple[str, list[int], ChatTools]:
         """A chat (or /tokenize chat) request's prompt, with its tools rendered."""
         tools = ChatTools(self.engine.tokenizer, self.args, req)
         messages, template_kwargs = tools.template_input(
             [message_dict(m) for m in req.messages], req.chat_template_kwargs)
-        text, ids = await self.render(messages, req.add_generation_prompt, template_kwargs)
+        text, ids = await self.render(messages, req.add_generation_prompt, template_kwargs,
+                                      getattr(req, "chat_template", None))
         tools.prompt = text
         return text, ids, tools
 
