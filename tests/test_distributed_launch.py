@@ -116,9 +116,10 @@ def test_torchrun_variables(monkeypatch):
 # Eager on every side: a single process would otherwise run the C++ CPU step (int8
 # activations on the GGUF linears), which pipeline ranks do not; the comparison is of the
 # launcher, not of the two GEMVs' rounding (near ties part them within 8 tokens).
+# greedy: `kvflow generate` samples at the model's recommended settings otherwise
 GENERATE = ["-m", "kvflow.cli", "generate", "smollm2-135m", "--device", "cpu",
-            "--max-model-len", "256", "--max-tokens", "8", "--enforce-eager",
-            "--prompt", "Hello"]
+            "--max-model-len", "256", "--max-tokens", "8", "--temperature", "0",
+            "--enforce-eager", "--prompt", "Hello"]
 
 
 def answer(out: str) -> str:

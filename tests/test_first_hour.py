@@ -182,7 +182,8 @@ def test_schema_states_what_the_server_refuses():
                      {"messages": [{"role": "user", "content": None}]})
     assert valid("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}]})
     assert valid("ChatCompletionRequest", {"messages": [
-        {"role": "assistant", "tool_calls": [{"id": "1"}]}]})
+        {"role": "assistant", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]})
     # An integral float is an integer to JSON Schema, so the server takes it too.
     assert valid("DetokenizeRequest", {"tokens": [1069.0]})
     assert models.detokenize.model_validate({"tokens": [1069.0]}).tokens == [1069]

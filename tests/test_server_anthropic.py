@@ -241,9 +241,13 @@ def test_tool_use_and_result_round_trip(server, client):
                                                      "tools": CHAT_TOOLS}).json()
     n = client.messages.count_tokens(model=MODEL, messages=messages, tools=[WEATHER])
     assert n.input_tokens == tok["count"]
+    # Warm the prefix cache first, so both compared requests compute the same uncached
+    # tail (a prompt computed whole or partly cached can part at a near tie; docs/cpu-step.md).
+    client.messages.create(model=MODEL, max_tokens=1, **GREEDY, tools=[WEATHER],
+                           messages=messages)
+    ref, usage = chat(server, history, max_tokens=4, tools=CHAT_TOOLS)
     m = client.messages.create(model=MODEL, max_tokens=4, **GREEDY, tools=[WEATHER],
                                messages=messages)
-    ref, usage = chat(server, history, max_tokens=4, tools=CHAT_TOOLS)
     assert m.usage.input_tokens == usage.prompt_tokens == tok["count"]
     assert "".join(b.text for b in m.content if b.type == "text") == \
         (ref.message.content or "")

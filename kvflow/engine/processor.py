@@ -175,12 +175,16 @@ class InputProcessor:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameterError("cache_salt must be a non-empty string",
                                         param="cache_salt")
+        capped = params.max_tokens is None  # a default max_tokens is a cap, not a demand
         params = self.apply_defaults(params)
         cfg = self.config
         params = bound_for_engine(params, self.vocab_size, cfg.model.max_model_len)
         if params.structured_outputs is not None:
             self.check_structured(params)
         text, ids = self.tokenize_prompt(prompt)
+        room = cfg.model.max_model_len - len(ids)
+        if capped and params.max_tokens is not None and 0 < room < params.max_tokens:
+            params = params.clone(max_tokens=room)  # as without a cap: up to the context
         check_request_fits(len(ids), params.max_tokens, cfg.model.max_model_len,
                            cfg.cache.block_size, self.num_blocks)
         arrival = time.monotonic() if arrival_time is None else arrival_time

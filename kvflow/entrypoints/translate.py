@@ -33,7 +33,7 @@ _CHAT_DEFAULTS: dict[str, Any] = dict(
     frequency_penalty=None, repetition_penalty=None, seed=None, stop=None,
     stop_token_ids=None, ignore_eos=False, min_tokens=0, logit_bias=None,
     skip_special_tokens=True, spaces_between_special_tokens=True,
-    include_stop_str_in_output=False, stream=False)
+    include_stop_str_in_output=False, stream=False, repetition_guard=None)
 
 
 def sampling_fields(**fields: Any) -> SimpleNamespace:

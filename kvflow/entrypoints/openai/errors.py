@@ -97,6 +97,27 @@ def _validation_param(loc: tuple) -> str | None:
     return ".".join(parts) if parts else None
 
 
+def _plain_type(label: str) -> str:
+    """A union member's name without pydantic's validator wrappers:
+    ``list[function-before[_integral(), int]]`` -> ``list[int]`` (the wrapped type is the
+    wrapper's last argument)."""
+    while (start := label.find("function-")) >= 0:
+        open_at = label.find("[", start)
+        depth, end, last = 0, open_at, open_at + 1
+        for i in range(open_at, len(label)):
+            if label[i] == "[":
+                depth += 1
+            elif label[i] == "]":
+                depth -= 1
+                if depth == 0:
+                    end = i
+                    break
+            elif label[i] == "," and depth == 1:
+                last = i + 1
+        label = label[:start] + label[last:end].strip() + label[end + 1:]
+    return label
+
+
 def _branches(errs: list, param: str | None) -> list[str]:
     """The union members a field's value was tried against, as readable type names."""
     names = []
@@ -107,6 +128,7 @@ def _branches(errs: list, param: str | None) -> list[str]:
             continue
         label = next((p for p in loc if _is_branch(p) and not p.startswith("[")), None)
         if label:
+            label = _plain_type(label)
             label = re.sub(r"tagged-union\[.*\]", "object", label.replace("constrained-", ""))
             if label not in names:
                 names.append(label)
