@@ -102,6 +102,15 @@ class Generation:
         None when the text is all content."""
         return self.tools.choice_parser() if self.tools is not None else None
 
+    @staticmethod
+    def delta(parser, c: CompletionOutput) -> dict:
+        """One streamed output of a sample as a chat delta: its text as content, or what
+        ``parser`` (from ``parser()``) makes of it (content, reasoning, tool calls),
+        flushed at the sample's end."""
+        if parser is None:
+            return {"content": c.text} if c.text else {}
+        return parser.finish(c.text) if c.finish_reason is not None else parser.feed(c.text)
+
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         assert self.gen is not None
         async for ro in until_deadline(chain_first(self.first, self.gen), self.deadline):

@@ -165,11 +165,7 @@ class MessagesServing(TranslatedServing):
                 last = ro
                 c = ro.outputs[0]
                 output_tokens += len(c.token_ids)
-                if parser is None:
-                    delta = {"content": c.text} if c.text else {}
-                else:
-                    delta = parser.finish(c.text) if c.finish_reason is not None \
-                        else parser.feed(c.text)
+                delta = g.delta(parser, c)
                 for e in blocks.delta(delta):
                     yield e
             check_not_failed(last.outputs[0])
