@@ -21,8 +21,8 @@ from kvflow.errors import InvalidParameterError  # noqa: E402
 from kvflow.models.registry import PRESETS  # noqa: E402
 
 
-def save_hf_model(name: str, folder, shard: bool = False) -> torch.nn.Module:
-    cfg = dict(PRESETS[name])
+def save_hf_model(name: str, folder, shard: bool = False, **extra) -> torch.nn.Module:
+    cfg = {**PRESETS[name], **extra}
     config = transformers.AutoConfig.for_model(_MODEL_TYPES[cfg["architectures"][0]], **cfg)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -43,10 +43,16 @@ PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=
                         prompt_logprobs=0)
 
 
-@pytest.mark.parametrize("name,shard", [("tiny-mixtral", False), ("tiny-qwen2-moe", True),
-                                        ("tiny-qwen3-moe", False)])
-def test_moe_logprobs_match_transformers(tmp_path, name, shard):
-    hf = save_hf_model(name, tmp_path, shard)
+YARN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                         "original_max_position_embeddings": 16}}
+
+
+@pytest.mark.parametrize("name,shard,extra", [
+    ("tiny-mixtral", False, {}), ("tiny-qwen2-moe", True, {}), ("tiny-qwen3-moe", False, {}),
+    ("tiny-qwen3-moe", False, YARN)], ids=["mixtral", "qwen2-moe", "qwen3-moe", "qwen3-moe-yarn"])
+def test_moe_logprobs_match_transformers(tmp_path, name, shard, extra):
+    """(The YaRN case: the MoE models take the config's rope scaling too.)"""
+    hf = save_hf_model(name, tmp_path, shard, **extra)
     llm = LLM(str(tmp_path), kv_cache_memory="64MiB", max_model_len=512, block_size=4,
               max_num_batched_tokens=16)
     ps = prompts()
@@ -64,7 +70,7 @@ def test_moe_logprobs_match_transformers(tmp_path, name, shard):
             top2 = ref[pos].topk(2).values
             if top2[0] - top2[1] > 1e-3:
                 assert tok == int(ref[pos].argmax())
-    if name == "tiny-qwen3-moe":  # quantized experts on the same folder
+    if name == "tiny-qwen3-moe" and not extra:  # quantized experts on the same folder
         dense = [o.outputs[0].token_ids for o in outs]
         del llm
         for method, min_agree in (("int8", 0.9), ("int4", 0.5)):

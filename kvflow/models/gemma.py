@@ -25,7 +25,7 @@ from kvflow.layers.parallel_linear import (MergedColumnParallelLinear, QKVParall
 from kvflow.layers.pipeline import make_layers
 from kvflow.layers.quantization import QuantizationConfig, make_embedding, make_lm_head
 from kvflow.layers.rotary import RotaryEmbedding
-from kvflow.models.llama import LlamaForCausalLM
+from kvflow.models.llama import LlamaForCausalLM, model_rotary
 
 
 class GemmaRMSNorm(nn.Module):
@@ -129,9 +129,7 @@ class GemmaModel(nn.Module):
         # sqrt(hidden) rounded to the activation dtype first, as transformers does
         self.register_buffer("normalizer", torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype),
                              persistent=False)
-        glob = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta,
-                               cfg.rope_scaling_dict, cfg.max_position_embeddings,
-                               cfg.rope_context_len)
+        glob = model_rotary(cfg, max_position)
         local = glob
         if cfg.rope_local_base_freq is not None:  # Gemma 3: unscaled, its own base
             local = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_local_base_freq)

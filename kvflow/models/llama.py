@@ -113,6 +113,13 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
+def model_rotary(cfg: ModelArchConfig, max_position: int) -> RotaryEmbedding:
+    """The model's rotary table as its config scales it (every rope type, the context
+    that longrope and dynamic NTK choose by)."""
+    return RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling_dict,
+                           cfg.max_position_embeddings, cfg.rope_context_len)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
                  max_position: int, quant: QuantizationConfig | None,
@@ -120,10 +127,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size, dtype, tp, quant,
                                            "model.embed_tokens")
-        # One rotary table shared by every layer.
-        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta,
-                                 cfg.rope_scaling_dict, cfg.max_position_embeddings,
-                                 cfg.rope_context_len)
+        rotary = model_rotary(cfg, max_position)  # one table shared by every layer
         # This pipeline stage's layers [start_layer, end_layer) (all of them on one stage).
         self.layers, self.start_layer, self.end_layer = make_layers(
             cfg.num_hidden_layers, pp,

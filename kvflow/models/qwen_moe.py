@@ -28,7 +28,7 @@ from kvflow.layers.norm import RMSNorm
 from kvflow.layers.pipeline import make_layers
 from kvflow.layers.quantization import QuantizationConfig, make_embedding, make_lm_head
 from kvflow.layers.rotary import RotaryEmbedding
-from kvflow.models.llama import STACKED_PARAMS, LlamaAttention, LlamaMLP
+from kvflow.models.llama import STACKED_PARAMS, LlamaAttention, LlamaMLP, model_rotary
 
 # experts.{e}.<name>.weight -> the expert shard kind FusedMoE's loader takes
 _EXPERT_KINDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2",
@@ -104,8 +104,7 @@ class MoeModel(nn.Module):
         super().__init__()
         self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size, dtype, tp, quant,
                                            "model.embed_tokens")
-        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta,
-                                 cfg.rope_scaling_dict)
+        rotary = model_rotary(cfg, max_position)
         self.layers, self.start_layer, self.end_layer = make_layers(
             cfg.num_hidden_layers, pp,
             lambda i: layer_cls(cfg, dtype, backend, rotary, quant, tp, expert_parallel,
