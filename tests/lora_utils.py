@@ -6,26 +6,13 @@ import copy
 
 import torch
 
-from kvflow.bench.hf_backend import _MODEL_TYPES
-from kvflow.models.registry import PRESETS
-
 
 def save_base(name: str, folder) -> torch.nn.Module:
-    """A random float32 transformers model of a tiny preset, saved to ``folder``."""
-    import transformers
+    """A random float32 transformers model of a tiny preset, saved to ``folder`` (the
+    parity tests' builder, unsharded)."""
+    from test_models_hf import save_hf_model
 
-    cfg = dict(PRESETS[name])
-    config = transformers.AutoConfig.for_model(_MODEL_TYPES[cfg["architectures"][0]], **cfg)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # HF's init is too flat for greedy tokens to be meaningful
-        for n, p in hf.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-            elif "bias" in n:
-                p.normal_(0, 0.1)
-    hf.save_pretrained(folder)
-    return hf
+    return save_hf_model(name, folder, shard=False)
 
 
 def save_adapter(base: torch.nn.Module, folder, *, r: int, alpha: float,
