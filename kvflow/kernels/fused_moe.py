@@ -39,11 +39,30 @@ import triton.language as tl
 _CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs", "fused_moe")
 
 
+# The one-launch align kernel serves steps of at most this many (token, slot) pairs and
+# at most FAST_ALIGN_MAX_EXPERTS experts (its histogram: next_pow2(E + 1) bins); larger steps take the torch ``moe_align``.
+# Every program of the kernel scans all the pairs (O(pairs * experts) reads, from L2):
+# at 1024 pairs (128 tokens at top-8, the decode batches CUDA graphs capture) one scan
+# is 8 KB per program; much past that the torch path's sort wins over the rescans.
+FAST_ALIGN_MAX_PAIRS = 1024
+FAST_ALIGN_MAX_EXPERTS = 512
+_ALIGN_TILE = 4096
+
+
+def align_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """P, the rows of ``sorted_ids``: every pair plus at most BLOCK_M - 1 padding rows
+    for each expert that has a pair (at most min(pairs, experts) of them), in whole
+    blocks. A bound known on the host, so nothing waits for the routing."""
+    active = min(num_pairs, num_experts)
+    return (num_pairs + active * (block_m - 1) + block_m - 1) // block_m * block_m
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_ids [P] int32, block_expert [P / block_m] int32,
     num_padded [1] int32). Ids outside [0, num_experts) are dropped (their rows stay
-    zero in the output)."""
+    zero in the output). The torch version (~15 small kernels); ``moe_align_fast`` is
+    the one-launch Triton version with the same outputs."""
     flat = topk_ids.reshape(-1).to(torch.int64)  # [T*k]
     n = flat.numel()
     dev = flat.device
@@ -61,7 +80,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     run_start = torch.cumsum(counts, 0) - counts
     pos_in_run = torch.arange(n, device=dev) - torch.cat(
         [run_start, run_start.new_full((1,), n)])[sorted_key]
-    cap = ((n + num_experts * (block_m - 1)) + block_m - 1) // block_m * block_m
+    cap = align_capacity(n, num_experts, block_m)
     dest = torch.where(sorted_key < num_experts,
                        torch.cat([starts, starts.new_full((1,), cap)])[sorted_key] + pos_in_run,
                        torch.full_like(sorted_key, cap))
@@ -73,16 +92,116 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids[:cap], block_expert, padded.sum().reshape(1).to(torch.int32)
 
 
+@triton.jit(do_not_specialize=["n", "cap"])
+def _moe_align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+                      n, num_experts, cap,
+                      BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BINS: tl.constexpr,
+                      GROUP: tl.constexpr, BLOCKS: tl.constexpr):
+    """``moe_align`` in one launch of cdiv(E, GROUP) + 1 programs. Program g owns
+    experts [g GROUP, (g+1) GROUP), whose runs are contiguous in ``sorted_ids``: it
+    counts the pairs of every expert (a histogram over all the ids; bin E collects
+    dropped ids and the lanes past n) for where its first run begins, then writes its
+    experts' pairs in pair order (a prefix count of ``id == e`` along the pairs, so the
+    order is the stable sort's), their padding rows and the expert of their row blocks.
+    The last program writes the tail past the last run and num_padded. Each output
+    element is written by exactly one program: no atomics, no host sync."""
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, CHUNK)
+    bins = tl.arange(0, E_BINS)
+    g0 = pid * GROUP
+    ex = g0 + tl.arange(0, GROUP)  # this program's experts
+    ex_ok = ex < num_experts
+    counts = tl.zeros((E_BINS,), dtype=tl.int32)
+    for c0 in range(0, n, CHUNK):
+        i = c0 + lanes
+        raw = tl.load(ids_ptr + i, mask=i < n, other=-1)
+        key = tl.where((raw >= 0) & (raw < num_experts), raw, num_experts).to(tl.int32)
+        counts += tl.histogram(key, E_BINS)
+    padded_all = tl.where(bins < num_experts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    fill = tl.zeros((CHUNK,), dtype=tl.int32) + n  # the padding row id
+    if g0 < num_experts:
+        base = tl.sum(tl.where(bins < g0, padded_all, 0), 0)  # where run g0 begins
+        cnt = tl.zeros((GROUP,), dtype=tl.int32)
+        for c0 in range(0, n, CHUNK):
+            i = c0 + lanes
+            raw = tl.load(ids_ptr + i, mask=i < n, other=-1)
+            hit = ((raw[None, :] == ex[:, None]) & ex_ok[:, None]).to(tl.int32)
+            cnt += tl.sum(hit, 1)
+        padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = base + tl.cumsum(padded, 0)
+        starts = ends - padded
+        seen = tl.zeros((GROUP,), dtype=tl.int32)
+        for c0 in range(0, n, CHUNK):
+            i = c0 + lanes
+            raw = tl.load(ids_ptr + i, mask=i < n, other=-1)
+            hit = ((raw[None, :] == ex[:, None]) & ex_ok[:, None]).to(tl.int32)
+            rank = seen[:, None] + tl.cumsum(hit, 1) - hit  # pairs of e before this one
+            tl.store(sorted_ids_ptr + starts[:, None] + rank,
+                     (i[None, :] + 0 * rank).to(tl.int32), mask=hit != 0)
+            seen += tl.sum(hit, 1)
+        # padding rows: fewer than BLOCK_M per expert
+        pos = (starts + cnt)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(sorted_ids_ptr + pos, (pos * 0 + n).to(tl.int32), mask=pos < ends[:, None])
+        # row blocks of the group's runs: expert = g0 + (runs ending at or before it)
+        group_end = base + tl.sum(padded, 0)
+        for b0 in range(base // BLOCK_M, group_end // BLOCK_M, BLOCKS):
+            b = b0 + tl.arange(0, BLOCKS)
+            done = (ends[None, :] <= b[:, None] * BLOCK_M).to(tl.int32)
+            tl.store(block_expert_ptr + b, g0 + tl.sum(done, 1),
+                     mask=b < group_end // BLOCK_M)
+    else:
+        total = tl.sum(padded_all, 0)
+        for p0 in range(total, cap, CHUNK):
+            pos = p0 + lanes
+            tl.store(sorted_ids_ptr + pos, fill, mask=pos < cap)
+        for b0 in range(total // BLOCK_M, cap // BLOCK_M, CHUNK):
+            b = b0 + lanes
+            tl.store(block_expert_ptr + b, fill * 0 - 1, mask=b < cap // BLOCK_M)
+        tl.store(num_padded_ptr, total)
+
+
+def fast_align_fits(num_pairs: int, num_experts: int, device: torch.device) -> bool:
+    """Whether ``moe_align_fast`` serves this step: small enough, and a device its
+    kernel runs on (CUDA, or the CPU under TRITON_INTERPRET=1 in tests)."""
+    return (num_pairs <= FAST_ALIGN_MAX_PAIRS and num_experts <= FAST_ALIGN_MAX_EXPERTS
+            and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+def moe_align_fast(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_align`` (same outputs, element for element) in one Triton launch; any
+    number of pairs works, ``fast_align_fits`` says when it is the faster path."""
+    flat = topk_ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n = flat.numel()
+    cap = align_capacity(n, num_experts, block_m)
+    dev = flat.device
+    sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    chunk = max(16, triton.next_power_of_2(min(max(n, 1), 1024)))
+    # experts per program: a [GROUP, CHUNK] tile of about 4096 comparisons
+    group = max(1, min(triton.next_power_of_2(num_experts), _ALIGN_TILE // chunk))
+    _moe_align_kernel[(triton.cdiv(num_experts, group) + 1,)](
+        flat, sorted_ids, block_expert, num_padded, n, num_experts, cap,
+        BLOCK_M=block_m, CHUNK=chunk, E_BINS=triton.next_power_of_2(num_experts + 1),
+        GROUP=group, BLOCKS=max(16, _ALIGN_TILE // group // 4), num_warps=4)
+    return sorted_ids, block_expert, num_padded
+
+
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, scale_ptr, sorted_ids_ptr, block_expert_ptr,
                      num_padded_ptr, topk_w_ptr, N, K, num_pairs, a_row_div,
                      stride_am, stride_we, stride_wn, stride_om, stride_se,
                      GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     UPCAST: tl.constexpr):
+                     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """out[pair, n] = sum_k a[pair // a_row_div, k] * w[e, n, k] for the pairs of one row
     block (all of expert e). GATED: w holds 2N rows (gate, up) and out gets
-    silu(gate) * up. MUL_WEIGHT: out *= topk_w[pair]."""
+    silu(gate) * up. MUL_WEIGHT: out *= topk_w[pair]. DOT_PRECISION: "ieee" for float32
+    operands (full-precision products; the default, TF32, keeps 10 mantissa bits),
+    "tf32" otherwise (no effect on 16-bit operands: they stay on the tensor cores)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
@@ -112,10 +231,10 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, scale_ptr, sorted_ids_ptr, block_exp
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:  # CPU interpreter: its tl.dot multiplies bf16 as raw uint16
             a = a.to(tl.float32)
-        acc += tl.dot(a, w.to(a.dtype))
+        acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION)
         if GATED:
             u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc_u += tl.dot(a, u.to(a.dtype))
+            acc_u += tl.dot(a, u.to(a.dtype), input_precision=DOT_PRECISION)
             u_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -167,24 +286,46 @@ def fused_moe_config(num_tokens: int, device: torch.device) -> dict:
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              config: dict | None = None) -> torch.Tensor:
+              config: dict | None = None, fast_align: bool | None = None) -> torch.Tensor:
     """x [T, H] through the routed experts -> [T, H] in x's dtype (see the module doc).
-    ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H]: per-channel scales of int8 weights."""
-    t, h = x.shape
-    k = topk_ids.shape[1]
-    e, two_i, _ = w13.shape
-    inter = two_i // 2
+    ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H]: per-channel scales of int8 weights.
+    ``fast_align``: force (True) or refuse (False) the one-launch align kernel; None:
+    ``fast_align_fits`` decides."""
+    t = x.shape[0]
+    e = w13.shape[0]
     cfg = config or fused_moe_config(t, x.device)
+    if fast_align is None:
+        fast_align = fast_align_fits(topk_ids.numel(), e, x.device)
+    align = (moe_align_fast if fast_align else moe_align)(topk_ids, e, cfg["block_m"])
+    out = moe_gemms(x, w13, w2, topk_weights, topk_ids.shape[1], align, cfg,
+                    w13_scale, w2_scale)
+    return out.view(t, topk_ids.shape[1], -1).sum(dim=1)
+
+
+def moe_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, top_k: int,
+              align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cfg: dict,
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """The two grouped-GEMM launches over an aligned routing (``moe_align``'s outputs
+    for ``cfg``'s block_m) -> the weighted expert output of each pair [T*k, H]."""
+    t, h = x.shape
+    k = top_k
+    inter = w13.shape[1] // 2
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     launch = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
-    sorted_ids, block_expert, num_padded = moe_align(topk_ids, e, bm)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
+    sorted_ids, block_expert, num_padded = align
+    weights = topk_weights.reshape(-1)
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.to(torch.float32).contiguous()  # [T*k]
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
+    # zeros: rows of dropped pairs (ids -1, another rank's experts) are never written
     out = torch.zeros((t * k, h), dtype=x.dtype, device=x.device)
     x = x.contiguous()
     blocks_m = sorted_ids.numel() // bm
     dummy = weights
     launch["UPCAST"] = x.device.type == "cpu" and x.dtype == torch.bfloat16
+    launch["DOT_PRECISION"] = "ieee" if x.dtype == torch.float32 else "tf32"
     _moe_gemm_kernel[(blocks_m * triton.cdiv(inter, bn),)](
         x, w13, act, w13_scale if w13_scale is not None else dummy, sorted_ids,
         block_expert, num_padded, weights, inter, h, t * k, k,
@@ -199,7 +340,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w2_scale.stride(0) if w2_scale is not None else 0,
         GATED=False, MUL_WEIGHT=True, HAS_SCALE=w2_scale is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
-    return out.view(t, k, h).sum(dim=1)
+    return out
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.kernels.fused_moe import fused_moe, fused_moe_ref, moe_align
+from kvflow.kernels.fused_moe import (FAST_ALIGN_MAX_EXPERTS, FAST_ALIGN_MAX_PAIRS,
+                                      fast_align_fits, fused_moe, fused_moe_ref, moe_align,
+                                      moe_align_fast)
 from kvflow.layers.moe.methods import routed_experts
 from kvflow.layers.moe.router import route
 
@@ -55,9 +57,10 @@ def test_int8_experts_in_the_kernel(device):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_moe_align_groups_and_pads():
+@pytest.mark.parametrize("align", [moe_align, moe_align_fast])
+def test_moe_align_groups_and_pads(align):
     ids = torch.tensor([[2, 0], [2, -1], [5, 2]])
-    sorted_ids, block_expert, num = moe_align(ids, 6, 4)
+    sorted_ids, block_expert, num = align(ids, 6, 4)
     n = ids.numel()
     assert int(num) == 12  # experts 0, 2 and 5: one 4-row block each
     rows = sorted_ids[: int(num)].view(-1, 4)
@@ -66,6 +69,40 @@ def test_moe_align_groups_and_pads():
         assert pairs and all(ids.view(-1)[p] == e for p in pairs)
     assert sorted(p for p in sorted_ids.tolist() if p < n) == [0, 1, 2, 4, 5]
     assert (block_expert[int(num) // 4:] == -1).all()
+
+
+# (pairs, experts, block_m, how the ids are drawn): the chunk and bin edges of the
+# one-launch kernel (16-lane minimum chunk, 1024-lane chunks past 1024 pairs, histogram
+# bins next_pow2(E + 1)), experts per program from 256 down to 4, runs of many blocks
+@pytest.mark.parametrize("n,e,bm,draw", [
+    (0, 8, 16, "any"), (1, 128, 16, "any"), (8, 128, 16, "any"), (8, 512, 16, "any"),
+    (16, 15, 32, "any"), (17, 16, 16, "drop"), (40, 17, 64, "few"), (64, 64, 16, "any"),
+    (96, 3, 16, "one"), (200, 1, 32, "drop"), (1023, 128, 16, "drop"),
+    (1024, 60, 64, "few"), (1025, 8, 16, "any"), (2500, 33, 32, "drop"), (1100, 4, 16, "one"),
+])
+def test_fast_align_equals_torch_align(n, e, bm, draw):
+    g = torch.Generator().manual_seed(n * 1000 + e)
+    if draw == "one":  # every pair on one expert: one long run
+        ids = torch.full((n,), e - 1)
+    elif draw == "few":  # most experts empty
+        ids = torch.randint(0, 3, (n,), generator=g) * (e // 3)
+    else:
+        ids = torch.randint(0, e, (n,), generator=g)
+    if draw in ("drop", "any"):  # other ranks' experts (-1) and ids past the last expert
+        r = torch.rand(n, generator=g)
+        ids[r < 0.2] = -1
+        if draw == "drop":
+            ids[r > 0.9] = e + torch.randint(0, 5, (int((r > 0.9).sum()),), generator=g)
+    ids = ids.view(-1, 1) if n % 8 else ids.view(-1, 8)
+    for got, want in zip(moe_align_fast(ids, e, bm), moe_align(ids, e, bm)):
+        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+
+
+def test_fast_align_bounds():
+    cuda = torch.device("cuda")
+    assert fast_align_fits(FAST_ALIGN_MAX_PAIRS, FAST_ALIGN_MAX_EXPERTS, cuda)
+    assert not fast_align_fits(FAST_ALIGN_MAX_PAIRS + 1, 8, cuda)
+    assert not fast_align_fits(8, FAST_ALIGN_MAX_EXPERTS + 1, cuda)
 
 
 def test_cpu_path_reads_only_routed_experts():
