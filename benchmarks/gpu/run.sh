@@ -11,8 +11,10 @@
 #   kbench    kernel micro-benchmarks
 #   moe-kernels  fused MoE kernel tests on the GPU, then the kernel against a per-expert loop
 #             of cuBLAS GEMMs at M 1..256, Qwen3-30B-A3B and Mixtral layer shapes
-#             (moe-kernel-bench.json; MOE_TUNE=1 sweeps launch configs and writes the
-#             device table fused_moe-table.json for kvflow/kernels/configs/fused_moe/)
+#             (moe-kernel-bench.json; times under a CUDA graph: the whole layer, its align
+#             and its GEMMs apart; MOE_TUNE=1 sweeps launch configs for MOE_TUNE_BUDGET s,
+#             default 80, and writes the device table fused_moe-table.json for
+#             kvflow/kernels/configs/fused_moe/)
 #   moe-a     Qwen3-30B-A3B shape bf16 batch-1 decode (gpu-a-moe.json) and its fraction of
 #             the active-parameter byte bound (moe-a-summary.json; target >= 75%)
 #   moe-b     Qwen3-30B-A3B shape 1000 x (1024 in, 128 out) throughput (gpu-b-moe.json)
@@ -114,7 +116,7 @@ for stage in "$@"; do
     gpu-b) $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${GPU_B_PROMPTS:-1000} --input-len 1024 --output-len 128 --max-model-len 4096 --measure-gpu-idle ${GPU_B_ARGS:-} --save-result "$OUT/gpu-b${GPU_B_TAG:-}.json" 2>&1 | tail -12;;
     # Mixtures of experts (Qwen3-30B-A3B shape, bf16, random weights: 57 GiB, one card).
     moe-kernels) timeout ${MOE_TEST_TIMEOUT:-150} python -m pytest -q tests/kernels/test_fused_moe_kernel.py 2>&1 | tail -3
-      timeout ${MOE_BENCH_TIMEOUT:-300} python benchmarks/gpu/bench_moe.py --out "$OUT/moe-kernel-bench.json" ${MOE_TUNE:+--tune --table "$OUT/fused_moe-table.json"} 2>&1 | grep -v "^INFO" | tail -24;;
+      timeout ${MOE_BENCH_TIMEOUT:-300} python benchmarks/gpu/bench_moe.py --out "$OUT/moe-kernel-bench.json" ${MOE_TUNE:+--tune --budget ${MOE_TUNE_BUDGET:-80} --table "$OUT/fused_moe-table.json"} 2>&1 | grep -v "^INFO" | tail -24;;
     moe-a) timeout ${MOE_A_TIMEOUT:-400} $KV bench latency --model qwen3-30b-a3b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-moe.json" 2>&1 | grep -E "weights:|captured|tokens/s|rror|Traceback" | tail -8
       python benchmarks/gpu/moe_summary.py "$OUT/gpu-a-moe.json" --model qwen3-30b-a3b 2>&1 | tail -2;;
     moe-b) timeout ${MOE_B_TIMEOUT:-500} $KV bench throughput --model qwen3-30b-a3b --load-format dummy --num-prompts ${MOE_B_PROMPTS:-1000} --input-len 1024 --output-len 128 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-b-moe.json" 2>&1 | grep -v "^INFO" | tail -6;;

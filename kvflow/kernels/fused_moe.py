@@ -7,11 +7,18 @@ the router's choice ``topk_ids`` [T, k] (-1: an expert another rank holds) and
 
 Algorithm:
 
-1. ``moe_align`` sorts the T*k (token, slot) pairs by expert and pads each expert's run
-   to a multiple of BLOCK_M: ``sorted_ids`` [P] holds flat pair indices (padding:
-   T*k), ``block_expert`` [P / BLOCK_M] the expert of each row block (-1: padding past
-   the last expert). All on the device with no host synchronisation: P is the bound
-   T*k + E*(BLOCK_M - 1), and blocks past the real total exit at once.
+1. Align: the T*k (token, slot) pairs sorted by expert (stable: pair order within an
+   expert), each expert's run padded to a multiple of BLOCK_M: ``sorted_ids`` [P] holds
+   flat pair indices (padding: T*k), ``block_expert`` [P / BLOCK_M] the expert of each
+   row block (-1: padding past the last expert). All on the device with no host
+   synchronisation: P is the bound T*k + min(T*k, E)*(BLOCK_M - 1) (``align_capacity``),
+   and blocks past the real total exit at once. Two implementations, same outputs:
+   ``moe_align_fast``, one Triton launch (each program histograms all the ids to find
+   where its group of experts' runs start, then places its experts' pairs by a prefix
+   count), for steps of up to FAST_ALIGN_MAX_PAIRS pairs and FAST_ALIGN_MAX_EXPERTS
+   experts: decode steps, where a CUDA graph removes the host time and the ~15 small
+   kernels of the torch ``moe_align`` (sort, cumsum, scatter, searchsorted, ...) would
+   be most of a layer; ``moe_align`` (torch) for larger steps.
 2. GEMM 1 (``_moe_gemm_kernel`` with GATED): each program takes one row block and one
    block of I columns, accumulates the gate and the up tile of its expert side by side
    and stores ``silu(gate) * up`` [T*k, I] (the activation never leaves registers).
@@ -20,6 +27,7 @@ Algorithm:
 
 Each row block reads its expert's weight tile once, so a decode step of B tokens reads
 each active expert's weights once per row block: at B * k <= BLOCK_M per expert, once.
+Float32 operands multiply in IEEE precision (not TF32), 16-bit ones on the tensor cores.
 Int8 experts (per-output-channel scales, ``w_scale`` [E, N]) go through the same kernel:
 the tile is converted in registers and the channel scale applied to the accumulator.
 Launch configurations (BLOCK_M/N/K, warps, stages by number of tokens) are data: one JSON
@@ -40,10 +48,13 @@ _CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs", "fused_moe")
 
 
 # The one-launch align kernel serves steps of at most this many (token, slot) pairs and
-# at most FAST_ALIGN_MAX_EXPERTS experts (its histogram: next_pow2(E + 1) bins); larger steps take the torch ``moe_align``.
-# Every program of the kernel scans all the pairs (O(pairs * experts) reads, from L2):
-# at 1024 pairs (128 tokens at top-8, the decode batches CUDA graphs capture) one scan
-# is 8 KB per program; much past that the torch path's sort wins over the rescans.
+# at most FAST_ALIGN_MAX_EXPERTS experts (its histogram: next_pow2(E + 1) bins, in
+# registers); larger steps take the torch ``moe_align``. Every program of the kernel
+# reads all the pairs three times (from L2) and its work grows as pairs x its experts:
+# at 1024 pairs (128 tokens at top-8: the decode batches CUDA graphs capture) that is
+# 8 KB per read and 4096-lane tiles; the larger steps of prefill are few per second,
+# their host time is hidden, and the torch path's sort scales better. The benchmark
+# (benchmarks/gpu/bench_moe.py: align_us vs align_torch_us per M) is where to move it.
 FAST_ALIGN_MAX_PAIRS = 1024
 FAST_ALIGN_MAX_EXPERTS = 512
 _ALIGN_TILE = 4096
@@ -190,7 +201,8 @@ def moe_align_fast(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, block_expert, num_padded
 
 
-@triton.jit
+# num_pairs (T*k) only bounds a mask: not specialized, so one compile serves every batch
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, scale_ptr, sorted_ids_ptr, block_expert_ptr,
                      num_padded_ptr, topk_w_ptr, N, K, num_pairs, a_row_div,
                      stride_am, stride_we, stride_wn, stride_om, stride_se,
@@ -286,11 +298,13 @@ def fused_moe_config(num_tokens: int, device: torch.device) -> dict:
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              config: dict | None = None, fast_align: bool | None = None) -> torch.Tensor:
+              config: dict | None = None, fast_align: bool | None = None,
+              may_drop: bool = True) -> torch.Tensor:
     """x [T, H] through the routed experts -> [T, H] in x's dtype (see the module doc).
     ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H]: per-channel scales of int8 weights.
     ``fast_align``: force (True) or refuse (False) the one-launch align kernel; None:
-    ``fast_align_fits`` decides."""
+    ``fast_align_fits`` decides. ``may_drop=False``: the caller guarantees every id is
+    in [0, E) (no expert parallelism), so no output row needs zeroing."""
     t = x.shape[0]
     e = w13.shape[0]
     cfg = config or fused_moe_config(t, x.device)
@@ -298,17 +312,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         fast_align = fast_align_fits(topk_ids.numel(), e, x.device)
     align = (moe_align_fast if fast_align else moe_align)(topk_ids, e, cfg["block_m"])
     out = moe_gemms(x, w13, w2, topk_weights, topk_ids.shape[1], align, cfg,
-                    w13_scale, w2_scale)
+                    w13_scale, w2_scale, may_drop)
     return out.view(t, topk_ids.shape[1], -1).sum(dim=1)
 
 
 def moe_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, top_k: int,
               align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cfg: dict,
-              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None
-              ) -> torch.Tensor:
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              may_drop: bool = True) -> torch.Tensor:
     """The two grouped-GEMM launches over an aligned routing (``moe_align``'s outputs
-    for ``cfg``'s block_m) -> the weighted expert output of each pair [T*k, H]."""
+    for ``cfg``'s block_m) -> the weighted expert output of each pair [T*k, H]. The rows
+    of dropped pairs are zero (``may_drop``) or, when there are none, never touched."""
     t, h = x.shape
     k = top_k
     inter = w13.shape[1] // 2
@@ -319,8 +334,10 @@ def moe_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if weights.dtype != torch.float32 or not weights.is_contiguous():
         weights = weights.to(torch.float32).contiguous()  # [T*k]
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    # zeros: rows of dropped pairs (ids -1, another rank's experts) are never written
-    out = torch.zeros((t * k, h), dtype=x.dtype, device=x.device)
+    # zeros: rows of dropped pairs (ids -1, another rank's experts) are never written;
+    # without such pairs every row is, and the fill would be one more kernel per layer
+    out = (torch.zeros if may_drop else torch.empty)((t * k, h), dtype=x.dtype,
+                                                       device=x.device)
     x = x.contiguous()
     blocks_m = sorted_ids.numel() // bm
     dummy = weights

@@ -85,7 +85,8 @@ class UnquantizedMoEMethod:
         if x.is_cuda:
             from kvflow.kernels.fused_moe import fused_moe
 
-            return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids)
+            return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids,
+                             may_drop=layer.expert_parallel)
         w13, w2 = layer.w13_weight, layer.w2_weight
         return routed_experts(x, weights, ids, layer.num_local_experts,
                               lambda e, r: F.linear(_silu_mul(F.linear(r, w13[e])), w2[e]))
@@ -109,7 +110,8 @@ class Int8MoEMethod(UnquantizedMoEMethod):
             from kvflow.kernels.fused_moe import fused_moe
 
             return fused_moe(x, layer.w13_q, layer.w2_q, weights, ids,
-                             layer.w13_scale, layer.w2_scale)
+                             layer.w13_scale, layer.w2_scale,
+                             may_drop=layer.expert_parallel)
         q13, s13, q2, s2 = layer.w13_q, layer.w13_scale, layer.w2_q, layer.w2_scale
         return routed_experts(x, weights, ids, layer.num_local_experts,
                               lambda e, r: int8_mm(_silu_mul(int8_mm(r, q13[e], s13[e])),
