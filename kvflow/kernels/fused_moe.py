@@ -191,12 +191,15 @@ def moe_align_fast(topk_ids: torch.Tensor, num_experts: int, block_m: int
     sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
     block_expert = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    chunk = max(16, triton.next_power_of_2(min(max(n, 1), 1024)))
+    # at least one lane per thread (4 warps): tl.histogram's GPU lowering counts each
+    # lane a thread holds, and lanes broadcast over spare threads would be counted again
+    chunk = max(128, triton.next_power_of_2(min(max(n, 1), 1024)))
     # experts per program: a [GROUP, CHUNK] tile of about 4096 comparisons
     group = max(1, min(triton.next_power_of_2(num_experts), _ALIGN_TILE // chunk))
     _moe_align_kernel[(triton.cdiv(num_experts, group) + 1,)](
         flat, sorted_ids, block_expert, num_padded, n, num_experts, cap,
-        BLOCK_M=block_m, CHUNK=chunk, E_BINS=triton.next_power_of_2(num_experts + 1),
+        BLOCK_M=block_m, CHUNK=chunk,
+        E_BINS=max(32, triton.next_power_of_2(num_experts + 1)),  # >= a warp's lanes
         GROUP=group, BLOCKS=max(16, _ALIGN_TILE // group // 4), num_warps=4)
     return sorted_ids, block_expert, num_padded
 

@@ -73,8 +73,9 @@ def test_moe_align_groups_and_pads(align):
 
 
 # (pairs, experts, block_m, how the ids are drawn): the chunk and bin edges of the
-# one-launch kernel (16-lane minimum chunk, 1024-lane chunks past 1024 pairs, histogram
-# bins next_pow2(E + 1)), experts per program from 256 down to 4, runs of many blocks
+# one-launch kernel (128-lane minimum chunk, 1024-lane chunks past 1024 pairs, histogram
+# bins next_pow2(E + 1), 32 at least), experts per program from 32 down to 4, runs of
+# many blocks
 @pytest.mark.parametrize("n,e,bm,draw", [
     (0, 8, 16, "any"), (1, 128, 16, "any"), (8, 128, 16, "any"), (8, 512, 16, "any"),
     (16, 15, 32, "any"), (17, 16, 16, "drop"), (40, 17, 64, "few"), (64, 64, 16, "any"),
