@@ -438,6 +438,10 @@ class DeviceConfig:
     """CPU: adaptive (steps of up to 16 tokens run on one torch thread or all of them,
     whichever measures faster; kvflow/worker/cpu_threads.py) or all (every step on all
     threads)."""
+    deterministic: bool = False
+    """Batch-invariant kernels on the GPU (docs/determinism.md): every row of a step is
+    computed in an order that does not depend on the other rows. The CPU step is
+    batch-invariant without it."""
 
     def __post_init__(self) -> None:
         require(self.device == "cpu" or self.device.startswith("cuda"), "device",

@@ -136,6 +136,11 @@ class EngineArgs:
                                         "can still make it) is admitted with the prefill "
                                         "chunk it needs, even over the TPOT plan")
     enforce_eager: bool = _arg(False, "never use CUDA graphs")
+    deterministic: bool = _arg(False, "batch-invariant GPU kernels: a request's tokens and "
+                               "logprobs do not depend on what else shares its steps, at "
+                               "a throughput cost (docs/determinism.md; on CPU this holds "
+                               "without the flag)",
+                               aliases=["--enable-deterministic-inference"])
     cpu_step_threads: str = _arg("adaptive", "CPU: adaptive (steps of up to 16 tokens run "
                                  "on one torch thread or all of them, whichever measures "
                                  "faster) or all", choices=["adaptive", "all"])
@@ -322,7 +327,8 @@ class EngineArgs:
         return EngineConfig(model=model, cache=cache, scheduler=scheduler, lora=lora,
                             device=DeviceConfig(device=device,
                                                 enforce_eager=self.enforce_eager,
-                                                cpu_step_threads=self.cpu_step_threads),
+                                                cpu_step_threads=self.cpu_step_threads,
+                                                deterministic=self.deterministic),
                             speculative=speculative, parallel=parallel, draft_model=draft,
                             pooler=pooler)
 
