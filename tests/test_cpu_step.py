@@ -94,16 +94,16 @@ def test_cpp_step_matches_eager(scenario, model, dtype, kv, monkeypatch):
         assert llm.engine.core.scheduler.num_preemptions > 0
 
 
-def test_long_prefill_runs_eagerly():
-    """A step with a query longer than MAX_QUERY is planned and run by the torch backend;
-    the decodes after it run in C++ over the cache the eager prefill wrote."""
-    prompts = _prompts((cpu_step.MAX_QUERY + 30,))
-    kw = dict(max_num_batched_tokens=256)
+def test_long_prefill_runs_in_cpp():
+    """Every step runs in C++, a long prompt's whole prefill (300 rows: the int8 GEMV's
+    rows go in pieces of 256) too: the same tokens as eager."""
+    prompts = _prompts((300, 7))
+    kw = dict(max_num_batched_tokens=512, max_model_len=512, num_gpu_blocks_override=128)
     eager = _greedy(_tiny(enforce_eager=True, **kw), prompts)
     llm = _tiny(**kw)
     calls = _count(_runner(llm).graphs)
     assert _greedy(llm, prompts) == eager
-    assert calls["cpp"] == 23  # every decode step; the prefill step was eager
+    assert calls["cpp"] == 24  # the prefill step and 23 decodes: every step
 
 
 def test_quantized_linears_are_called_back():

@@ -251,7 +251,7 @@ bool int4_gemv_simd() {
 
 namespace {
 
-// Up to the C++ step's largest step (cpu_step.py MAX_TOKENS): per tile of output rows
+// Up to 256 rows per call (q8_gemv takes more in pieces of 256): per tile of output rows
 // the kernels run every chunk of activation rows, so the layer is read once per call.
 constexpr int64_t kMaxQ8Rows = 256;
 
@@ -517,10 +517,21 @@ void q8_rows_avx2(const QRows& a, int64_t m, int64_t k, const uint8_t* w, int64_
 
 }  // namespace
 
-// x [M, K] float32 (M <= 256), w in q8_layout -> y [M, N] float32 (into `y`).
+// x [M, K] float32, w in q8_layout -> y [M, N] float32 (into `y`). Over 256 rows, in
+// pieces of 256 (the weights are read once per piece): a row's sums are its own either
+// way, so any M gives each row what a 1-row call gives it.
 void q8_gemv(const at::Tensor& x, const at::Tensor& w, int64_t bits, bool simd, at::Tensor& y) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  TORCH_CHECK(m >= 1 && m <= kMaxQ8Rows, "q8_gemv: 1 to 256 rows, got ", m);
+  TORCH_CHECK(m >= 1, "q8_gemv: at least one row");
+  if (m > kMaxQ8Rows) {
+    TORCH_CHECK(y.is_contiguous() && y.size(0) == m, "q8_gemv: output [M, N] float32");
+    for (int64_t r0 = 0; r0 < m; r0 += kMaxQ8Rows) {
+      const int64_t rows = std::min(kMaxQ8Rows, m - r0);
+      at::Tensor yr = y.narrow(0, r0, rows);
+      q8_gemv(x.narrow(0, r0, rows), w, bits, simd, yr);
+    }
+    return;
+  }
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "q8_gemv: x float32");
   TORCH_CHECK(bits == 4 || bits == 8, "q8_gemv: 4- or 8-bit weights, got ", bits);
   TORCH_CHECK(k % 64 == 0 && w.scalar_type() == at::kByte && w.is_contiguous() &&

@@ -65,14 +65,13 @@ void q8_refine_top(const at::Tensor& x, const at::Tensor& w, int64_t bits, at::T
                    int64_t top);
 void q8_gemv(const at::Tensor& x, const at::Tensor& w, int64_t bits, bool simd, at::Tensor& y);
 constexpr int64_t kMaxGemvRows = 16;
-constexpr int64_t kMaxQ8Rows = 256;  // q8_gemv's (int8 activations): a whole step
 }  // namespace kvflow
 
 namespace {
 
 // A linear layer: a dense weight [N, K] (+ bias [N]) or a Python callable x -> y; a
 // 4-bit layer may also hand its weights over for cpu_int4.cpp's GEMV (up to 16 rows on
-// float32 activations, 256 on int8 ones).
+// float32 activations, any number on int8 ones).
 struct Linear {
   at::Tensor weight;
   at::Tensor wt;  // a small float32 weight transposed [K, N], else undefined
@@ -309,7 +308,7 @@ void small_linear_f32(const at::Tensor& x, const Linear& l, at::Tensor& y) {
 // x [T, K] -> [T, N]: into `buf` (a [T, N] workspace) on the small float32 path, else a
 // new tensor from ATen (at::linear, as F.linear) or the layer's Python method.
 at::Tensor linear(const at::Tensor& x, const Linear& l, at::Tensor& buf) {
-  if (l.int4() && x.size(0) <= (l.kind4 ? kvflow::kMaxQ8Rows : kvflow::kMaxGemvRows)) {
+  if (l.int4() && (l.kind4 || x.size(0) <= kvflow::kMaxGemvRows)) {
     const bool f32 = x.scalar_type() == at::kFloat;
     at::Tensor xf = f32 ? x : x.to(at::kFloat);
     at::Tensor y = f32 && buf.size(1) == l.q4.size(0) ? buf

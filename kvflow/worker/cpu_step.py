@@ -17,9 +17,13 @@ eager decodes run (``kernels/cpu/paged_attention.h``), which also applies a Medu
 verification step's tree masks; layers with q/k norms (Qwen3) and tensor/pipeline
 parallelism keep the eager path.
 
-Which steps: up to ``MAX_TOKENS`` scheduled tokens with no query longer than
-``MAX_QUERY`` (decodes, and prefill chunks short enough that attention per token, done
-with plain loops here, stays cheap). Other steps plan and run eagerly.
+Which steps: every step of a model it can run (decodes, prefill chunks of any length,
+speculative verification, recomputation after preemption), so that one set of numerics
+computes every row: a row's sums (the GEMVs per row, attention per token through the
+paged kernel, norms per row) never depend on the rows beside it, and a request's tokens
+and logprobs are the same alone, batched, chunked, cached or preempted
+(docs/determinism.md). The eager path serves models the step cannot run and its
+self-check.
 """
 
 from __future__ import annotations
@@ -54,8 +58,6 @@ EXTENSION = "kvflow_cpu_step"
 # -ffp-contract=off: no fused multiply-adds, so element-wise math rounds like eager ops.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
-MAX_TOKENS = 256  # scheduled tokens per step
-MAX_QUERY = 64  # new tokens of one request in a step
 _NO_TREE = torch.empty(0, dtype=torch.int64)  # forward's tree arguments for steps without one
 # The int8-activation GEMV against float64 (gemv_error): rounding the activations to
 # int8 per block of 32 costs ~0.5% of the output's scale on random rows; a wrong layout
@@ -278,8 +280,8 @@ def use_step_gemv(model: nn.Module, int8: bool) -> int:
 
 
 class CppMetadataBuilder:
-    """The torch backend's builder, except that the steps the C++ step takes get no
-    Python plan at all (``CPP_PLAN``)."""
+    """In place of the torch backend's builder (``inner``, kept for ``detach``): the
+    steps the C++ step takes, all of them, get no Python plan at all (``CPP_PLAN``)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -288,10 +290,8 @@ class CppMetadataBuilder:
               split_context: int | None = None) -> AttentionMetadata:
         # Candidate trees (Medusa) too: their masks go to C++ (forward's tree_bits and
         # tree_start), their depth positions come with the step's positions.
-        if meta.num_actual_tokens <= MAX_TOKENS and meta.max_query_len <= MAX_QUERY:
-            meta.backend = CPP_PLAN
-            return meta
-        return self.inner.build(meta, positions, split_context=split_context)
+        meta.backend = CPP_PLAN
+        return meta
 
 
 class CppDecodeStep:
@@ -374,7 +374,8 @@ class CppDecodeStep:
 
     def head_gemv(self, on: bool) -> bool:
         """Hand the step's GEMV to the lm_head (``on``; False takes it back), for logits of
-        up to 16 rows (256 on int8 activations): a tied GGUF head that keeps its layout gets ``quant_gemv``, a
+        up to 16 rows (any number on int8 activations): a tied GGUF head that keeps its
+        layout gets ``quant_gemv``, a
         dense float32 one ``linear_f32`` (one pass over its weight for all rows, where
         F.linear read SmolLM2's 113 MB head at ~12 GB/s); whether there was one. Set
         after the self-check, whose eager reference must not use it."""
@@ -647,12 +648,11 @@ def cpu_decode_step(runner, label: str = ""):
     head = step.head_gemv(True)
     logger.info("%sC++ CPU decode step: %d decoder layers in one call (%d quantized linears "
                 "called back, %d of them by its own 4-bit GEMV%s%s; %s KV "
-                "cache), steps of up to %d tokens; built/loaded in %.1f s (%s), self-check "
+                "cache), every step; built/loaded in %.1f s (%s), self-check "
                 "relative error %.1e (GEMV %.1e%s)", label, step.num_layers, step.num_callbacks,
                 step.num_int4, ", the lm_head too" if head else "",
-                f", {step.num_int8_act} on int8 activations ({step.module.q8_gemv_isa()}, up to "
-                f"{MAX_TOKENS} rows)"
-                if step.num_int8_act else "", step.kv_kind or "model-dtype", MAX_TOKENS,
+                f", {step.num_int8_act} on int8 activations ({step.module.q8_gemv_isa()})"
+                if step.num_int8_act else "", step.kv_kind or "model-dtype",
                 seconds, build_root(), error, gemv_error, f"; over eager's own K/V {step.eager_error:.1e}, stored K/V "
                 f"{step.write_error:.1e}" if step.kv_kind else "")
     return step

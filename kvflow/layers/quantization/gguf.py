@@ -30,7 +30,6 @@ from kvflow.layers.quantization.rtn import set_param
 
 
 GEMV_ROWS = 16  # rows the C++ step's float32-activation GEMV takes (kMaxGemvRows)
-Q8_ROWS = 256  # rows its int8-activation GEMV takes (kMaxQ8Rows in cpu_step.cpp)
 REFINE_TOP = 32  # logits per row an int8-activation lm_head recomputes in float32
 
 
@@ -182,7 +181,7 @@ class GGUFLinearMethod(LinearMethod):
             return gpu.triton_apply(layer, self.triton, x)
         x2, lead = flatten_tokens(x)
         if self.run_gemv is not None and (
-                x2.shape[0] <= (Q8_ROWS if self.gemv_kind else GEMV_ROWS)
+                self.gemv_kind or x2.shape[0] <= GEMV_ROWS
                 or self.run_gemv_any_rows):
             # float32 sums over the exact weights: no bf16 logits to refine.
             xf = x2.float().contiguous()
