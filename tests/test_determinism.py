@@ -159,3 +159,43 @@ def test_embedded_model_alone_equals_batched(mode):
               SamplingParams(max_tokens=6, temperature=0.8)) for i in range(3)]
     got = _drive(eng, [(0, "T", prompt, _params(mode, max_tokens=24))] + crowd)
     assert got == alone
+
+
+def test_fingerprint_names_what_changes_outputs(tiny_gguf, tmp_path, monkeypatch):
+    import dataclasses
+    import shutil
+
+    import kvflow
+    from kvflow.engine.determinism import INVARIANT, VARIANT, fingerprint
+
+    def config(path=tiny_gguf, **kw):
+        return EngineArgs(model=path, device="cpu", skip_tokenizer_init=True,
+                          **kw).create_engine_config()
+
+    base = config()
+    fp = fingerprint(base, INVARIANT)
+    assert fp.startswith("fp_") and fingerprint(config(), INVARIANT) == fp
+    other = str(tmp_path / "other.gguf")
+    shutil.copy(tiny_gguf, other)
+    changed = [fingerprint(base, VARIANT), fingerprint(config(quantization="int8"), INVARIANT),
+               fingerprint(config(kv_cache_dtype="int8"), INVARIANT),
+               fingerprint(config(other), INVARIANT),
+               fingerprint(dataclasses.replace(base, device=dataclasses.replace(
+                   base.device, device="cuda")), INVARIANT)]
+    monkeypatch.setattr(kvflow, "__version__", "0.0.0-test")
+    changed.append(fingerprint(base, INVARIANT))
+    assert fp not in changed and len(set(changed)) == len(changed)
+
+
+def test_deterministic_refused_where_it_cannot_hold():
+    """--deterministic on a CPU engine that decodes eagerly (q/k norms are not in the C++
+    step) is an error that says why; without the flag the engine reports batch-variant."""
+    from kvflow.errors import InvalidParameterError
+
+    kw = dict(load_format="dummy", max_model_len=64, device="cpu")
+    eng = LLMEngine.from_engine_args(EngineArgs(model="tiny-qwen3", **kw))
+    assert eng.core.determinism.mode == "batch-variant"
+    with pytest.raises(InvalidParameterError, match="--deterministic: .*eager CPU path"):
+        LLMEngine.from_engine_args(EngineArgs(model="tiny-qwen3", deterministic=True, **kw))
+    ok = LLMEngine.from_engine_args(EngineArgs(model="tiny-llama", deterministic=True, **kw))
+    assert ok.core.determinism.mode == "batch-invariant"

@@ -33,6 +33,19 @@ def test_health_and_models(server, client):
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].max_model_len == 512
     assert client.models.retrieve(MODEL).id == MODEL
+    # The C++ CPU step runs every step: outputs do not depend on the batch, and every
+    # response carries the fingerprint of what can change them.
+    card = models.data[0].model_dump()
+    assert card["determinism"] == "batch-invariant", card
+    fp = card["system_fingerprint"]
+    assert fp.startswith("fp_") and len(fp) == 15
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert r.system_fingerprint == fp
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                            stream=True))
+    assert {c.system_fingerprint for c in chunks} == {fp}
+    assert client.completions.create(model=MODEL, prompt=PROMPT,
+                                     max_tokens=1).system_fingerprint == fp
 
 
 def test_completion_greedy_usage_and_token_ids(server, client):

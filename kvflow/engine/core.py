@@ -20,6 +20,7 @@ from kvflow.core.latency import LatencyTarget, StepTimeModel
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SwapPolicy
+from kvflow.engine.determinism import determine
 from kvflow.engine.messages import CoreStats, spec_fields, structured_fields
 from kvflow.engine.processor import bound_for_engine
 from kvflow.engine.step_prior import step_time_prior
@@ -102,6 +103,9 @@ class EngineCore:
         self.config = config
         self.executor = Executor(config)
         self.num_blocks = self.executor.initialize()
+        # Whether outputs depend on the batch, and the fingerprint responses carry.
+        self.determinism = determine(config, getattr(self.executor, "runner", None))
+        logger.info("%s", self.determinism.line())
         if envs.fault_token() is not None:  # tests only
             from kvflow.engine.faults import FaultInjectingExecutor
 

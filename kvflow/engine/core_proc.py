@@ -64,7 +64,10 @@ class EngineCoreProc:
         self._send(Ready(num_blocks=self.core.num_blocks, block_size=c.block_size,
                          max_model_len=m.max_model_len, kv_cache_bytes=kv_bytes,
                          device=config.device.device, dtype=m.dtype,
-                         startup_s=time.perf_counter() - start, pid=os.getpid()))
+                         startup_s=time.perf_counter() - start, pid=os.getpid(),
+                         determinism=self.core.determinism.mode,
+                         determinism_why=self.core.determinism.why,
+                         fingerprint=self.core.determinism.fingerprint))
 
     def _send(self, msg) -> None:
         self.output.send(self.codec.encode(msg), copy=False)

@@ -112,6 +112,9 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     dtype: str
     startup_s: float
     pid: int
+    determinism: str = ""  # batch-invariant | batch-variant (engine/determinism.py)
+    determinism_why: str = ""
+    fingerprint: str = ""  # system_fingerprint of every response
 
 
 class Outputs(msgspec.Struct, tag="outputs", frozen=True):

@@ -478,6 +478,7 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
 
 
 class CompletionChunk(_Response):
@@ -487,6 +488,7 @@ class CompletionChunk(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
 
 
 class ModelCard(_Response):
@@ -502,6 +504,11 @@ class ModelCard(_Response):
     generation_source: str | None = None
     max_tokens_default: int | None = None
     repetition_guard: int | None = None
+    # Whether a request's outputs depend on what else shares its steps (batch-invariant
+    # or batch-variant, and why), and the fingerprint responses carry (docs/determinism.md).
+    determinism: str | None = None
+    determinism_why: str | None = None
+    system_fingerprint: str | None = None
 
 
 class ModelList(_Response):

@@ -233,7 +233,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                          generation_defaults=dict(m.generation_defaults),
                          generation_source=m.generation_source,
                          max_tokens_default=m.max_tokens_default,
-                         repetition_guard=m.repetition_guard)
+                         repetition_guard=m.repetition_guard,
+                         determinism=engine.ready.determinism or None,
+                         determinism_why=engine.ready.determinism_why or None,
+                         system_fingerprint=engine.ready.fingerprint or None)
 
     if state.loras is not None and engine.config.lora.allow_runtime_updating:
         from kvflow.entrypoints.openai.lora_routes import add_lora_routes

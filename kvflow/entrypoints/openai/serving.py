@@ -52,9 +52,10 @@ class ChunkBuilder:
     repeats are fixed once, each chunk then adds its choices (and the usage, in the last
     one). Plain dicts shaped like protocol.ChatCompletionChunk / CompletionChunk."""
 
-    def __init__(self, request_id: str, obj: str, model: str) -> None:
+    def __init__(self, request_id: str, obj: str, model: str,
+                 fingerprint: str | None = None) -> None:
         self.head = {"id": request_id, "object": obj, "created": int(time.time()),
-                     "model": model}
+                     "model": model, "system_fingerprint": fingerprint}
 
     def __call__(self, choices: list[dict], usage: dict | None = None) -> bytes:
         return sse_event({**self.head, "choices": choices, "usage": usage})
@@ -224,6 +225,12 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.args = args or ServerArgs()
         self.loras = None  # LoRARegistry with --enable-lora (the server sets it)
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The engine's system_fingerprint (engine/determinism.py), once it is ready."""
+        ready = getattr(self.engine, "ready", None)
+        return (ready.fingerprint or None) if ready is not None else None
 
     def deadline(self) -> float | None:
         """Loop time by which a request arriving now must be done (--request-timeout)."""

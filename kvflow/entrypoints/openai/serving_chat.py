@@ -134,13 +134,15 @@ class ChatServing(OpenAIServing):
                            ro.num_cached_tokens)
         return ChatCompletionResponse(
             id=request_id, model=self.model_name, choices=choices, usage=usage,
+            system_fingerprint=self.fingerprint,
             prompt_token_ids=ro.prompt_token_ids if req.return_token_ids else None)
 
     async def _stream(self, req, request_id: str, first: RequestOutput, gen,
                       deadline: float | None, tools: ChatTools
                       ) -> AsyncIterator[bytes | str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunk = ChunkBuilder(request_id, "chat.completion.chunk", self.model_name)
+        chunk = ChunkBuilder(request_id, "chat.completion.chunk", self.model_name,
+                             self.fingerprint)
         parsers = {i: tools.choice_parser() for i in range(req.n)}
 
         def choice(index: int, delta: dict, c: CompletionOutput | None = None) -> dict:

@@ -82,7 +82,8 @@ class CompletionServing(OpenAIServing):
                 choices.append(self._choice(req, i * req.n + c.index, ro, c, prompt_text,
                                             with_prompt=req.echo))
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                  usage=usage_info(prompt_tokens, completion_tokens, cached))
+                                  usage=usage_info(prompt_tokens, completion_tokens, cached),
+                                  system_fingerprint=self.fingerprint)
 
     def _choice(self, req, index: int, ro: RequestOutput,
                 c: CompletionOutput, prompt_text: str, with_prompt: bool
@@ -148,7 +149,8 @@ class CompletionServing(OpenAIServing):
     async def _stream(self, req, request_id: str, firsts: list[RequestOutput], gens: list,
                       deadline: float | None) -> AsyncIterator[bytes | str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunk = ChunkBuilder(request_id, "text_completion", self.model_name)
+        chunk = ChunkBuilder(request_id, "text_completion", self.model_name,
+                             self.fingerprint)
 
         n = req.n
         echoed: set[int] = set()
