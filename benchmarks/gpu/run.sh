@@ -100,6 +100,12 @@
 #   lora      multi-LoRA mix (kvflow bench lora): 8B dummy, rank 16 on every linear, 256 x
 #             512 in / 128 out over 1, 4, 16 adapters (4 slots) vs the base alone, and the
 #             swap cost (lora-mix.json; target >= 0.85x base with 4 adapters)
+#   deterministic  --deterministic (docs/determinism.md), <= ~400 s, each part under its own
+#             timeout: its GPU tests (batch-invariant matmul and attention kernels, the tiny
+#             engine's request alone vs in batches); GPU-A batch 1 (3 iters) default vs
+#             --deterministic (gpu-a-det-off.json / gpu-a-det-on.json); GPU-B-style
+#             throughput, DET_B_PROMPTS (default 300) x 1024 in / 128 out, default vs
+#             --deterministic (gpu-b-det-off.json / gpu-b-det-on.json)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . benchmarks/gpu/env.sh  # OUT, PYTHONPATH, KVFLOW_GIT_COMMIT, KV
@@ -270,6 +276,19 @@ PY
       timeout ${FRESH_LEVERS_TIMEOUT:-240} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-levers-fresh.json" --table "$OUT/gemv-bench.json" --variants ${FRESH_VARIANTS:-auto,auto+table,auto+table+rope+argmax,auto,auto+table,auto+table+rope+argmax} --iters 4 --budget-s $(( ${FRESH_LEVERS_TIMEOUT:-240} - 40 )) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8;;
     lora) timeout ${LORA_TIMEOUT:-540} $KV bench lora --model llama-3.1-8b --load-format dummy --max-model-len 4096 --max-loras ${LORA_SLOTS:-4} --max-cpu-loras 16 --lora-rank 16 --adapter-counts 1,4,16 --num-prompts ${LORA_PROMPTS:-256} --input-len 512 --output-len 128 --rounds 2 --save-result "$OUT/lora-mix.json" 2>&1 | grep -v "^INFO" | tail -12;;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
+    deterministic)
+      timeout ${DET_TEST_TIMEOUT:-75} python -m pytest -q tests/test_batch_invariant_gpu.py tests/kernels/test_batch_invariant_kernel.py 2>&1 | tail -6
+      echo "deterministic tests exit ${PIPESTATUS[0]}"
+      for det in off on; do
+        flag=$([ $det = on ] && echo --deterministic)
+        timeout ${DET_A_TIMEOUT:-70} $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --max-num-seqs 8 --max-model-len 4096 $flag --save-result "$OUT/gpu-a-det-$det.json" 2>&1 | grep -E "deterministic|captured|tokens/s|ms/tok|rror|Traceback" | tail -6
+        echo "gpu-a-det-$det exit ${PIPESTATUS[0]}"
+      done
+      for det in off on; do
+        flag=$([ $det = on ] && echo --deterministic)
+        timeout ${DET_B_TIMEOUT:-85} $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${DET_B_PROMPTS:-300} --input-len 1024 --output-len 128 --max-model-len 4096 $flag --save-result "$OUT/gpu-b-det-$det.json" 2>&1 | grep -E "deterministic|captured|tokens/s|rror|Traceback" | tail -6
+        echo "gpu-b-det-$det exit ${PIPESTATUS[0]}"
+      done;;
     *) echo "unknown stage $stage"; exit 2;;
   esac
 done

@@ -1,6 +1,7 @@
 """Build the batch-1 decode kernels (the dense GEMVs with their norm and SiLU forms, split-KV
 decode attention with and without the rotary inside, the split merge, RMSNorm, the rotary
-+ cache write) for sm_90 (H100/H200) without a GPU, and check the machine code: no
++ cache write; --deterministic's fixed-split attention and merge and its batch-invariant
+matmul at both tile shapes) for sm_90 (H100/H200) without a GPU, and check the machine code: no
 register spills, shared memory within a Hopper block's 227 KiB. A cheap check that a
 Triton version (the GPU image runs 3.6) compiles them before GPU time is spent.
 
@@ -23,7 +24,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kvflow.kernels import gemv, gemv_norm, paged_attention, rms_norm, rotary_kv  # noqa: E402
+from kvflow.kernels import (batch_invariant, gemv, gemv_norm, paged_attention,  # noqa: E402
+                           rms_norm, rotary_kv)
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 SMEM_LIMIT = 227 * 1024
@@ -38,7 +40,7 @@ def _build(name: str, kernel, sig: dict, consts: dict, warps: int, stages: int) 
     names = list(sig)
     # What a real launch specializes: 16-aligned pointers, ints divisible by 16 (row
     # counts, split counts, positions and scales left generic).
-    generic = {"M", "split_k", "num_splits", "req_offset", "n_rows", "n_slots", "eps",
+    generic = {"M", "split_k", "split_tokens", "num_splits", "req_offset", "n_rows", "n_slots", "eps",
                "qk_scale", "out_scale", "k_inv_scale", "v_inv_scale", "num_kv_heads"}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if sig[n] != "constexpr" and not sig[n].startswith("fp") and n not in generic}
@@ -111,17 +113,35 @@ def main() -> int:
             "tree_bits_ptr": "*i32", "tree_start_ptr": "*i32", "cs_ptr": "*fp32",
             "stride_cs": "i32",
             "kn_ptr": "*bf16", "vn_ptr": "*bf16", "stride_knt": "i32", "stride_knh": "i32",
-            "stride_vnt": "i32", "stride_vnh": "i32", "slot_ptr": "*i64", "n_slots": "i32"}
-    for rope in (False, True):
-        rows.append(_build("paged_attn decode split" + (" rope" if rope else ""),
+            "stride_vnt": "i32", "stride_vnh": "i32", "slot_ptr": "*i64", "n_slots": "i32",
+            "split_tokens": "i32"}
+    for rope, fixed in ((False, False), (True, False), (False, True)):
+        rows.append(_build("paged_attn decode split" + (" rope" if rope else "")
+                           + (" fixed" if fixed else ""),
                            paged_attention._paged_attn_kernel, asig,
                            dict(GROUP=4, G_PAD=16, BLOCK_Q=1, BLOCK_N=64, BLOCK_SIZE=16,
                                 HEAD_DIM=128, D_PAD=128, SPLIT=True, DOT_PREC="tf32",
-                                UPCAST=False, QUANT=0, TREE=False, ROPE=rope), 4, 3))
+                                UPCAST=False, QUANT=0, TREE=False, ROPE=rope,
+                                FIXED_SPLIT=fixed), 4, 3))
     msig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
-            "qsl_ptr": "*i32", "num_splits": "i32", "stride_ot": "i32", "stride_oh": "i32"}
-    rows.append(_build("merge_splits", paged_attention._merge_splits_kernel, msig,
-                       dict(HEAD_DIM=128, D_PAD=128, S_PAD=16), 4, 1))
+            "qsl_ptr": "*i32", "num_splits": "i32", "stride_ot": "i32", "stride_oh": "i32",
+            "seq_lens_ptr": "*i32", "split_tokens": "i32"}
+    for fixed in (False, True):
+        rows.append(_build("merge_splits" + (" fixed" if fixed else ""),
+                           paged_attention._merge_splits_kernel, msig,
+                           dict(HEAD_DIM=128, D_PAD=128, S_PAD=16, FIXED_SPLIT=fixed), 4, 1))
+    bsig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
+            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32",
+            "stride_wn": "i32", "stride_wk": "i32", "stride_ym": "i32", "stride_yn": "i32"}
+    for m in (1, 256):  # the two tile shapes
+        cfg = batch_invariant.matmul_config(m, batch_invariant.torch.bfloat16)
+        rows.append(_build(f"bi_matmul {cfg.block_m}x{cfg.block_n}x{cfg.block_k}",
+                           batch_invariant._bi_matmul_kernel, bsig,
+                           dict(stride_xk=1, stride_wk=1, stride_yn=1,  # as launched
+                                HAS_BIAS=False, EVEN_K=True, BLOCK_M=cfg.block_m,
+                                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
+                                DOT_PREC="tf32", UPCAST=False), cfg.num_warps,
+                           cfg.num_stages))
     rsig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
             "res_out_ptr": "*bf16", "n_rows": "i32", "n_inner": "i32", "hidden": "i32",
             "stride_xa": "i32", "stride_xb": "i32", "eps": "fp32", "scale_ptr": "*fp32"}

@@ -28,6 +28,10 @@ Algorithm (one kernel body, two launches):
   second kernel, grid ``(num_decodes, H)``, merges the S partials. (Merging in the last
   split instead of a second launch, with per-request split counts, measured even or
   slower on the H200 and the H100 and was removed: docs/decode-gemv.md.)
+  With ``split_tokens`` (``--deterministic``, docs/determinism.md) the split is fixed
+  instead: split s is keys [s * split_tokens, (s + 1) * split_tokens) whatever the batch
+  (programs past a request's context exit), and the merge folds the request's own
+  splits in order, so a decode row's sums never depend on the other requests.
 * Decode-only steps may pass ``rope`` (``DecodeRope``): q and the new token's k / v
   arrive unrotated and uncached. Every decode program rotates its q rows (rotate-half,
   cos/sin row ``seq_len - 1``); the program whose key range holds the new token rotates
@@ -234,12 +238,12 @@ def _paged_attn_kernel(
         stride_bt, stride_kb, stride_kt, stride_kh, ks_ptr, vs_ptr, out_scale,
         stride_sb, stride_st, stride_sh, tree_bits_ptr, tree_start_ptr,
         cs_ptr, stride_cs, kn_ptr, vn_ptr, stride_knt, stride_knh, stride_vnt,
-        stride_vnh, slot_ptr, n_slots,
+        stride_vnh, slot_ptr, n_slots, split_tokens,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr, QUANT: tl.constexpr, TREE: tl.constexpr,
-        ROPE: tl.constexpr = False):
+        ROPE: tl.constexpr = False, FIXED_SPLIT: tl.constexpr = False):
     num_qb = tl.num_programs(0)
     qb = num_qb - 1 - tl.program_id(0)  # longest causal range first
     req = tl.program_id(1) + req_offset
@@ -280,7 +284,12 @@ def _paged_attn_kernel(
     # Keys this q-block needs: [0, hi); split s of S takes [lo, hi) of it.
     hi = tl.minimum(seq_len, ctx + (qb + 1) * BLOCK_Q)
     lo = 0
-    if SPLIT:
+    if FIXED_SPLIT:  # --deterministic: split s is keys [s * T, (s + 1) * T), any batch
+        lo = split * split_tokens
+        if lo >= hi:  # past this request's context: the merge never reads this split
+            return
+        hi = tl.minimum(hi, lo + split_tokens)
+    elif SPLIT:
         chunk = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(hi, lo + chunk)
@@ -345,9 +354,15 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits,
-                         stride_ot, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         S_PAD: tl.constexpr):
-    """out[req, h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)."""
+                         stride_ot, stride_oh, seq_lens_ptr, split_tokens,
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                         FIXED_SPLIT: tl.constexpr = False):
+    """out[req, h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M).
+
+    FIXED_SPLIT (--deterministic): the request's own cdiv(seq_len, split_tokens) splits,
+    folded one at a time from split 0 (a running max, weight sum and weighted sum), so
+    neither the grid's split count nor a reduction tree's shape enters the result; one
+    split gives its partial back exactly (o * 1 / 1)."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + req)
@@ -356,6 +371,23 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits,
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D_PAD)
     base = (req.to(tl.int64) * tl.num_programs(1) + head) * num_splits
+    if FIXED_SPLIT:
+        n_own = tl.cdiv(tl.load(seq_lens_ptr + req), split_tokens)
+        m_run = float("-inf")
+        w_sum = 0.0
+        acc = tl.zeros([D_PAD], tl.float32)
+        for s in range(0, n_own):  # every one of these splits holds keys: lse finite
+            lse_s = tl.load(part_lse_ptr + base + s)
+            o_s = tl.load(part_o_ptr + (base + s) * D_PAD + offs_d)
+            m_new = tl.maximum(m_run, lse_s)
+            alpha = tl.exp2(m_run - m_new)  # 0 for the first split
+            w = tl.exp2(lse_s - m_new)
+            acc = acc * alpha + o_s * w
+            w_sum = w_sum * alpha + w
+            m_run = m_new
+        tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+                 (acc / w_sum).to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        return
     s_ok = offs_s < num_splits
     lse = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
     o = tl.load(part_o_ptr + (base + offs_s)[:, None] * D_PAD + offs_d[None, :],
@@ -473,7 +505,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     num_kv_splits: int = 1, out: torch.Tensor | None = None,
                     decode_config: TileConfig | None = None,
                     prefill_config: TileConfig | None = None, kv_quant=None,
-                    tree=None, rope: "DecodeRope | None" = None) -> torch.Tensor:
+                    tree=None, rope: "DecodeRope | None" = None,
+                    split_tokens: int = 0) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each request's paged context -> [T, H, D].
 
     R = seq_lens.shape[0] requests; requests [0, num_decodes) have exactly one query
@@ -489,6 +522,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     ``rope`` (a ``DecodeRope``; decode-only batches over an unquantized cache): q and the
     new tokens' k / v arrive unrotated and uncached; the decode launch rotates them and
     writes k / v to the cache (``rotary_and_cache_write``'s work, without its launch).
+    ``split_tokens`` > 0 (``--deterministic``): the decode launch splits every context
+    into fixed ranges of that many keys (a multiple of the decode BLOCK_N) whatever the
+    batch, and each request's partials merge in split order; ``num_kv_splits`` is then
+    only the grid's split count and must reach cdiv(seq_len, split_tokens) for every
+    decode request (more is fine: those programs exit).
     """
     t, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -547,6 +585,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                      rope.slot_mapping.shape[0])
     if num_decodes > 0:
         splits = max(1, int(num_kv_splits))
+        if split_tokens:
+            assert split_tokens % dec_cfg.block_n == 0, (split_tokens, dec_cfg.block_n)
         if splits > 1:
             part_o = torch.empty((num_decodes, num_heads, splits, d_pad), dtype=torch.float32,
                                  device=q.device)
@@ -557,14 +597,18 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         _paged_attn_kernel[(1, num_decodes, num_kv_heads * splits)](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
             part_o, part_lse, 0, splits, *common, seq_lens, seq_lens, *rope_args,
-            G_PAD=max(g_pad, dec_cfg.block_m), BLOCK_Q=1, BLOCK_N=dec_cfg.block_n,
-            SPLIT=splits > 1, num_warps=dec_cfg.num_warps, num_stages=dec_cfg.num_stages,
-            TREE=False, **({"ROPE": True} if rope is not None else {}), **consts)
+            split_tokens, G_PAD=max(g_pad, dec_cfg.block_m), BLOCK_Q=1,
+            BLOCK_N=dec_cfg.block_n, SPLIT=splits > 1, num_warps=dec_cfg.num_warps,
+            num_stages=dec_cfg.num_stages, TREE=False,
+            **({"ROPE": True} if rope is not None else {}),
+            **({"FIXED_SPLIT": True} if split_tokens and splits > 1 else {}), **consts)
         if splits > 1:
+            fixed = {"FIXED_SPLIT": True} if split_tokens else {}
             _merge_splits_kernel[(num_decodes, num_heads)](
                 part_o, part_lse, out, query_start_loc, splits, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=triton.next_power_of_2(splits),
-                num_warps=4 if splits * d_pad <= 4096 else 8)
+                seq_lens, split_tokens, HEAD_DIM=head_dim, D_PAD=d_pad,
+                S_PAD=triton.next_power_of_2(splits),
+                num_warps=4 if splits * d_pad <= 4096 else 8, **fixed)
 
     num_prefills = num_reqs - num_decodes
     if num_prefills > 0 and max_query_len > 0:
@@ -572,7 +616,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         grid = (triton.cdiv(max_query_len, block_q), num_prefills, num_kv_heads)
         _paged_attn_kernel[grid](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-            out, out, num_decodes, 1, *common, *tree_args, *no_rope,
+            out, out, num_decodes, 1, *common, *tree_args, *no_rope, 0,
             G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=pre_cfg.block_n, SPLIT=False,
             num_warps=pre_cfg.num_warps, num_stages=pre_cfg.num_stages,
             TREE=tree is not None, **consts)

@@ -94,6 +94,9 @@ class UnquantizedLinearMethod(LinearMethod):
         # CPU: the C++ step's float32 GEMV (x, weight, bias) -> y for up to 16 rows, set
         # on a dense lm_head by worker/cpu_step.py once its self-check has passed.
         layer.cpu_gemv = None
+        # --deterministic on CUDA: the batch-invariant matmul (x, weight, bias) -> y for
+        # every row count (kvflow/kernels/batch_invariant.py), set by use_batch_invariant
+        layer.bi_matmul = None
 
     def process_weights_after_loading(self, layer: "LinearBase") -> None:
         from kvflow.kernels.gemv_dispatch import plan_gemv
@@ -101,6 +104,9 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.gemv = plan_gemv(layer)
 
     def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+        bi = layer.bi_matmul
+        if bi is not None:  # --deterministic: one reduction order whatever M is
+            return bi(x, layer.weight, layer.bias)
         fn = getattr(layer, "cpu_gemv", None)
         if fn is not None and x.dim() == 2 and x.shape[0] <= 16 and x.dtype == torch.float32:
             return fn(x, layer.weight, layer.bias)
@@ -135,6 +141,28 @@ class UnquantizedLinearMethod(LinearMethod):
             return gemv_rms_norm(x, residual, norm.weight, norm.eps, layer.weight, cfg,
                                  silu_and_mul=act is not None)
         return super().apply_normed(layer, x, residual, norm, act)
+
+
+def use_batch_invariant(model: nn.Module) -> tuple[int, list[str]]:
+    """``--deterministic`` on CUDA: every dense linear layer (the lm_head included) runs
+    the batch-invariant matmul for any row count, and its decode GEMV plans are dropped
+    (their split-K and fused norm sum in another order than the GEMM, docs/determinism.md).
+    Returns (layers switched, names of linear layers of other methods, which are not)."""
+    from kvflow.kernels.batch_invariant import matmul
+
+    switched, others = 0, []
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase):
+            continue
+        method = module.quant_method
+        base = getattr(method, "base", method)  # a LoRA wrapper's base method
+        if type(base) is UnquantizedLinearMethod:
+            module.gemv = NO_GEMV
+            module.bi_matmul = matmul
+            switched += 1
+        else:
+            others.append(name)
+    return switched, others
 
 
 class LinearBase(nn.Module):

@@ -86,6 +86,13 @@ class ModelRunner:
             self.pipeline_results = PipelineResults(
                 self.parallel, defer=config.parallel.batches_in_flight > 1)
         use_kernels(self.model, self.use_kernels)
+        # --deterministic (GPU): batch-invariant linears, fixed split-KV attention
+        self.deterministic = config.device.deterministic and self.use_kernels
+        if self.deterministic:
+            _use_batch_invariant(self.model, self.parallel)
+        elif config.device.deterministic and self.device.type == "cuda":
+            logger.warning("--deterministic: Triton kernels are unavailable, so the GPU "
+                           "steps are not batch-invariant")
         self.lora = None  # LoRAWorker with --enable-lora (kvflow/lora/worker.py)
         if config.lora is not None:
             from kvflow.lora.worker import LoRAWorker
@@ -107,7 +114,8 @@ class ModelRunner:
         self.attn_spec = AttentionSpec(
             block_size=self.block_size, num_kv_heads=kv_cache.local_kv_heads(config),
             dtype=torch_dtype(config.model.dtype), device=self.device,
-            rotary=model_rotary(self.model), num_sms=self.num_sms)
+            rotary=model_rotary(self.model), num_sms=self.num_sms,
+            deterministic=self.deterministic, max_model_len=config.model.max_model_len)
         self.spec = None  # SpecDecoder when speculative decoding is on
         if config.speculative is not None:
             from kvflow.spec_decode.verify import SpecDecoder
@@ -117,7 +125,8 @@ class ModelRunner:
         self.step_builder = StepBuilder(
             InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len, max_blocks),
             self.block_size, self.device, backend.metadata_builder(self.attn_spec),
-            config.model.arch.vocab_size, device_block_table, spec=self.spec)
+            config.model.arch.vocab_size, device_block_table, spec=self.spec,
+            deterministic=self.deterministic)
         self.kv_caches: torch.Tensor | None = None  # [L, 2, NB, BS, KVH, D]
         self.host_cache: torch.Tensor | None = None  # [NH, L, 2, BS, KVH, D] swap space
         # An int8 cache's scales: [L, 2, NB, BS, KVH] and [NH, L, 2, BS, KVH] in swap.
@@ -432,3 +441,24 @@ def _kernels_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _use_batch_invariant(model: torch.nn.Module, parallel: ParallelState) -> None:
+    """--deterministic on CUDA: switch the dense linears to the batch-invariant matmul and
+    say what stays outside the guarantee (docs/determinism.md)."""
+    from kvflow.layers.linear import use_batch_invariant
+    from kvflow.layers.moe.layer import FusedMoE
+
+    switched, others = use_batch_invariant(model)
+    logger.info("--deterministic: %d dense linear layers on the batch-invariant matmul, "
+                "split-KV attention in fixed key ranges", switched)
+    gaps = []
+    if others:
+        gaps.append(f"{len(others)} linear layers of other weight formats (e.g. {others[0]})")
+    if any(isinstance(m, FusedMoE) for m in model.modules()):
+        gaps.append("the fused MoE experts")
+    if parallel.tp.world_size > 1:
+        gaps.append(f"the all-reduce of {parallel.tp.world_size} tensor-parallel ranks")
+    if gaps:
+        logger.warning("--deterministic does not cover %s: their rows may still depend on "
+                       "the batch", "; ".join(gaps))

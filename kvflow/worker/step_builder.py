@@ -45,8 +45,12 @@ class StepBuilder:
     def __init__(self, batch: InputBatch, block_size: int, device: torch.device,
                  attn_builder: AttentionMetadataBuilder, vocab_size: int,
                  device_block_table: DeviceBlockTable | None = None,
-                 spec: "SpecDecoder | None" = None) -> None:
+                 spec: "SpecDecoder | None" = None, deterministic: bool = False) -> None:
         self.batch = batch
+        # --deterministic: a one-token prompt chunk (a prefix-cache hit up to the last
+        # token, a chunk cut at one token) counts as a prefill, so every prompt row takes
+        # the prefill attention launch however the prompt was cut (docs/determinism.md)
+        self.deterministic = deterministic
         self.block_size = block_size
         self.device = device
         self.attn_builder = attn_builder
@@ -106,7 +110,12 @@ class StepBuilder:
         ids = list(so.num_scheduled_tokens)
         n = np.fromiter((so.num_scheduled_tokens[r] for r in ids), dtype=np.int64,
                         count=len(ids))
-        order = np.argsort(n > 1, kind="stable")  # decodes first
+        prefill = n > 1
+        if self.deterministic:
+            r0 = np.fromiter((b.index[r] for r in ids), dtype=np.int64, count=len(ids))
+            prefill |= b.num_computed[r0] < b.num_prompt_tokens[r0]
+        order = np.argsort(prefill, kind="stable")  # decodes first
+        num_decodes = len(ids) - int(prefill.sum())
         n = n[order]
         req_ids = [ids[i] for i in order]
         rows = np.fromiter((b.index[r] for r in req_ids), dtype=np.int64, count=len(ids))
@@ -161,7 +170,7 @@ class StepBuilder:
             block_tables = torch.from_numpy(b.block_table[rows, :width])
         positions_dev = to_device(rope_positions, dev, torch.int64)
         meta = AttentionMetadata(
-            num_actual_tokens=total, num_reqs=num_reqs, num_decodes=int((n == 1).sum()),
+            num_actual_tokens=total, num_reqs=num_reqs, num_decodes=num_decodes,
             max_query_len=int(n.max()), max_seq_len=max_seq,
             slot_mapping=to_device(slots, dev, torch.int64),
             query_start_loc=to_device(qsl, dev, torch.int32),

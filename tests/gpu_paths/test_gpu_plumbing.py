@@ -238,3 +238,49 @@ def test_prefill_graphs_switch(monkeypatch):
     monkeypatch.setenv("KVFLOW_PREFILL_GRAPHS", "maybe")
     with pytest.raises(InvalidParameterError, match="KVFLOW_PREFILL_GRAPHS"):
         cuda_graphs.prefill_graphs_on(cpu)
+
+
+def test_gpu_path_deterministic_matches_torch_path(monkeypatch):
+    """--deterministic's GPU plumbing on the CPU: batch-invariant linears, decode
+    attention split in fixed key ranges (64 keys here, so 96-token contexts take two),
+    one-token prompt chunks (a prefix-cache hit on the repeated 17-token prompt) counted
+    as prefills, graphs; tokens as the torch path's."""
+    from kvflow.layers import linear
+    from kvflow.layers.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "DET_MIN_SPLIT_TOKENS", 64)
+    kw = dict(load_format="dummy", max_model_len=96, num_gpu_blocks_override=40,
+              block_size=8, max_num_batched_tokens=24, max_num_seqs=16, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 30, 3, 17, 9)]
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=40 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    ref = LLM("tiny-llama", **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM("tiny-llama", async_scheduling=True, **kw)
+    gpu_like(llm, False)
+    r = llm.engine.core.executor.runner
+    sb = r.step_builder
+    sb.attn_builder = get_attention_backend("triton").metadata_builder(dataclasses.replace(
+        r.attn_spec, num_sms=4, deterministic=True, max_model_len=96))
+    sb.deterministic = True
+    switched, others = linear.use_batch_invariant(r.model)
+    assert switched == 2 * 4 + 1 and not others  # qkv, o, gate_up, down per layer; lm_head
+    builds = []
+    build = sb.build
+
+    def spy(so):
+        inputs = build(so)
+        builds.append(inputs.meta)
+        return inputs
+
+    monkeypatch.setattr(sb, "build", spy)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    again = llm.generate([prompts[3]], params[3], use_tqdm=False)  # cached up to 1 token
+    assert again[0].outputs[0].token_ids == ref[3].outputs[0].token_ids
+    assert {m.backend.split_tokens for m in builds} == {64}
+    assert all(m.backend.num_kv_splits == 2 for m in builds)
+    # some step had a one-token prompt chunk among the prefills
+    assert any(1 in [b - a for a, b in zip(m.query_start_loc_cpu[m.num_decodes:],
+                                           m.query_start_loc_cpu[m.num_decodes + 1:])]
+               for m in builds)

@@ -24,8 +24,9 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 @pytest.mark.parametrize("script,configs", [
     ("woq_sm90_build.py", 12),  # int8 / int4 weight-only GEMMs and GEMVs
     ("fp8_sm90_build.py", 5),  # FP8 W8A8 GEMM (its tensor-core promotion) and the quantize
-    # batch-1 decode kernels: GEMVs, norm GEMVs, split-KV attention, norms, rotary
-    ("decode_sm90_build.py", 15),
+    # batch-1 decode kernels: GEMVs, norm GEMVs, split-KV attention, norms, rotary; the
+    # deterministic mode's fixed-split attention, its merge and the batch-invariant matmul
+    ("decode_sm90_build.py", 19),
     # low-bit decode GEMVs (their inline PTX assembles), three with balanced rows
     ("woq_gemv_sm90_build.py", 13),
 ])

@@ -99,3 +99,7 @@ class AttentionSpec:
     device: torch.device
     rotary: RotaryEmbedding | None = None
     num_sms: int = 1  # streaming multiprocessors (split-KV choice on the GPU)
+    # --deterministic (docs/determinism.md): split-KV by a fixed number of keys, sized
+    # from max_model_len once, instead of by the batch
+    deterministic: bool = False
+    max_model_len: int = 0
