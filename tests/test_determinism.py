@@ -108,6 +108,11 @@ def test_tiny_gguf_alone_equals_batched(tiny_gguf, mode):
         assert got == alone, kind
     # A prefix-cache hit: the same prompt again, its blocks now cached.
     assert _drive(eng, [(0, "T", prompt, _params(mode))]) == alone
+    # The next turn of a chat: a prompt that repeats the answer, on this engine (which
+    # has computed that answer as output rows) and on a fresh one.
+    turn2 = prompt + alone[0][0] + _ids(random.Random(8), 5)
+    again = _drive(eng, [(0, "T", turn2, _params(mode))])
+    assert _drive(_engine(tiny_gguf), [(0, "T", turn2, _params(mode))]) == again
     # Chunked prefill (5 tokens a step) and preemption: a cache too small for the load.
     for kw in (dict(max_num_batched_tokens=5),
                dict(num_gpu_blocks_override=64, max_num_batched_tokens=64),

@@ -53,9 +53,15 @@ class KVCacheManager:
     """Allocates, shares, caches and frees the KV blocks of requests."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, cache_outputs: bool = True) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # False: only blocks wholly inside a request's prompt are offered to the cache. A
+        # batch-invariant engine computes prompt rows and generated rows differently (the
+        # CPU step's bf16 prompt rows, int8 generated ones; the GPU's prefill and decode
+        # launches): a later prompt that repeats another request's output (the next turn
+        # of a chat) must compute it as a prompt, whether or not those blocks are cached.
+        self.cache_outputs = cache_outputs
         self.sliding_window = sliding_window
         self.num_window_freed = 0  # blocks given back behind a window (a counter)
         self.pool = BlockPool(num_blocks)
@@ -132,7 +138,9 @@ class KVCacheManager:
             return
         rid = request.request_id
         start = self._num_registered.get(rid, 0)
-        hashes = self._block_hashes(request, request.num_computed_tokens)
+        upto = request.num_computed_tokens if self.cache_outputs else min(
+            request.num_computed_tokens, request.num_prompt_tokens)
+        hashes = self._block_hashes(request, upto)
         for i in range(start, min(len(held), len(hashes))):
             block, h = held[i], hashes[i]
             if block is None:  # freed behind the window (registered before that)

@@ -135,7 +135,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int,
                  enable_prefix_caching: bool = False, swap: SwapPolicy | None = None,
                  latency: LatencyTarget | None = None, contiguous_kv: bool = False,
-                 sliding_window: int | None = None, max_loras: int = 0) -> None:
+                 sliding_window: int | None = None, max_loras: int = 0,
+                 cache_outputs: bool = True) -> None:
         self.config = config
         # --kv-layout contiguous (ablation): reserve max_model_len of KV per request at
         # admission, as an engine without paging must.
@@ -146,7 +147,9 @@ class Scheduler:
         self.max_loras = max_loras
         self.block_size = block_size
         # sliding_window: blocks behind every layer's window are freed (freeable_window)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, sliding_window)
+        # cache_outputs False (a batch-invariant engine): prompt blocks alone are cached.
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, sliding_window,
+                                 cache_outputs)
         self.swap = swap
         self.host_pool = BlockPool(swap.num_host_blocks) if swap and swap.num_host_blocks \
             else None

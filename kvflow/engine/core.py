@@ -20,7 +20,7 @@ from kvflow.core.latency import LatencyTarget, StepTimeModel
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SwapPolicy
-from kvflow.engine.determinism import determine
+from kvflow.engine.determinism import INVARIANT, determine
 from kvflow.engine.messages import CoreStats, spec_fields, structured_fields
 from kvflow.engine.processor import bound_for_engine
 from kvflow.engine.step_prior import step_time_prior
@@ -116,7 +116,8 @@ class EngineCore:
                                    latency_target(config),
                                    contiguous_kv=config.cache.kv_layout == "contiguous",
                                    sliding_window=freeable_window(config),
-                                   max_loras=config.lora.max_loras if config.lora else 0)
+                                   max_loras=config.lora.max_loras if config.lora else 0,
+                                   cache_outputs=self.determinism.mode != INVARIANT)
         self.num_steps = 0
         self._in_flight = None  # (SchedulerOutput, StepHandle) launched, not yet collected
         # Pipeline parallelism: up to ``batches_in_flight`` batches launched and not yet
