@@ -39,7 +39,15 @@ def _cpu_mode(config: EngineConfig, runner) -> tuple[str, str]:
                          "GEMMs may sum a row differently by batch size")
     if config.lora is not None:
         return VARIANT, "LoRA: steps with adapter rows run the eager CPU path"
-    return INVARIANT, "the C++ CPU step runs every step"
+    # Every decoder linear on the int8-activation GEMV, whose row sums are a row's own
+    # for any number of rows (prompt rows: the bf16 int4 GEMM, row-invariant too). Dense
+    # float32 layers and the float32-activation GEMV take a GEMV up to 16 rows and a
+    # GEMM above (oneDNN's sums of a row change below 8 rows too).
+    if not (graphs.num_int8_act and graphs.num_int4 == 4 * graphs.num_layers
+            and graphs.num_callbacks == graphs.num_int4):
+        return VARIANT, ("the C++ CPU step with dense or float32-activation linears, "
+                         "which take a GEMV up to 16 rows and a GEMM above")
+    return INVARIANT, "the C++ CPU step runs every step, its linears on int8 activations"
 
 
 def determine(config: EngineConfig, runner) -> Determinism:
