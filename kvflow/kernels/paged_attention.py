@@ -243,7 +243,8 @@ def _paged_attn_kernel(
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr, QUANT: tl.constexpr, TREE: tl.constexpr,
-        ROPE: tl.constexpr = False, FIXED_SPLIT: tl.constexpr = False):
+        ROPE: tl.constexpr = False, FIXED_SPLIT: tl.constexpr = False,
+        ALL_MASKED: tl.constexpr = False):
     num_qb = tl.num_programs(0)
     qb = num_qb - 1 - tl.program_id(0)  # longest causal range first
     req = tl.program_id(1) + req_offset
@@ -313,6 +314,12 @@ def _paged_attn_kernel(
         tree_bits = tl.load(tree_bits_ptr + row, mask=row_ok, other=-1)
         full_hi = tl.minimum(full_hi, tree_start + 1)
     full_end = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
+    if ALL_MASKED:
+        # --deterministic prefill: which tiles a row sees unmasked depends on where its
+        # q-block starts (on how the prompt was chunked), and the two tile variants
+        # compile to different roundings (the unmasked one may fuse the scale and the
+        # max subtraction into one FMA): every tile takes the masked one.
+        full_end = lo
 
     m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
@@ -619,7 +626,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             out, out, num_decodes, 1, *common, *tree_args, *no_rope, 0,
             G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=pre_cfg.block_n, SPLIT=False,
             num_warps=pre_cfg.num_warps, num_stages=pre_cfg.num_stages,
-            TREE=tree is not None, **consts)
+            TREE=tree is not None, **({"ALL_MASKED": True} if split_tokens else {}),
+            **consts)
     return out
 
 

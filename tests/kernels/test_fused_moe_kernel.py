@@ -82,7 +82,7 @@ def test_moe_align_groups_and_pads(align):
     (96, 3, 16, "one"), (200, 1, 32, "drop"), (1023, 128, 16, "drop"),
     (1024, 60, 64, "few"), (1025, 8, 16, "any"), (2500, 33, 32, "drop"), (1100, 4, 16, "one"),
 ])
-def test_fast_align_equals_torch_align(n, e, bm, draw):
+def test_fast_align_equals_torch_align(device, n, e, bm, draw):
     g = torch.Generator().manual_seed(n * 1000 + e)
     if draw == "one":  # every pair on one expert: one long run
         ids = torch.full((n,), e - 1)
@@ -95,7 +95,7 @@ def test_fast_align_equals_torch_align(n, e, bm, draw):
         ids[r < 0.2] = -1
         if draw == "drop":
             ids[r > 0.9] = e + torch.randint(0, 5, (int((r > 0.9).sum()),), generator=g)
-    ids = ids.view(-1, 1) if n % 8 else ids.view(-1, 8)
+    ids = (ids.view(-1, 1) if n % 8 else ids.view(-1, 8)).to(device)
     for got, want in zip(moe_align_fast(ids, e, bm), moe_align(ids, e, bm)):
         assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
 
