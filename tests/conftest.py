@@ -12,9 +12,23 @@ os.environ.setdefault("KVFLOW_NO_PROGRESS", "1")
 os.environ.setdefault("KVFLOW_CPU_COMPILE", "0")
 
 
+def run_slow(config) -> bool:
+    """Tests marked ``slow`` (long multi-process, soak and stress variants whose short
+    forms run in CI) run with KVFLOW_SLOW_TESTS=1 (scripts/test_full.sh) or when asked
+    for by name in ``-m`` (``pytest -m slow``); a plain ``pytest`` skips them."""
+    return os.environ.get("KVFLOW_SLOW_TESTS") == "1" or "slow" in (config.option.markexpr
+                                                                     or "")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    if not run_slow(config):
+        slow = pytest.mark.skip(reason="slow: KVFLOW_SLOW_TESTS=1 or scripts/test_full.sh "
+                                       "runs it")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

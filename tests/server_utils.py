@@ -17,6 +17,11 @@ import httpx
 SMALL_SERVER_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "128MiB",
                      "--stats-log-interval", "2"]
 STARTUP_TIMEOUT_S = 240
+# For servers that test the process's life (shutdown, death, timeouts, limits) rather than
+# how it decodes: no C++ CPU decode step, whose load and start-up self-check take about
+# 8-15 s of each start on the 2-core CI machine (the shared ``server`` fixture and the
+# tests of the step itself keep it on).
+LIFECYCLE_ARGS = ["--enforce-eager"]
 
 
 def free_port() -> int:

@@ -10,7 +10,9 @@ import subprocess
 import sys
 
 ENV = {**os.environ, "KVFLOW_NO_PROGRESS": "1"}
-SMALL = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB"]
+# Eager decoding: these check the command, not the C++ CPU decode step (tested on its
+# own and behind the shared server), whose start-up self-check would cost each run seconds.
+SMALL = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--enforce-eager"]
 
 
 def kvflow(*args: str, stdin: str | None = None, timeout: int = 300):

@@ -126,9 +126,9 @@ def test_dashboard_in_a_browser(tmp_path):
     playwright = pytest.importorskip("playwright.sync_api",
                                      reason="playwright is not installed (pip install "
                                             "playwright)")
-    from server_utils import RemoteServer
+    from server_utils import LIFECYCLE_ARGS, RemoteServer
 
-    srv = RemoteServer([], api_key="dash-key")
+    srv = RemoteServer(LIFECYCLE_ARGS, api_key="dash-key")  # the page, not the decode path
     stop = threading.Event()
 
     def load() -> None:  # a stream of requests while the page watches

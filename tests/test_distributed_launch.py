@@ -133,7 +133,7 @@ def reference_answer():
     return answer(out)
 
 
-@pytest.mark.slow
+# In CI: the only end-to-end run of ranks that torchrun starts (two nodes is the slow one).
 def test_torchrun_one_node(reference_answer):
     """``torchrun --nproc-per-node 2 -m kvflow.cli generate ... -pp 2``: torchrun starts
     both ranks (kvflow starts none), RANK 0 answers, both exit 0."""

@@ -32,7 +32,7 @@ def test_ep2_equals_one_rank(one_rank):
         assert (moe.num_local_experts, moe.expert_start, moe.local_intermediate) == (4, 0, 32)
 
 
-@pytest.mark.slow
+# Not slow (a few seconds) and the only test of experts sharded by tensor parallelism.
 def test_experts_tp2_equals_one_rank(one_rank):
     with tiny(MODEL, tensor_parallel_size=2) as tp:
         assert_same(one_rank, run(tp))

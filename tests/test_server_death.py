@@ -9,11 +9,11 @@ import threading
 import time
 
 import httpx
-from server_utils import RemoteServer
+from server_utils import LIFECYCLE_ARGS, RemoteServer
 
 
 def test_engine_core_death_makes_server_exit_nonzero():
-    srv = RemoteServer([])
+    srv = RemoteServer(LIFECYCLE_ARGS)
     try:
         core = srv.core_pid()
         results = {}
@@ -62,7 +62,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_engine_core_exits_when_the_api_process_is_killed():
-    srv = RemoteServer([])
+    srv = RemoteServer(LIFECYCLE_ARGS)
     try:
         core = srv.core_pid()
         with open(f"/proc/{core}/cmdline", "rb") as f:

@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import RemoteServer
+from server_utils import LIFECYCLE_ARGS, RemoteServer
 
 MODEL = "smollm2-135m"
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -142,7 +142,8 @@ def test_server_survives_bad_input(server):
 
 @pytest.fixture(scope="module")
 def guarded():
-    srv = RemoteServer(["--max-num-seqs", "1", "--max-queued-requests", "2"],
+    srv = RemoteServer(["--max-num-seqs", "1", "--max-queued-requests", "2",
+                        *LIFECYCLE_ARGS],
                        api_key="s3cret")
     yield srv
     srv.cleanup()

@@ -10,7 +10,7 @@ from unittest import mock
 
 import httpx
 import pytest
-from server_utils import RemoteServer
+from server_utils import LIFECYCLE_ARGS, RemoteServer
 from test_server_errors import assert_error
 
 POISON = 40_000  # a token id the other prompts here never contain
@@ -20,8 +20,9 @@ KEY = "k3y"
 @pytest.fixture(scope="module")
 def hardened():
     with mock.patch.dict(os.environ, {"KVFLOW_FAULT_TOKEN": str(POISON)}):
+        # Eager: the fault is injected around the executor, before any decode path runs.
         srv = RemoteServer(["--max-chat-prompt-chars", "3000", "--max-stop", "4",
-                            "--max-n", "4"], api_key=KEY)
+                            "--max-n", "4", *LIFECYCLE_ARGS], api_key=KEY)
     yield srv
     log = srv.log()
     code = srv.stop()
@@ -73,7 +74,7 @@ def test_a_failing_request_ends_alone_and_the_server_stays_up(hardened):
 
 @pytest.fixture(scope="module")
 def timeout_server():
-    srv = RemoteServer(["--request-timeout", "2"])
+    srv = RemoteServer(["--request-timeout", "2", *LIFECYCLE_ARGS])
     yield srv
     log = srv.log()
     srv.cleanup()

@@ -10,13 +10,13 @@ import threading
 import time
 
 import httpx
-from server_utils import RemoteServer
+from server_utils import LIFECYCLE_ARGS, RemoteServer
 
 
 def test_sigterm_ends_running_streams_cleanly():
-    # The streams outlast the grace period (450 tokens at a few ms each, fewer on a
-    # loaded machine): the server must end them itself.
-    srv = RemoteServer(["--shutdown-timeout", "3"])
+    # The streams outlast the grace period (450 tokens, eager: tens of ms each): the
+    # server must end them itself.
+    srv = RemoteServer(["--shutdown-timeout", "3", *LIFECYCLE_ARGS])
     events: list[list[str]] = [[], []]
     first = [threading.Event(), threading.Event()]
 
