@@ -61,9 +61,7 @@ def matmul_config(m: int, dtype: torch.dtype) -> MatmulConfig:
     """Launch shape for an M-row product; only BLOCK_M / BLOCK_N and the launch follow M."""
     bk = block_k(dtype)
     if m <= _SMALL_M:
-        # decode batches: 32-column tiles, twice the programs of 64 (a 4096-wide layer
-        # gave the H100's 132 SMs 64 programs: batch 1 ran at 0.38x the default mode)
-        return MatmulConfig(64, 32, bk, 4, 4 if bk == 64 else 3)
+        return MatmulConfig(64, 64, bk, 4, 4 if bk == 64 else 3)
     return MatmulConfig(128, 128, bk, 8, 3 if bk == 64 else 2)
 
 
