@@ -211,3 +211,36 @@ def test_deterministic_refused_where_it_cannot_hold(tiny_gguf):
             LLMEngine.from_engine_args(EngineArgs(model=model, deterministic=True, **kw))
     ok = _engine(tiny_gguf, deterministic=True)
     assert ok.core.determinism.mode == "batch-invariant"
+
+
+def test_gpu_deterministic_refuses_what_it_does_not_cover():
+    """On the GPU the mode follows what the runner switched: everything -> invariant; a
+    part left out (MoE experts, other weight formats, ranks elsewhere, LoRA, speculation)
+    -> refused with --deterministic, reported batch-variant without it."""
+    import dataclasses
+    import types
+
+    from kvflow.engine.determinism import determine
+    from kvflow.errors import InvalidParameterError
+
+    base = EngineArgs(model="tiny-llama", load_format="dummy",
+                      device="cpu").create_engine_config()
+
+    def on_cuda(deterministic: bool):
+        return dataclasses.replace(base, device=dataclasses.replace(
+            base.device, device="cuda", deterministic=deterministic))
+
+    covered = types.SimpleNamespace(deterministic=True, deterministic_gaps=[])
+    assert determine(on_cuda(True), covered).mode == "batch-invariant"
+    assert determine(on_cuda(False), covered).mode == "batch-variant"
+    moe = types.SimpleNamespace(deterministic=True, deterministic_gaps=["the fused MoE experts"])
+    with pytest.raises(InvalidParameterError, match="does not cover the fused MoE experts"):
+        determine(on_cuda(True), moe)
+    with pytest.raises(InvalidParameterError, match="does not cover several ranks"):
+        determine(on_cuda(True), None)
+    ngram = EngineArgs(model="tiny-llama", load_format="dummy", device="cpu",
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+                       ).create_engine_config()
+    spec = dataclasses.replace(on_cuda(True), speculative=ngram.speculative)
+    with pytest.raises(InvalidParameterError, match="speculative decoding"):
+        determine(spec, covered)

@@ -55,9 +55,12 @@ def determine(config: EngineConfig, runner) -> Determinism:
     the ranks run elsewhere). ``--deterministic`` that cannot hold is an error."""
     dev = config.device
     if dev.is_cuda:
-        mode, why = (INVARIANT, "--deterministic: batch-invariant kernels") \
-            if dev.deterministic else \
-            (VARIANT, "GPU kernels chosen by batch size; --deterministic fixes them")
+        mode, why = _gpu_mode(config, runner)
+        if dev.deterministic and mode != INVARIANT:
+            raise InvalidParameterError(
+                f"--deterministic does not cover {why}, whose rows can still change with "
+                f"the batch (docs/determinism.md); drop the flag or those features",
+                param="deterministic")
     else:
         mode, why = _cpu_mode(config, runner)
         if dev.deterministic and mode != INVARIANT:
@@ -67,6 +70,23 @@ def determine(config: EngineConfig, runner) -> Determinism:
                 f"every step (one rank, a Llama-family model, a C++ compiler, no LoRA)",
                 param="deterministic")
     return Determinism(mode, why, fingerprint(config, mode))
+
+
+def _gpu_mode(config: EngineConfig, runner) -> tuple[str, str]:
+    if not config.device.deterministic:
+        return VARIANT, "GPU kernels chosen by batch size; --deterministic fixes them"
+    if runner is None:  # the ranks run elsewhere: tensor or pipeline parallel
+        return VARIANT, "several ranks (their all-reduce and stage hand-offs)"
+    if not runner.deterministic:
+        return VARIANT, "steps without the Triton kernels"
+    gaps = list(runner.deterministic_gaps)
+    if config.lora is not None:
+        gaps.append("LoRA adapters")
+    if config.speculative is not None:
+        gaps.append("speculative decoding")
+    if gaps:
+        return VARIANT, "; ".join(gaps)
+    return INVARIANT, "--deterministic: batch-invariant kernels"
 
 
 def _model_identity(path: str | None) -> str:

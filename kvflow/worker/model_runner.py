@@ -88,11 +88,10 @@ class ModelRunner:
         use_kernels(self.model, self.use_kernels)
         # --deterministic (GPU): batch-invariant linears, fixed split-KV attention
         self.deterministic = config.device.deterministic and self.use_kernels
+        # What --deterministic leaves batch-dependent here (engine/determinism.py reads it)
+        self.deterministic_gaps: list[str] = []
         if self.deterministic:
-            _use_batch_invariant(self.model, self.parallel)
-        elif config.device.deterministic and self.device.type == "cuda":
-            logger.warning("--deterministic: Triton kernels are unavailable, so the GPU "
-                           "steps are not batch-invariant")
+            self.deterministic_gaps = _use_batch_invariant(self.model, self.parallel)
         self.lora = None  # LoRAWorker with --enable-lora (kvflow/lora/worker.py)
         if config.lora is not None:
             from kvflow.lora.worker import LoRAWorker
@@ -443,9 +442,9 @@ def _kernels_available() -> bool:
     return True
 
 
-def _use_batch_invariant(model: torch.nn.Module, parallel: ParallelState) -> None:
-    """--deterministic on CUDA: switch the dense linears to the batch-invariant matmul and
-    say what stays outside the guarantee (docs/determinism.md)."""
+def _use_batch_invariant(model: torch.nn.Module, parallel: ParallelState) -> list[str]:
+    """--deterministic on CUDA: switch the dense linears to the batch-invariant matmul;
+    what stays outside the guarantee (docs/determinism.md), for the engine to refuse."""
     from kvflow.layers.linear import use_batch_invariant
     from kvflow.layers.moe.layer import FusedMoE
 
@@ -459,6 +458,4 @@ def _use_batch_invariant(model: torch.nn.Module, parallel: ParallelState) -> Non
         gaps.append("the fused MoE experts")
     if parallel.tp.world_size > 1:
         gaps.append(f"the all-reduce of {parallel.tp.world_size} tensor-parallel ranks")
-    if gaps:
-        logger.warning("--deterministic does not cover %s: their rows may still depend on "
-                       "the batch", "; ".join(gaps))
+    return gaps
