@@ -23,8 +23,9 @@ the time per layer is reported. Per case (row fields):
 
 ``--tune``: sweep launch configurations per M (under the graph; decode, M <= 8: BLOCK_M
 16 with BLOCK_N down to 16 and 2 or 4 warps) within ``--budget`` seconds and write the
-fastest as a device table in the format of kvflow/kernels/configs/fused_moe/*.json
-(``--table``).
+fastest as the ``fused_moe`` launch rows: ``--table`` writes them as a tuning overlay
+(try it with ``KVFLOW_TUNING_FILE=t.json``), ``--write-tuning`` merges them into the
+GPU's data file in kvflow/kernels/tuning/ (docs/decode-gemv.md describes the files).
 
     python benchmarks/gpu/bench_moe.py --out moe-kernel-bench.json --tune --table t.json
 """
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import sys
@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from triton.testing import do_bench  # noqa: E402
 
 from kvflow.bench.machine import machine_info, save_result  # noqa: E402
+from kvflow.kernels import tuning  # noqa: E402
 from kvflow.kernels.fused_moe import (fast_align_fits, fused_moe, fused_moe_config,  # noqa: E402
                                       fused_moe_ref, moe_align, moe_align_fast, moe_gemms)
 from kvflow.layers.moe.methods import routed_experts  # noqa: E402
@@ -160,7 +161,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--table", help="write the tuned device table here (with --tune)")
+    ap.add_argument("--table", help="write the tuned launch rows here as a tuning overlay "
+                    "(with --tune)")
+    ap.add_argument("--write-tuning", metavar="PATH",
+                    help="merge the tuned launch rows into this tuning data file, e.g. "
+                         "kvflow/kernels/tuning/h100.json (with --tune)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tune-shapes", default="qwen3-30b-a3b",
                     help="shapes the sweep runs on (the table takes the first one's)")
@@ -227,16 +232,19 @@ def main() -> None:
     result = dict(command="python " + " ".join(sys.argv), machine=machine_info(),
                   device=torch.cuda.get_device_name(dev), rows=rows)
     save_result(args.out, result)
-    if args.tune and args.table and tuned:
+    if args.tune and tuned and (args.table or args.write_tuning):
         # per M, the config that won for the first tuned shape (Qwen3-30B-A3B: the target)
         configs = [dict(max_tokens=m, **{k: v for k, v in best[0][1].items()
                                           if k != "max_tokens"})
                    for m, best in sorted(tuned.items())]
         configs[-1]["max_tokens"] = 1_000_000_000
-        with open(args.table, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(dev),
-                           note="tuned by benchmarks/gpu/bench_moe.py --tune (CUDA-graph "
-                                "times)", configs=configs), f, indent=1)
+        name = torch.cuda.get_device_name(dev)
+        if args.table:
+            with open(args.table, "w") as f:
+                f.write(tuning.dumps(dict(device=name, fused_moe=configs)))
+        if args.write_tuning:
+            tuning.write_rows(args.write_tuning, tuning.match_token(name), "fused_moe",
+                              configs, args.out)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@
 #             of cuBLAS GEMMs at M 1..256, Qwen3-30B-A3B and Mixtral layer shapes
 #             (moe-kernel-bench.json; times under a CUDA graph: the whole layer, its align
 #             and its GEMMs apart; MOE_TUNE=1 sweeps launch configs for MOE_TUNE_BUDGET s,
-#             default 80, and writes the device table fused_moe-table.json for
-#             kvflow/kernels/configs/fused_moe/)
+#             default 80, and writes the launch rows as a tuning overlay
+#             fused_moe-table.json: KVFLOW_TUNING_FILE=... tries them, bench_moe.py
+#             --write-tuning merges them into kvflow/kernels/tuning/<gpu>.json)
 #   moe-a     Qwen3-30B-A3B shape bf16 batch-1 decode (gpu-a-moe.json) and its fraction of
 #             the active-parameter byte bound (moe-a-summary.json; target >= 75%)
 #   moe-b     Qwen3-30B-A3B shape 1000 x (1024 in, 128 out) throughput (gpu-b-moe.json)

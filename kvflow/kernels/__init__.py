@@ -6,8 +6,8 @@ Each module holds one fused operation and names the pure-torch reference it matc
 - ``argmax``: the greedy sampler's row argmax, each row split over many programs.
 - ``fused_moe``: routed tokens through their experts' gated MLPs (tokens sorted and padded
   per expert, two grouped GEMMs with SiLU-and-mul and the routing weight fused; int8
-  experts too), reference ``fused_moe_ref`` beside it; launch tables in
-  ``configs/fused_moe/<device>.json``.
+  experts too), reference ``fused_moe_ref`` beside it; launch rows per GPU in
+  ``tuning/<gpu>.json`` (``fused_moe``).
 - ``paged_attention``: flash-attention over the paged KV cache for mixed prefill/decode
   batches, with a split-KV (flash-decoding) path for long contexts at small batch; on
   decode-only steps it can also apply the rotary and write the new K/V itself.

@@ -30,21 +30,20 @@ each active expert's weights once per row block: at B * k <= BLOCK_M per expert,
 Float32 operands multiply in IEEE precision (not TF32), 16-bit ones on the tensor cores.
 Int8 experts (per-output-channel scales, ``w_scale`` [E, N]) go through the same kernel:
 the tile is converted in registers and the channel scale applied to the accumulator.
-Launch configurations (BLOCK_M/N/K, warps, stages by number of tokens) are data: one JSON
-file per device in ``kernels/configs/fused_moe/`` (``fused_moe_config``).
+Launch configurations (BLOCK_M/N/K, warps, stages by number of tokens) are measured data:
+the ``fused_moe`` rows of the GPU's file in ``kernels/tuning/`` (``fused_moe_config``),
+written by ``benchmarks/gpu/bench_moe.py --tune --write-tuning``; ``DEFAULT_CONFIGS``
+elsewhere.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-_CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs", "fused_moe")
 
 
 # The one-launch align kernel serves steps of at most this many (token, slot) pairs and
@@ -271,27 +270,32 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, scale_ptr, sorted_ids_ptr, block_exp
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-@functools.cache
-def _device_table(device_name: str) -> dict:
-    """The device's tuned launch table (``configs/fused_moe/<device>.json``, spaces as
-    underscores), else ``default.json``."""
-    for name in (device_name.replace(" ", "_"), "default"):
-        path = os.path.join(_CONFIG_DIR, f"{name}.json")
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return json.load(f)
-    raise FileNotFoundError(f"no fused MoE launch table in {_CONFIG_DIR}")
+# Launch rows for a GPU without measured ones (the tuning data's ``fused_moe``): a
+# 16-row block for decode-sized steps, larger tiles as tokens grow.
+DEFAULT_CONFIGS = (
+    {"max_tokens": 32, "block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 4,
+     "num_stages": 3},
+    {"max_tokens": 256, "block_m": 32, "block_n": 64, "block_k": 64, "num_warps": 4,
+     "num_stages": 3},
+    {"max_tokens": 1_000_000_000, "block_m": 64, "block_n": 128, "block_k": 64,
+     "num_warps": 8, "num_stages": 3},
+)
 
 
-@functools.cache
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+def _launch_rows(device: torch.device) -> tuple | list:
+    """The device's measured launch rows (``kernels/tuning/<gpu>.json``, ``fused_moe``),
+    else ``DEFAULT_CONFIGS``."""
+    if device.type != "cuda":
+        return DEFAULT_CONFIGS
+    from kvflow.kernels import tuning
+
+    return tuning.current(device).fused_moe or DEFAULT_CONFIGS
 
 
 def fused_moe_config(num_tokens: int, device: torch.device) -> dict:
     """BLOCK_M / BLOCK_N / BLOCK_K / num_warps / num_stages for a step of ``num_tokens``:
     the entry of the largest ``max_tokens`` bound that covers it."""
-    table = _device_table(_device_name(device))["configs"]
+    table = _launch_rows(device)
     for entry in table:
         if num_tokens <= entry["max_tokens"]:
             return entry

@@ -135,3 +135,25 @@ def test_router(scoring, renorm):
             >= scores.topk(3).values[:, -1] - 1e-7).all()
     with pytest.raises(ValueError, match="scoring_func"):
         route(logits, 2, "sparsemax", True)
+
+
+def test_launch_rows_are_tuning_data(tmp_path):
+    """The fused MoE launch rows come from the GPU's tuning file (the H100's were measured
+    there), a KVFLOW_TUNING_FILE overlay replaces them whole, other GPUs and the CPU get
+    DEFAULT_CONFIGS; a step takes the first row whose max_tokens covers it."""
+    import json
+
+    from kvflow.kernels import fused_moe as fm
+    from kvflow.kernels import tuning
+
+    h100 = tuning.for_device("NVIDIA H100 80GB HBM3").fused_moe
+    assert h100 and [r["max_tokens"] for r in h100] == sorted(r["max_tokens"] for r in h100)
+    assert h100 == json.load(open(tuning.device_file("NVIDIA H100")))["fused_moe"]
+    assert tuning.for_device("NVIDIA A100-SXM4-80GB").fused_moe == []
+    overlay = tmp_path / "t.json"
+    rows = [dict(max_tokens=10**9, block_m=64, block_n=64, block_k=32, num_warps=4,
+                 num_stages=2)]
+    tuning.write_rows(str(overlay), "H100", "fused_moe", rows, "r1")
+    assert tuning.for_device("NVIDIA H100 80GB HBM3", str(overlay)).fused_moe == rows
+    assert fm.fused_moe_config(1, torch.device("cpu")) == fm.DEFAULT_CONFIGS[0]
+    assert fm.fused_moe_config(300, torch.device("cpu")) == fm.DEFAULT_CONFIGS[-1]

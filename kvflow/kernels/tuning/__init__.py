@@ -11,6 +11,9 @@ Each ``*.json`` file in this folder holds what the benchmarks measured on one GP
   measured faster);
 - ``woq_gemv``: the low-bit decode GEMVs' table (``kernels/woq_gemv_config.py``): rows
   ``{"format", "n", "k", "m", "config"}``;
+- ``fused_moe``: the fused MoE kernel's launch configurations (``kernels/fused_moe.py``):
+  rows ``{"max_tokens", "block_m", "block_n", "block_k", "num_warps", "num_stages"}``,
+  the first row whose ``max_tokens`` covers a step's tokens is used;
 - ``sources``: the result files each part came from (tests tie the tables to them).
 
 A GPU without a file gets the safe defaults (cuBLAS for dense decode rows, the low-bit
@@ -55,6 +58,8 @@ class Tuning:
     """The dense decode GEMV's table."""
     woq_gemv: Table = field(default_factory=dict)
     """The low-bit decode GEMVs' table."""
+    fused_moe: list = field(default_factory=list)
+    """The fused MoE launch rows by ``max_tokens``; empty: the kernel's defaults."""
 
 
 def _rows_to_table(rows: list[dict], key: str, halve_silu: bool = False) -> Table:
@@ -82,6 +87,8 @@ def parse(data: dict) -> dict:
             return {"gemv": _rows_to_table(rows, "kind", halve_silu=True)}
         return {"woq_gemv": _rows_to_table(rows, "format")}
     out: dict = {}
+    if "fused_moe" in data:
+        out["fused_moe"] = sorted(data["fused_moe"], key=lambda r: r["max_tokens"])
     if "decode_switches" in data:
         out["switches"] = dict(data["decode_switches"])
     if "gemv" in data:
@@ -109,7 +116,7 @@ def for_device(name: str, overrides: str | None = None) -> Tuning:
     """The tuning data for the GPU called ``name``: its data file, then each file of
     ``overrides`` (``KVFLOW_TUNING_FILE``'s value) overlaid part by part (a table's
     buckets replace the same buckets; switches replace switches)."""
-    parts: dict = {"switches": {}, "gemv": {}, "woq_gemv": {}}
+    parts: dict = {"switches": {}, "gemv": {}, "woq_gemv": {}, "fused_moe": []}
     files = []
     own = device_file(name)
     extra = [p for p in (overrides or "").split(",") if p]
@@ -118,6 +125,9 @@ def for_device(name: str, overrides: str | None = None) -> Tuning:
         for part, value in parse(_load(path)).items():
             if part == "switches":
                 parts["switches"].update(value)
+                continue
+            if part == "fused_moe":  # a launch table is replaced whole
+                parts["fused_moe"] = value
                 continue
             for key, buckets in value.items():
                 parts[part][key] = {**parts[part].get(key, {}), **buckets}
@@ -154,6 +164,16 @@ def write(path: str, match: str, section: str, table: Table, source: str) -> Non
     data.setdefault("sources", {}).setdefault(section, [])
     if source not in data["sources"][section]:
         data["sources"][section].append(source)
+    with open(path, "w") as f:
+        f.write(dumps(data))
+
+
+def write_rows(path: str, match: str, section: str, rows: list[dict], source: str) -> None:
+    """Replace the row list ``section`` (``fused_moe``) of the data file ``path`` (created
+    with ``match`` if it does not exist), ``source`` recorded."""
+    data = _load(path) if os.path.exists(path) else {"match": match, "sources": {}}
+    data[section] = rows
+    data.setdefault("sources", {})[section] = [source]
     with open(path, "w") as f:
         f.write(dumps(data))
 
