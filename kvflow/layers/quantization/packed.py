@@ -132,10 +132,14 @@ def gemv_layout(w: Int4Groups) -> tuple[torch.Tensor, torch.Tensor] | None:
     n, k2 = w.values.shape
     if w.group % 32 or k2 % w.group or k2 % 64:
         return None
-    v = w.values.to(torch.int64).view(n, k2 // 64, 8, 8)  # [N, blocks, j, i]
-    shifts = (4 * torch.arange(8, dtype=torch.int64)).view(1, 1, 8, 1)
-    words = (v << shifts).sum(dim=2)  # [N, blocks, 8] in 0 .. 2^32 - 1
-    q = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(n, k2 // 8)
+    # int32 all the way (int64 temporaries made this most of a GGUF model's load time):
+    # the nibbles are disjoint, so OR-ing them in is their sum, and bit 31 wraps to the
+    # word's sign as the C++ side reads it
+    v = w.values.to(torch.int32).view(n, k2 // 64, 8, 8)  # [N, blocks, j, i]
+    words = v[:, :, 0]
+    for j in range(1, 8):
+        words = words | (v[:, :, j] << (4 * j))
+    q = words.reshape(n, k2 // 8)
     scale = w.scale.float()
     sb = torch.stack([scale, w.zero.float() - 8.0 * scale], dim=-1).contiguous()
     return q.contiguous(), sb
@@ -154,9 +158,10 @@ def q8_layout(q: torch.Tensor, sb: torch.Tensor, group: int, doubled: bool
     activations' rounding). None when the weight has no such form (a doubled weight of
     other scales, K not a multiple of 64)."""
     n, k2 = q.shape[0], q.shape[1] * 8
-    words = q.to(torch.int64).view(n, k2 // 64, 1, 8) & 0xFFFFFFFF  # [N, blocks, 1, i]
-    shifts = (4 * torch.arange(8, dtype=torch.int64)).view(1, 1, 8, 1)
-    v = ((words >> shifts) & 15).reshape(n, k2)  # input 8j + i of a block: [N, K2]
+    words = q.view(n, k2 // 64, 1, 8)  # [N, blocks, 1, i] int32
+    shifts = (4 * torch.arange(8, dtype=torch.int32)).view(1, 1, 8, 1)
+    # input 8j + i of a block, 0..15 (the mask drops the sign bits of >>): [N, K2] uint8
+    v = ((words >> shifts) & 15).to(torch.uint8).reshape(n, k2)
     per32 = sb.view(n, k2 // group, 2).repeat_interleave(group // 32, dim=1)  # [N, K2/32, 2]
     if not doubled:
         k, u, out_sb, bits = k2, v, per32, 4
