@@ -122,7 +122,7 @@ def main() -> int:
                            dict(GROUP=4, G_PAD=16, BLOCK_Q=1, BLOCK_N=64, BLOCK_SIZE=16,
                                 HEAD_DIM=128, D_PAD=128, SPLIT=True, DOT_PREC="tf32",
                                 UPCAST=False, QUANT=0, TREE=False, ROPE=rope,
-                                FIXED_SPLIT=fixed), 4, 3))
+                                FIXED_SPLIT=fixed, ALL_MASKED=False), 4, 3))
     msig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
             "qsl_ptr": "*i32", "num_splits": "i32", "stride_ot": "i32", "stride_oh": "i32",
             "seq_lens_ptr": "*i32", "split_tokens": "i32"}
