@@ -80,7 +80,7 @@ def _drive(eng: LLMEngine, events: list[tuple], aborts: dict[int, list[str]] | N
     return got
 
 
-def _others(kind: str, rng: random.Random, mode: str) -> tuple[list[tuple], dict]:
+def _others(kind: str, rng: random.Random) -> tuple[list[tuple], dict]:
     """Other requests sharing the steps of "T" (added at step 0)."""
     if kind == "short":  # decodes and short prompts beside it from the start
         return [(0, f"s{i}", _ids(rng, rng.randrange(2, 12)), _params("greedy"))
@@ -107,7 +107,7 @@ def test_tiny_gguf_alone_equals_batched(tiny_gguf, mode):
     assert len(alone[0][0]) == OUT
     for kind in ("short", "long-midway", "storm"):
         rng = random.Random(kind)
-        events, aborts = _others(kind, rng, mode)
+        events, aborts = _others(kind, rng)
         got = _drive(eng, [(0, "T", prompt, _params(mode))] + events, aborts)
         assert got == alone, kind
     # A prefix-cache hit: the same prompt again, its blocks now cached.

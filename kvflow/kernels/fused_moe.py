@@ -38,6 +38,7 @@ elsewhere.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -282,9 +283,10 @@ DEFAULT_CONFIGS = (
 )
 
 
+@functools.cache
 def _launch_rows(device: torch.device) -> tuple | list:
     """The device's measured launch rows (``kernels/tuning/<gpu>.json``, ``fused_moe``),
-    else ``DEFAULT_CONFIGS``."""
+    else ``DEFAULT_CONFIGS``; looked up once per device (every MoE layer's forward asks)."""
     if device.type != "cuda":
         return DEFAULT_CONFIGS
     from kvflow.kernels import tuning
