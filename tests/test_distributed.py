@@ -76,13 +76,17 @@ def test_smollm2_tp3_equals_tp1(smollm2):
 
 def test_sampling_is_shared_by_the_ranks():
     """Random sampling happens on rank 0 only; the other ranks use its tokens, so a
-    seeded request gives TP 1's tokens (the next step's input depends on them)."""
+    seeded request gives TP 1's tokens (the next step's input depends on them), alone
+    or batched."""
     params = SamplingParams(temperature=1.0, top_k=50, seed=7, max_tokens=12,
                             ignore_eos=True)
     with tiny("tiny-llama") as one:
         ref = [o.token_ids for o in run(one, params)]
     with tiny("tiny-llama", tensor_parallel_size=2) as two:
         assert [o.token_ids for o in run(two, params)] == ref
+        # Alone as in the batch (issue 34): each request draws from its own generator.
+        alone = two.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0]
+        assert alone.token_ids == ref[2]
 
 
 def test_tensor_parallel_size_must_split_the_model():
