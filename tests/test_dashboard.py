@@ -165,6 +165,14 @@ def test_dashboard_in_a_browser(tmp_path):
                 "Number(document.getElementById('finished').textContent"
                 ".replace(/,/g, '')) >= 3", timeout=120_000)
             assert page.text_content("#tpotn") != "0"
+            # The time series have axes with units (issue 29): values and minutes ago.
+            q, t = page.locator("#queues"), page.locator("#tokens")
+            assert q.get_attribute("data-yticks").endswith(" requests")
+            assert t.get_attribute("data-yticks").startswith("0|")
+            assert t.get_attribute("data-yticks").endswith(" tokens/s")
+            assert q.get_attribute("data-xticks").split("|") == [
+                "now", "1 min ago", "2 min ago", "3 min ago", "4 min ago"]
+            assert page.locator("#ttft").get_attribute("data-yticks").endswith(" requests")
             assert page.text_content("#status").startswith("live")
             shot = os.environ.get("KVFLOW_DASHBOARD_SCREENSHOT") or str(tmp_path /
                                                                        "dashboard.png")
