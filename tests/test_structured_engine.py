@@ -236,3 +236,45 @@ def unpack_rows(mask):
     from kvflow.layers.token_bitmask import unpack_bitmask
 
     return unpack_bitmask(mask.bitmask, 49152)
+
+
+def test_batched_fill_equals_one_matcher_per_row():
+    """A step's single-row requests are filled together by xgrammar's threads: each row
+    equals its own matcher's fill, whatever the other rows' grammars and states (a
+    finished grammar allows only EOS; a row with drafts keeps the walk)."""
+    import xgrammar as xgr
+
+    from kvflow.engine.tokenizer import Tokenizer
+    from kvflow.models.registry import embedded_model_path
+    from kvflow.structured_output.manager import StructuredOutputManager, _Req, _RowPlan
+
+    path = embedded_model_path("smollm2-135m")
+    tok = Tokenizer.from_path(path)
+    mgr = StructuredOutputManager(path, 49152, [2], fill_threads=2)
+    cases = [(SO(json=PERSON), '{"name": "A'), (SO(choice=["yes", "no"]), ""),
+             (SO(regex=r"[0-9]{3}-[a-z]+"), "12"), (SO(choice=["ok"]), "ok"),
+             (SO(json=PERSON), ""), (SO(regex=r"(ab)+c"), "abab")]
+    reqs, plans, refs, row = [], [], [], 0
+    for so, text in cases:
+        req = _Req(mgr.compiler.submit(so), [2])
+        ids = tok.encode(text, add_special_tokens=False) if text else []
+        drafts = ids[:1] if so.regex == r"(ab)+c" else []
+        plans.append(_RowPlan(req, f"r{len(plans)}", ids, row, 1 + len(drafts), drafts))
+        row += 1 + len(drafts)
+        ref = xgr.GrammarMatcher(req.grammar.result(), override_stop_tokens=[2])
+        for t in ids:
+            assert ref.accept_token(t)
+        want = xgr.allocate_token_bitmask(1 + len(drafts), 49152)
+        if ref.is_terminated():
+            want.zero_()
+            want[0, 0] = 1 << 2
+        else:
+            ref.fill_next_token_bitmask(want, 0)
+        refs.append(want[0])
+    m = mgr._fill(plans)
+    first_rows = [p.first_row for p in plans]
+    assert m.rows.tolist() == list(range(row))
+    for r, want in zip(first_rows, refs):
+        assert torch.equal(m.bitmask[r], want)
+    assert m.bitmask[first_rows[3]].nonzero().flatten().tolist() == [0]  # "ok": EOS only
+    mgr.shutdown()

@@ -85,13 +85,22 @@ class StepMask:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int],
+                 *, fill_threads: int = 1, pin_memory: bool = False) -> None:
+        """``fill_threads``: threads xgrammar fills one step's rows with (1 on a CPU
+        engine, whose cores run the forward meanwhile); ``pin_memory``: the bitmask in
+        page-locked memory, so that its copy to a GPU is asynchronous (a copy from
+        pageable memory first waits for the queued forward, and the host then stays
+        idle instead of preparing the next step)."""
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._compiler: GrammarCompiler | None = None  # built at the first constraint
         self.reqs: dict[str, _Req] = {}
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvflow-mask")
+        self._fill_threads = max(1, fill_threads)
+        self._batch_matcher = None  # xgrammar BatchGrammarMatcher, made at the first fill
+        self._pin = pin_memory
         self._lock = threading.Lock()
         self._stats = StructuredStats()
 
@@ -174,8 +183,12 @@ class StructuredOutputManager:
 
         start = time.perf_counter()
         num_rows = sum(p.count for p in plans)
-        bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)  # [M, W] int32
-        rows = np.empty(num_rows, dtype=np.int64)
+        shape = xgr.get_bitmask_shape(num_rows, self.vocab_size)  # [M, W] int32
+        bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=self._pin)
+        rows = torch.empty(num_rows, dtype=torch.int64, pin_memory=self._pin)
+        # Rows whose state is the matcher's current one (a request without drafts: its
+        # single row) are filled together below, by xgrammar's threads.
+        batch_matchers, batch_rows = [], []
         k = 0
         rejected = 0
         for p in plans:
@@ -189,9 +202,14 @@ class StructuredOutputManager:
                     p.req.broken = True
                     break
                 p.req.num_fed += 1
+            rows[k:k + p.count] = torch.arange(p.first_row, p.first_row + p.count)
+            if p.count == 1 and not p.req.broken and not m.is_terminated():
+                batch_matchers.append(m)
+                batch_rows.append(k)
+                k += 1
+                continue
             consumed, walking = 0, True
             for r in range(p.count):
-                rows[k] = p.first_row + r
                 if p.req.broken:
                     bitmask[k].fill_(-1)
                 elif m.is_terminated():
@@ -208,13 +226,20 @@ class StructuredOutputManager:
                         rejected += 1
             if consumed:
                 m.rollback(consumed)
+        if len(batch_matchers) == 1:
+            batch_matchers[0].fill_next_token_bitmask(bitmask, batch_rows[0])
+        elif batch_matchers:
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher(self._fill_threads)
+            self._batch_matcher.batch_fill_next_token_bitmask(batch_matchers, bitmask,
+                                                              batch_rows)
         with self._lock:
             s = self._stats
             s.num_masked_steps += 1
             s.num_masked_rows += num_rows
             s.num_draft_rejections += rejected
             s.fill_s += time.perf_counter() - start
-        return StepMask(torch.from_numpy(rows), bitmask)
+        return StepMask(rows, bitmask)
 
     def _matcher(self, p: _RowPlan):
         if p.req.matcher is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -313,8 +314,9 @@ class ModelRunner:
         if mask is None:
             return logits
         m = mask.result()
-        return apply_token_bitmask(logits, m.rows.to(logits.device),
-                                   m.bitmask.to(logits.device))
+        dev = logits.device
+        return apply_token_bitmask(logits, m.rows.to(dev, non_blocking=True),
+                                   m.bitmask.to(dev, non_blocking=True))
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst := block src in every layer, before the step runs."""
@@ -428,8 +430,13 @@ def _structured_manager(config: EngineConfig, parallel: ParallelState):
         return None
     from kvflow.structured_output.manager import StructuredOutputManager
 
+    # On a GPU the host idles while the forward runs: several threads fill a large step's
+    # rows. On CPU one (the forward has the cores), and no pinned memory to copy from.
+    cuda = config.device.is_cuda
     return StructuredOutputManager(config.model.tokenizer, config.model.arch.vocab_size,
-                                   list(config.model.arch.eos_token_ids))
+                                   list(config.model.arch.eos_token_ids),
+                                   fill_threads=min(8, (os.cpu_count() or 2) // 2)
+                                   if cuda else 1, pin_memory=cuda)
 
 
 def _kernels_available() -> bool:
