@@ -73,7 +73,7 @@ def gpu_like(llm: LLM, graphs: bool, verify_sizes=(), verify_lens=(),
                                         sb.device_block_table.table.shape[1], r.device,
                                         list(verify_sizes), list(verify_lens),
                                         list(prefill_lens))
-        g.sizes = g.sizes[:5]  # 1, 2, 4, 8, 16
+        g.sizes = g.sizes[:4]  # 1, 2, 4, 8: the tests run at most 6 requests at once
         for bs in g.sizes:
             g.hidden[bs] = g._forward(bs)
             g.graphs[bs] = EagerGraph(g, bs)
@@ -93,7 +93,7 @@ def test_gpu_path_matches_torch_path(graphs):
               block_size=8, max_num_batched_tokens=24, max_num_seqs=16, device="cpu")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 30, 3, 17, 9)]
-    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=12 + i, ignore_eos=True)
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=8 + i, ignore_eos=True)
               for i in range(len(prompts))]
     ref = LLM("tiny-llama", **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM("tiny-llama", async_scheduling=True, **kw)
@@ -101,7 +101,7 @@ def test_gpu_path_matches_torch_path(graphs):
     out = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     if graphs:
-        assert EagerGraph.replays > 10  # decode steps went through the graph runner
+        assert EagerGraph.replays > 5  # decode steps went through the graph runner
 
 
 def test_gpu_path_verifies_drafts_like_torch_path():
@@ -112,7 +112,7 @@ def test_gpu_path_verifies_drafts_like_torch_path():
               block_size=8, max_num_batched_tokens=24, max_num_seqs=16, device="cpu")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() * 3 for n in (4, 7)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     ref = LLM("tiny-llama", **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM("tiny-llama", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
               **kw)
@@ -162,7 +162,7 @@ def test_gpu_path_verification_graphs_match_torch_path():
               block_size=8, max_num_batched_tokens=24, max_num_seqs=16, device="cpu")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() * 3 for n in (4, 7, 5)]
-    params = [SamplingParams(temperature=0, max_tokens=16 + 3 * i, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=10 + 3 * i, ignore_eos=True)
               for i in range(len(prompts))]
     ref = LLM("tiny-llama", **kw).generate(prompts, params, use_tqdm=False)
     # The target as its own draft: every draft kept; 3 requests replay in the 4-request
@@ -242,7 +242,8 @@ def test_prefill_graphs_switch(monkeypatch):
 
 def test_gpu_path_deterministic_matches_torch_path(monkeypatch):
     """--deterministic's GPU plumbing on the CPU: batch-invariant linears, decode
-    attention split in fixed key ranges (64 keys here, so 96-token contexts take two),
+    attention split in fixed key ranges (64 keys here: the 50-token prompt's context
+    grows into the second),
     one-token prompt chunks (a prefix-cache hit on the repeated 17-token prompt) counted
     as prefills, graphs; tokens as the torch path's."""
     from kvflow.layers import linear
@@ -252,8 +253,8 @@ def test_gpu_path_deterministic_matches_torch_path(monkeypatch):
     kw = dict(load_format="dummy", max_model_len=96, num_gpu_blocks_override=40,
               block_size=8, max_num_batched_tokens=24, max_num_seqs=16, device="cpu")
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 30, 3, 17, 9)]
-    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=40 + i, ignore_eos=True)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 50, 3, 17, 9)]
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=16 + i, ignore_eos=True)
               for i in range(len(prompts))]
     ref = LLM("tiny-llama", **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM("tiny-llama", async_scheduling=True, **kw)
@@ -280,6 +281,7 @@ def test_gpu_path_deterministic_matches_torch_path(monkeypatch):
     assert again[0].outputs[0].token_ids == ref[3].outputs[0].token_ids
     assert {m.backend.split_tokens for m in builds} == {64}
     assert all(m.backend.num_kv_splits == 2 for m in builds)
+    assert max(m.max_seq_len for m in builds) > 64  # a context that spans both ranges
     # some step had a one-token prompt chunk among the prefills
     assert any(1 in [b - a for a, b in zip(m.query_start_loc_cpu[m.num_decodes:],
                                            m.query_start_loc_cpu[m.num_decodes + 1:])]
