@@ -5,12 +5,16 @@ environment switches such as KVFLOW_CPU_INT8_ACT apply):
 
 - factual: nine questions of the README's kind, sent as chat with no sampling fields
   (the engine's defaults) or greedy; an answer is right when its first sentence names
-  the expected fact.
+  the expected fact. The llamacpp configurations ask llama-server (``--llama-server``,
+  llama.cpp's OpenAI-compatible server with the file's own chat template, --jinja) the
+  same questions on the same GGUF file: greedy, and with the model card's sampling.
 - open: five open-ended prompts (poems, a story, lists) with no max_tokens; per prompt the
   time to finish, the tokens, the finish/stop reason and the share of repeated 4-grams
   (4-grams of output tokens that occurred earlier in the same output).
 
     python benchmarks/first_answers.py --save-result benchmarks/results/first-answers.json
+    python benchmarks/first_answers.py --configs factual-llamacpp-greedy \
+        factual-llamacpp-card --llama-server path/to/llama-server --save-result ...
 """
 
 from __future__ import annotations
@@ -60,9 +64,62 @@ def repeated_4gram_share(ids: list[int]) -> float:
     return repeated / total if total else 0.0
 
 
+def factual_rows(answers: list[str]) -> dict:
+    rows = []
+    for (q, pattern), text in zip(FACTUAL, answers):
+        first = first_sentence(text)
+        rows.append({"question": q, "first_sentence": first,
+                     "right": re.search(pattern, first.lower()) is not None})
+    return {"right": sum(r["right"] for r in rows), "answers": rows}
+
+
+def llama_server_worker(spec: dict, binary: str) -> dict:
+    """The factual questions to llama-server on the embedded model's file: one server
+    (2 threads, one slot), the questions one after another, 48 tokens at most."""
+    import httpx
+
+    from kvflow.distributed.launch import free_port
+    from kvflow.models.registry import embedded_model_path
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "-m", embedded_model_path("smollm2-135m"), "--host", "127.0.0.1",
+         "--port", str(port), "-c", str(spec["engine"]["max_model_len"]), "-t", "2",
+         "-np", "1", "--jinja"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("llama-server did not start")
+            time.sleep(0.5)
+        start = time.perf_counter()
+        answers = []
+        for q, _ in FACTUAL:
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
+                "messages": [{"role": "user", "content": q}], "max_tokens": 48,
+                **spec["sampling"]})
+            r.raise_for_status()
+            answers.append(r.json()["choices"][0]["message"]["content"])
+        seconds = round(time.perf_counter() - start, 2)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return {"name": spec["name"], "engine": {"server": "llama-server",
+                                             **spec["engine"]},
+            "sampling": spec["sampling"], "seconds": seconds, **factual_rows(answers)}
+
+
 def worker(spec: dict) -> dict:
     from kvflow import LLM, SamplingParams
 
+    if spec.get("server") == "llama-server":
+        return llama_server_worker(spec, spec["binary"])
     llm = LLM("smollm2-135m", **spec["engine"])
     out: dict = {"name": spec["name"], "engine": spec["engine"], "env": spec["env"]}
     if spec["workload"] == "factual":
@@ -71,13 +128,7 @@ def worker(spec: dict) -> dict:
         res = llm.chat([[{"role": "user", "content": q}] for q, _ in FACTUAL], params,
                        use_tqdm=False)
         out["seconds"] = round(time.perf_counter() - start, 2)
-        rows = []
-        for (q, pattern), r in zip(FACTUAL, res):
-            first = first_sentence(r.outputs[0].text)
-            rows.append({"question": q, "first_sentence": first,
-                         "right": re.search(pattern, first.lower()) is not None})
-        out["right"] = sum(r["right"] for r in rows)
-        out["answers"] = rows
+        out.update(factual_rows([r.outputs[0].text for r in res]))
         return out
     rows = []
     for prompt in OPEN:  # one at a time: the time to finish is the user's wait
@@ -113,6 +164,13 @@ CONFIGS = {
     "factual-dense-greedy": dict(workload="factual", env={},
                                  engine={"quantization": "none"},
                                  sampling={"temperature": 0.0}),
+    # llama.cpp on the same file and questions: greedy, and the model card's sampling
+    # (temperature 0.2, top_p 0.9; a fixed seed, though not the same random stream).
+    "factual-llamacpp-greedy": dict(workload="factual", env={}, engine={},
+                                    server="llama-server", sampling={"temperature": 0.0}),
+    "factual-llamacpp-card": dict(workload="factual", env={}, engine={},
+                                  server="llama-server",
+                                  sampling={"temperature": 0.2, "top_p": 0.9, "seed": 0}),
     # Open-ended: before (no cap: up to the context, here 2048; no guard) and after (the
     # engine's defaults: the registry's 1024 cap and the repetition guard).
     "open-before": dict(workload="open", env={},
@@ -128,6 +186,8 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--save-result", required=True)
     p.add_argument("--notes", default="")
+    p.add_argument("--llama-server", default=None,
+                   help="llama-server binary for the llamacpp configurations")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.worker:
@@ -138,6 +198,10 @@ def main() -> int:
     runs = []
     for name in ns.configs:
         spec = {"name": name, **CONFIGS[name]}
+        if spec.get("server") == "llama-server":
+            if not ns.llama_server:
+                p.error(f"{name} needs --llama-server")
+            spec["binary"] = ns.llama_server
         spec["engine"] = {"max_model_len": ns.max_model_len, "kv_cache_memory": "512MiB",
                           **spec["engine"]}
         env = {**os.environ, "KVFLOW_NO_PROGRESS": "1", **spec["env"]}
