@@ -23,6 +23,8 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
                       model_serializer, model_validator)
 
 from kvflow.entrypoints.chat_utils import RESERVED_TEMPLATE_KWARGS
+from kvflow.entrypoints.openai.structured import request_models as structured_models
+from kvflow.entrypoints.openai.protocol_base import _Request
 from kvflow.entrypoints.openai.server_args import RequestLimits
 from kvflow.entrypoints.tools import check_parameters_schema
 from kvflow.sampling_params import MAX_LOGPROBS, MAX_REPETITION_GUARD
@@ -34,10 +36,6 @@ MAX_CHAT_TEMPLATE_CHARS = 65536
 # ids and token counts fit in 32 bits.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Response(BaseModel):
@@ -195,7 +193,6 @@ def request_models(limits: RequestLimits = RequestLimits()) -> SimpleNamespace:
     ``.tokenize`` (completion or chat form), ``.detokenize``."""
     lim = limits
     StopStr = Annotated[StrictStr, Field(min_length=1, max_length=lim.max_stop_length)]
-    from kvflow.entrypoints.openai.structured import request_models as structured_models
 
     ResponseFormat, StructuredOutputs = structured_models(lim)
     TemplateKwargs = Annotated[dict[str, Any] | None, Field(

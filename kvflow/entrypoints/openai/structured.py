@@ -12,14 +12,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool, StrictStr
 
+from kvflow.entrypoints.openai.protocol_base import _Request
 from kvflow.errors import InvalidParameterError
 from kvflow.sampling_params import StructuredOutputsParams
 
 
 def request_models(lim) -> tuple[type, type]:
     """(ResponseFormat, StructuredOutputsRequest) pydantic models for one RequestLimits."""
-    from kvflow.entrypoints.openai.protocol import _Request
-
     Text = Annotated[StrictStr, Field(min_length=1, max_length=lim.max_structured_chars)]
 
     class JsonSchemaFormat(_Request):
