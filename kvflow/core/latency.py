@@ -18,7 +18,7 @@ budget by the chunk it needs; the step runs over the TPOT plan once so that one 
 meets its first-token deadline. A request that has already missed it waits its turn: saving it would
 cost everyone's TPOT and still miss.
 
-Smooth steps (``--target-step-ms``, on by default for ``kvflow serve`` on CPU) use the same
+Smooth steps (``--target-step-ms``, opt-in: docs/serving.md says when they pay) use the same
 model to bound the step instead of the TPOT: only the token budget is capped, never the
 running batch (every running request decodes every step, so throughput keeps the batch's
 economies), and the budget always leaves a minimum prompt chunk beside the decodes. A

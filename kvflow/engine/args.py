@@ -138,8 +138,7 @@ class EngineArgs:
                                         "sized so its predicted time stays under this "
                                         "many ms (prompt chunks shrink, at least 32 "
                                         "tokens; running streams always decode); 0: off "
-                                        "(default: 100 for kvflow serve on CPU, else off; "
-                                        "docs/serving.md)")
+                                        "(default; docs/serving.md says when it pays)")
     max_seqs_per_request: int | None = _arg(None, "most sequences one request's n samples "
                                             "run at once, so a large n leaves seats to "
                                             "others (default: --max-num-seqs / 8, at "
