@@ -198,6 +198,15 @@ class SchedulerConfig:
     """With target_tpot_ms: a request at the head of the queue that would miss this time
     to first token at the TPOT caps, and can still make it, is admitted with the prefill
     chunk it needs even if that step runs over the TPOT plan. None: no TTFT target."""
+    target_step_ms: float | None = None
+    """Smooth steps: size each step's token budget so its predicted time (the latency
+    target's step-time model) stays under this many milliseconds. Prompt chunks shrink to
+    fit; unlike target_tpot_ms the running batch is not capped, every running request
+    decodes every step and a minimum prompt chunk always advances. None: off."""
+    max_seqs_per_request: int | None = None
+    """Most running sequences one client request's samples (n > 1) may hold at once;
+    its other samples wait while later requests are admitted. None: max_num_seqs // 8,
+    at least 16 (or max_num_seqs if smaller)."""
 
     def __post_init__(self) -> None:
         require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
@@ -210,6 +219,10 @@ class SchedulerConfig:
             require(self.target_tpot_ms is not None, "target_ttft_ms",
                     "needs --target-tpot-ms: without a TPOT target nothing holds a request "
                     "back from its first token but the engine's own limits")
+        if self.target_step_ms is not None:
+            require(self.target_step_ms > 0, "target_step_ms", "must be > 0 milliseconds")
+        if self.max_seqs_per_request is not None:
+            require(self.max_seqs_per_request >= 1, "max_seqs_per_request", "must be >= 1")
         require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         if not self.enable_chunked_prefill:
             require(self.max_num_batched_tokens >= self.max_model_len,

@@ -17,6 +17,13 @@ prefill chunks too small), and can still make it, that step admits it and grows 
 budget by the chunk it needs; the step runs over the TPOT plan once so that one request
 meets its first-token deadline. A request that has already missed it waits its turn: saving it would
 cost everyone's TPOT and still miss.
+
+Smooth steps (``--target-step-ms``, opt-in: docs/serving.md says when they pay) use the same
+model to bound the step instead of the TPOT: only the token budget is capped, never the
+running batch (every running request decodes every step, so throughput keeps the batch's
+economies), and the budget always leaves a minimum prompt chunk beside the decodes. A
+model that a loaded machine has taught that every step is over the target therefore
+slows prefill to that chunk per step instead of stopping it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,11 @@ HEADROOM = 0.9
 FORGET = 0.98
 # How many observations' worth of belief the prior carries.
 PRIOR_WEIGHT = 0.25
+# Smooth steps: prompt tokens a step may always compute beside the running decodes.
+# Below 32 rows the C++ CPU step gains little from batching prompt rows (a 16-token chunk
+# cost about as much as a 32-token one on the 2-core machine), so smaller chunks would
+# mostly add steps.
+MIN_PROMPT_CHUNK = 32
 
 
 @dataclass(frozen=True)
@@ -129,9 +141,13 @@ class LatencyTarget:
     same requests keep running)."""
 
     def __init__(self, target_tpot_s: float, model: StepTimeModel,
-                 clock: Callable[[], float], target_ttft_s: float | None = None) -> None:
+                 clock: Callable[[], float], target_ttft_s: float | None = None,
+                 cap_seats: bool = True, min_chunk: int = 0) -> None:
         self.target_s = target_tpot_s
         self.target_ttft_s = target_ttft_s
+        # Smooth steps (--target-step-ms): cap_seats False, min_chunk MIN_PROMPT_CHUNK.
+        self.cap_seats = cap_seats
+        self.min_chunk = min_chunk
         self.model = model
         self.clock = clock
         self._last: tuple[float, int, int, frozenset[str]] | None = None
@@ -141,11 +157,13 @@ class LatencyTarget:
     def caps(self, num_running: int, budget: int, max_seqs: int) -> tuple[int, int]:
         """(token budget, seat limit) for the next step."""
         plan = self.target_s * HEADROOM
-        seats = max(1, min(max_seqs, self.model.max_seqs(plan)))
+        seats = max(1, min(max_seqs, self.model.max_seqs(plan))) if self.cap_seats \
+            else max_seqs
         # Room for every running request's decode token and one more sequence joining;
-        # never less than the running decodes, which would stall requests mid-answer.
+        # never less than the running decodes, which would stall requests mid-answer,
+        # plus the minimum prompt chunk (smooth steps), so prefill never stops.
         tokens = self.model.max_tokens(min(num_running + 1, seats), plan)
-        new_budget = max(1, min(budget, max(tokens, num_running)))
+        new_budget = max(1, min(budget, max(tokens, num_running + self.min_chunk)))
         if new_budget < budget or seats < max_seqs:
             self.num_capped_steps += 1
         return new_budget, seats

@@ -71,6 +71,9 @@ class Request:
         self.max_tokens: int = sampling_params.max_tokens or 0
         # n > 1: the sample that computes the prompt; this one then shares its blocks.
         self.fork_parent = fork_parent
+        # The client request this sample belongs to (its n samples share one id): the
+        # unit the scheduler shares seats and prompt tokens between (core/fairness.py).
+        self.group_id: str = fork_parent.group_id if fork_parent is not None else request_id
         # Prefix caching: chained hashes of the full blocks so far; the salt keeps
         # requests that must not share cached KV apart.
         self.cache_salt = cache_salt

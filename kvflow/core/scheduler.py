@@ -8,6 +8,8 @@ first, then to waiting ones in order of service. A long prompt takes what is lef
 budget (chunked prefill), so prefill chunks and decodes share a step. When blocks run
 out, the running request served last (lowest priority, then latest arrival) is
 preempted by recompute: its blocks are freed and it goes back to the waiting queue.
+Client requests share seats and prompt tokens fairly (core/fairness.py): a request's n
+samples hold a bounded number of seats, and two prompts split a step's prompt budget.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 from kvflow.config import SchedulerConfig, check_preemption_mode
 from kvflow.core.block_pool import BlockPool
+from kvflow.core.fairness import StepShares, default_max_seqs_per_request, owes_prompt
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.latency import LatencyTarget
 from kvflow.core.repetition import loop_period, should_check
@@ -171,6 +174,8 @@ class Scheduler:
         # req_id -> blocks kept.
         self._kept_blocks: dict[str, int] = {}
         self.spec_stats = SpecDecodingStats()
+        self.max_seqs_per_request = config.max_seqs_per_request \
+            or default_max_seqs_per_request(config.max_num_seqs)
 
     # --- admission ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -236,53 +241,69 @@ class Scheduler:
                                                                     max_seqs)
         step = _Step(budget + extra_running)
         cap = max_reqs if max_reqs is not None else len(self.running) + len(self.waiting)
+        shares = StepShares(self.running, self.waiting, self.max_seqs_per_request)
 
-        # 1. Running requests first.
-        i = 0
-        while i < len(self.running) and step.budget > 0 and len(step.order) < cap:
-            req = self.running[i]
-            if req.num_drafts_in_flight or req.request_id in busy:
-                # Drafts: its token count is unknown until the verifying step returns;
-                # busy: it runs in another batch in flight.
-                i += 1
+        # 1. Running requests first: the decodes, then the prompts (oldest first), so
+        # that a prompt chunk never takes the budget a running stream's token needs.
+        prompts = sorted((r for r in self.running if owes_prompt(r)), key=Request.sort_key)
+        order = [r for r in self.running if not owes_prompt(r)] + prompts
+        for req in order:
+            if step.budget <= 0 or len(step.order) >= cap:
+                break
+            if req.status != RequestStatus.RUNNING or req.num_drafts_in_flight \
+                    or req.request_id in busy:
+                # Preempted earlier in this step; drafts: its token count is unknown
+                # until the verifying step returns; busy: it runs in another batch.
                 continue
             drafts = self._drafts_to_verify(req, step.budget)
+            limit = shares.prompt_limit(req, step.budget) if owes_prompt(req) \
+                and self.config.enable_chunked_prefill else step.budget
             n = min(req.num_tokens_scheduled_for - req.num_computed_tokens + len(drafts),
-                    step.budget)
+                    limit)
             if n <= 0 or self._will_finish(req):
-                i += 1
                 continue
             ids = self.kv.allocate_slots(req, n)
             while ids is None:
                 victim = max(self.running, key=Request.sort_key)
-                vi = self.running.index(victim)
                 self._evict(victim, step)
-                if vi < i:
-                    i -= 1
                 if victim is req:
                     break
                 ids = self.kv.allocate_slots(req, n)
             if ids is None:
-                continue  # req itself was preempted; running[i] is now the next one
+                continue  # req itself was preempted
             step.take(req, n, ids, drafts)
-            i += 1
+            if n - len(drafts) > 1:
+                shares.took_prompt(req, n)
 
         step.budget += extra_head  # after the running requests: it is the head's
         # 2. Waiting requests, in order of service, while budget, seats and blocks last.
         # Not after a preemption: what was just freed goes to the running requests.
         # Static batching (ablation): a batch forms only once the last one has finished.
+        # A request whose samples hold all the seats their group may have is passed over
+        # (its later samples follow as earlier ones finish); anything else that cannot
+        # start now stops admission, so later requests never overtake it.
         admit = not (self.config.batching == "static" and self.running)
-        while (admit and not step.preempted and self.waiting and step.budget > 0
+        i = 0
+        while (admit and not step.preempted and i < len(self.waiting) and step.budget > 0
                and len(step.order) < cap):
-            req = self.waiting[0]
+            req = self.waiting[i]
             if req.num_placeholders or req.request_id in busy:
                 break  # preempted while its last token (or batch) was in flight: wait
+            if not shares.seat_free(req):
+                i += 1
+                continue
             if len(self.running) >= seats and not self._make_room(req, step):
                 break
             if req.lora_request is not None and not self._lora_fits(req):
                 break
-            if not self._admit(req, step):
+            limit = shares.prompt_limit(req, step.budget) \
+                if self.config.enable_chunked_prefill else step.budget
+            if limit <= 0 or not self._admit(req, step, limit):
                 break
+            shares.took_seat(req)
+            n = step.num_scheduled[req.request_id]
+            if n > 1:
+                shares.took_prompt(req, n)
         out = self._build_output(step)
         if self.latency is not None:
             self.latency.on_schedule(out.total_num_scheduled_tokens,
@@ -328,8 +349,9 @@ class Scheduler:
                    self.config.max_model_len - req.num_tokens - 1)
         return req.spec_token_ids[:max(room, 0)]
 
-    def _admit(self, req: Request, step: "_Step") -> bool:
-        """Give the first waiting request its blocks and its share of the budget."""
+    def _admit(self, req: Request, step: "_Step", limit: int) -> bool:
+        """Give a waiting request its blocks and at most ``limit`` tokens (its share of
+        the budget)."""
         parent = req.fork_parent
         if not req.block_ids and not req.swapped_blocks:
             if parent is not None:
@@ -341,10 +363,10 @@ class Scheduler:
                 self.kv.get_computed_blocks(req)
         restored = req.num_swapped_tokens
         n = req.num_tokens - max(req.num_computed_tokens, restored)
-        if n > step.budget:
+        if n > limit:
             if not self.config.enable_chunked_prefill:
                 return False
-            n = step.budget
+            n = limit
         want = restored + n
         if self.contiguous_kv:
             want = max(want, self.config.max_model_len - req.num_computed_tokens)
@@ -361,7 +383,7 @@ class Scheduler:
             self.host_pool.release([self.host_pool.blocks[h] for h in req.swapped_blocks])
             req.swapped_blocks = []
             req.num_computed_tokens, req.num_swapped_tokens = restored, 0
-        self.waiting.pop(0)
+        self.waiting.remove(req)
         self._unlink_fork(req)
         req.status = RequestStatus.RUNNING
         if req.num_preemptions == 0:

@@ -116,9 +116,8 @@ class EngineArgs:
                           "--no-enable-prefix-caching)", choices=["paged", "contiguous"])
     swap_space: str = _arg("4GiB", "host memory for swapped-out KV (swap/auto modes)")
     max_num_batched_tokens: int | None = _arg(None, "token budget per step (default 8192 "
-                                              "on GPU, 2048 on CPU; kvflow serve on CPU: "
-                                              "256, so a prefill step cannot freeze the "
-                                              "running streams for seconds)")
+                                              "on GPU, 2048 on CPU; kvflow serve on CPU "
+                                              "also sizes it by --target-step-ms)")
     max_num_seqs: int | None = _arg(None, "most requests running at once (default 256 on "
                                     "GPU, 128 on CPU)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
@@ -135,6 +134,15 @@ class EngineArgs:
                                         "that would miss this time to first token (and "
                                         "can still make it) is admitted with the prefill "
                                         "chunk it needs, even over the TPOT plan")
+    target_step_ms: float | None = _arg(None, "smooth steps: each step's token budget is "
+                                        "sized so its predicted time stays under this "
+                                        "many ms (prompt chunks shrink, at least 32 "
+                                        "tokens; running streams always decode); 0: off "
+                                        "(default; docs/serving.md says when it pays)")
+    max_seqs_per_request: int | None = _arg(None, "most sequences one request's n samples "
+                                            "run at once, so a large n leaves seats to "
+                                            "others (default: --max-num-seqs / 8, at "
+                                            "least 16)")
     enforce_eager: bool = _arg(False, "never use CUDA graphs")
     deterministic: bool = _arg(False, "batch-invariant GPU kernels: a request's tokens and "
                                "logprobs do not depend on what else shares its steps, at "
@@ -282,6 +290,8 @@ class EngineArgs:
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
             max_queued_requests=self.max_queued_requests,
             target_tpot_ms=self.target_tpot_ms or None, target_ttft_ms=self.target_ttft_ms,
+            target_step_ms=self.target_step_ms or None,
+            max_seqs_per_request=self.max_seqs_per_request,
             batching=self.batching,
             async_scheduling=async_scheduling)
         parallel = ParallelConfig(

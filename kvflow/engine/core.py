@@ -16,7 +16,7 @@ from kvflow import envs
 from kvflow.config import EngineConfig
 from kvflow.core.block_map import block_map
 from kvflow.core.kv_cache_manager import freeable_window
-from kvflow.core.latency import LatencyTarget, StepTimeModel
+from kvflow.core.latency import MIN_PROMPT_CHUNK, LatencyTarget, StepTimeModel
 from kvflow.core.request import Request, RequestStatus
 from kvflow.core.sched_output import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
 from kvflow.core.scheduler import Scheduler, SwapPolicy
@@ -79,6 +79,9 @@ def latency_target(config: EngineConfig) -> LatencyTarget | None:
     """``--target-tpot-ms``: the step-time model starts at its prior and learns from the
     engine's own step times."""
     target = config.scheduler.target_tpot_ms
+    smooth = target is None and config.scheduler.target_step_ms is not None
+    if smooth:  # --target-step-ms: the step-time model bounds the budget alone
+        target = config.scheduler.target_step_ms
     if target is None:
         return None
     gpu_name = None
@@ -88,11 +91,17 @@ def latency_target(config: EngineConfig) -> LatencyTarget | None:
         gpu_name = torch.cuda.get_device_name(torch.device(config.device))
     prior = step_time_prior(config, gpu_name)
     ttft = config.scheduler.target_ttft_ms
-    logger.info("latency target: %.1f ms per output token%s; step-time prior from %s: "
-                "%.2f ms + %.3f ms/token + %.3f ms/sequence", target,
+    logger.info("%s: %.1f ms %s%s; step-time prior from %s: "
+                "%.2f ms + %.3f ms/token + %.3f ms/sequence",
+                "smooth steps" if smooth else "latency target", target,
+                f"per step (prompt chunks shrink to fit, at least {MIN_PROMPT_CHUNK} tokens)"
+                if smooth else "per output token",
                 f", {ttft:.0f} ms to first token" if ttft is not None else "",
                 prior.source, prior.fixed_s * 1e3, prior.per_token_s * 1e3,
                 prior.per_seq_s * 1e3)
+    if smooth:
+        return LatencyTarget(target / 1e3, StepTimeModel(prior), time.monotonic,
+                             cap_seats=False, min_chunk=MIN_PROMPT_CHUNK)
     return LatencyTarget(target / 1e3, StepTimeModel(prior), time.monotonic,
                          None if ttft is None else ttft / 1e3)
 
