@@ -205,6 +205,10 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, tiles: LoRATiles,
     n = a.shape[1]
     n_tiles = tiles.tile_slot.shape[0]
     block_n = 16 if n <= 16 else 32
+    block_k = 64
+    if x.device.type == "cpu":  # the interpreter: its cost is per op, so few big programs
+        block_n = min(max(16, triton.next_power_of_2(n)), 256)
+        block_k = min(max(16, triton.next_power_of_2(k)), 256)
     grid_n = triton.cdiv(n, block_n)
     if split_k is None:
         split_k = _split_k(n_tiles * grid_n, k, x.device)
@@ -214,7 +218,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, tiles: LoRATiles,
         return out
     _shrink_kernel[(n_tiles, grid_n, split_k)](
         x, a, out, tiles.rows, tiles.tile_slot, k, n, x.stride(0), a.stride(0),
-        a.stride(1), out.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=64,
+        a.stride(1), out.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, num_warps=4, **_dot_args(x))
     return out
 
@@ -233,7 +237,7 @@ def lora_expand_add(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor,
     if n_tiles == 0 or t == 0:
         return y
     bounds = list(offsets[1:]) + [n] * (3 - ns)
-    block_n = 64
+    block_n = 64 if y.device.type != "cpu" else min(triton.next_power_of_2(n), 512)
     _expand_kernel[(n_tiles, triton.cdiv(n, block_n))](
         xa, b, y, tiles.rows, tiles.tile_slot, tiles.slot_rank, n, rank, bounds[0],
         bounds[1], xa.stride(0), b.stride(0), b.stride(1), y.stride(0), NS=ns,
