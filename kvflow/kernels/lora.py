@@ -33,6 +33,7 @@ the 48 MiB qkv weight: a few tiles add about 1-3% to the layer's bytes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -181,13 +182,19 @@ def _dot_args(t: torch.Tensor) -> dict:
                 UPCAST=cpu)
 
 
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _split_k(n_programs: int, k: int, device: torch.device) -> int:
-    """Split the reduction while the tiles x column blocks fill under ~2 waves of SMs."""
+    """Split the reduction while the programs would not fill the SMs once (a decode
+    batch: a few tiles x a few rank blocks), keeping at least 256 of ``in`` a program."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     split = 1
-    while n_programs * split * 2 <= 2 * sms and k // (split * 2) >= 256 and split < 16:
+    while n_programs * split * 2 <= sms and k // (split * 2) >= 256 and split < 16:
         split *= 2
     return split
 

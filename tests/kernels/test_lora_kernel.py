@@ -75,3 +75,28 @@ def test_no_adapter_rows_is_a_no_op(device):
     tiles = lora_tiles(slot, slot_rank, 2)
     out = lora_expand_add(y.clone(), lora_shrink(x, a, tiles), b[0], [0], 4, tiles)
     assert torch.equal(out, y)
+
+
+def test_static_inputs_serve_graphs_of_more_rows(device):
+    """The worker's device buffers (kvflow/lora/kernel_inputs.py): a graph of 8 rows
+    captured over them replays steps of 6, 8 and 1 real rows (padding rows add nothing;
+    a step of fewer tiles leaves none of an earlier step's), and a step without adapter
+    rows clears them."""
+    from kvflow.lora.kernel_inputs import LoRAKernelInputs
+
+    inputs = LoRAKernelInputs(num_slots=3, max_tokens=8, device=device)
+    graph = inputs.views(8, BLOCK_M_SMALL)  # what the graph was captured with
+    x, a, b, _, _, y = _case(device, torch.float32, 8, 32, [16, 16], 3, 4, [4, 2, 4], 6)
+    ranks = torch.tensor([4, 2, 4], dtype=torch.int32)
+    b_all = torch.cat(b, dim=1)
+    # the last step (one row: 2 tiles) reuses the host buffer of the second (3 tiles)
+    for step in ([1, 1, -1, 1, -1, 1], [0, 1, 2, 0, 1, 2, 0, 1], [1], [2]):
+        slot = torch.tensor(step + [-1] * (8 - len(step)), dtype=torch.int32, device=device)
+        inputs.fill(np.array(step), ranks.tolist(), BLOCK_M_SMALL)
+        got = lora_expand_add(y.clone(), lora_shrink(x, a, graph), b_all, [0, 16], 4, graph)
+        want = lora_expand_add_ref(y.clone(), lora_shrink_ref(x, a, slot), b, [0, 16],
+                                   slot, ranks)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    inputs.clear()
+    got = lora_expand_add(y.clone(), lora_shrink(x, a, graph), b_all, [0, 16], 4, graph)
+    assert torch.equal(got, y)
