@@ -10,7 +10,8 @@ those columns and the partial delta joins the partial output in the all-reduce t
 already does (the delta is linear in x).
 
 Steps without adapter rows go straight to the base method (its fused decode paths, the
-C++ step, CUDA graphs); steps with some run the unfused path plus the delta. The delta:
+C++ step); steps with some, and CUDA graphs captured with LoRA, run the unfused path
+plus the delta. The delta:
 on CUDA two Triton launches per layer over all the step's rows (``kvflow.kernels.lora``:
 ``LoRAStepMap.tiles``, which CUDA graphs replay too); on the CPU a grouped matmul per
 adapter (``LoRAStepMap.groups``), which is the CPU's vectorized path.

@@ -181,7 +181,8 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile kernels and capture CUDA graphs before serving; on CPU, build the C++
         decode step (worker/cpu_step.py) or the opt-in compiled one (cpu_compile.py).
-        LoRA wraps its layers after them: steps without adapter rows still take them."""
+        LoRA wraps its layers after the C++ step (steps without adapter rows still take
+        it) and before the CUDA graphs (which then hold the LoRA kernels)."""
         self._warmup()
         if self.lora is not None:
             self.lora.slots.install()
