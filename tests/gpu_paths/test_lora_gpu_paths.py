@@ -63,7 +63,7 @@ def test_lora_kernels_match_merged_reference(setup, monkeypatch):
     assert runner.lora.graph_tokens == 4  # the graphs hold the kernels
     g = torch.Generator().manual_seed(4)
     names = ["a", None, "b", "a"]
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 9, 20, 3)]
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 9, 14, 3)]
     params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
     EagerGraph.replays = EagerVerifyGraph.replays = 0
     outs = llm.generate(prompts, params, use_tqdm=False,
@@ -75,7 +75,7 @@ def test_lora_kernels_match_merged_reference(setup, monkeypatch):
     assert EagerGraph.replays >= N_TOKENS - 1  # mixed-adapter decode steps: graphs
     # base-only steps replay the same graphs: the last adapter step's tiles must be gone
     replays = EagerGraph.replays
-    out = llm.generate([prompts[2]], params, use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == hf_greedy(refs[None], prompts[2], N_TOKENS)
+    out = llm.generate([prompts[0]], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(refs[None], prompts[0], N_TOKENS)
     assert EagerGraph.replays > replays
     llm.shutdown()
