@@ -10,37 +10,49 @@ those columns and the partial delta joins the partial output in the all-reduce t
 already does (the delta is linear in x).
 
 Steps without adapter rows go straight to the base method (its fused decode paths, the
-C++ step, CUDA graphs); steps with some run the unfused path plus the delta.
+C++ step); steps with some, and CUDA graphs captured with LoRA, run the unfused path
+plus the delta. The delta:
+on CUDA two Triton launches per layer over all the step's rows (``kvflow.kernels.lora``:
+``LoRAStepMap.tiles``, which CUDA graphs replay too); on the CPU a grouped matmul per
+adapter (``LoRAStepMap.groups``), which is the CPU's vectorized path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvflow.layers.linear import LinearBase, LinearMethod
 
+if TYPE_CHECKING:
+    from kvflow.kernels.lora import LoRATiles
+
 
 @dataclass
 class LoRAStepMap:
-    """Which rows of the current step use which slot (set by the worker per step)."""
+    """Which rows of the current step use which slot (set by the worker per step): as
+    groups for the torch path, or as the kernels' tiles."""
 
     # (slot, rows, rank): rows a slice (one contiguous run) or an index tensor [n]
     groups: list[tuple[int, slice | torch.Tensor, int]] = field(default_factory=list)
     max_rank: int = 0
+    tiles: LoRATiles | None = None  # the Triton kernels' rows by slot (device buffers)
 
     @property
     def active(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups) or self.tiles is not None
 
 
 class LoRAWeights:
     """One layer's adapter slots.
 
     ``a``: [S, n_slices * R, in_local]; ``b[i]``: [S, out_i, R] for slice i, whose output
-    columns are ``offsets[i]:offsets[i] + out_i`` of the layer's (local) output.
+    columns are ``offsets[i]:offsets[i] + out_i`` of the layer's (local) output: a view
+    of ``b_all`` [S, out, R], which the expand kernel reads in one launch.
+    A slot of rank r < R is zero past r in both (``slots._Target.write``).
     """
 
     def __init__(self, in_features: int, out_sizes: list[int], num_slots: int, rank: int,
@@ -50,12 +62,12 @@ class LoRAWeights:
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.a = torch.zeros(num_slots, len(out_sizes) * rank, in_features, dtype=dtype,
                              device=device)
-        self.b = [torch.zeros(num_slots, n, rank, dtype=dtype, device=device)
-                  for n in out_sizes]
+        self.b_all = torch.zeros(num_slots, sum(out_sizes), rank, dtype=dtype, device=device)
+        self.b = [self.b_all[:, off:off + n] for off, n in zip(self.offsets, out_sizes)]
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [self.a, *self.b])
+        return sum(t.numel() * t.element_size() for t in [self.a, self.b_all])
 
 
 def add_lora_delta(x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, step: LoRAStepMap
@@ -64,7 +76,13 @@ def add_lora_delta(x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, step: LoRAS
 
     Per slot in the step: gather its rows, shrink by A (all slices at once, cut to the
     slot's rank), expand by each slice's B, add into the slice's columns: a segmented
-    GEMM of one segment per adapter, on CPU and GPU alike."""
+    GEMM of one segment per adapter (the CPU's path). With ``step.tiles`` set, the
+    Triton kernels do the same for every row in two launches."""
+    if step.tiles is not None:
+        from kvflow.kernels.lora import lora_expand_add, lora_shrink
+
+        xa = lora_shrink(x, w.a, step.tiles)  # [T, n_slices * R] fp32
+        return lora_expand_add(y, xa, w.b_all, w.offsets, w.rank, step.tiles)
     ns = len(w.b)
     for slot, rows, r in step.groups:
         xs = x[rows]  # [n, in]

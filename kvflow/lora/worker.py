@@ -1,8 +1,12 @@
 """The model runner's side of LoRA: remembers each request's adapter, and before a step
 runs puts the adapters it needs into slots and tells the wrapped layers which rows use
-which slot."""
+which slot: as groups of rows (the CPU's grouped matmuls) or, with the Triton kernels
+(CUDA), as each row's slot in the kernels' device buffers (``kernel_inputs.py``), which
+CUDA graphs captured with LoRA read as static inputs."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -24,6 +28,11 @@ class LoRAWorker:
                                torch_dtype(config.model.dtype), device)
         self.device = device
         self.requests: dict[str, LoRARequest] = {}  # req_id -> adapter, adapter rows only
+        # Triton kernels for the delta (CUDA; tests force them under the interpreter)
+        self.kernels = device.type == "cuda"
+        self.max_tokens = config.scheduler.max_num_batched_tokens
+        self._inputs = None  # LoRAKernelInputs, made on first use
+        self.graph_tokens = 0  # rows of the largest CUDA graph holding the kernels; 0: none
         logger.info("LoRA: %d slots of rank %d over %d layers: %.1f MiB",
                     config.lora.max_loras, config.lora.max_lora_rank,
                     len(self.slots.targets), self.slots.num_bytes / (1 << 20))
@@ -40,14 +49,29 @@ class LoRAWorker:
 
     def prepare(self, req_ids: list[str], query_start_loc: list[int]) -> bool:
         """Set the step map for a step of these requests (rows ``query_start_loc[i]:
-        query_start_loc[i + 1]`` are request i's); returns whether any row uses an
-        adapter (such steps run eager: the C++ step and CUDA graphs hold no deltas)."""
+        query_start_loc[i + 1]`` are request i's); returns whether the step must run
+        eager: it has adapter rows and no CUDA graph holds the kernels (the C++ step and
+        graphs captured without LoRA hold no deltas)."""
         step = self.slots.step
         lora = [self.requests.get(r) for r in req_ids]
         if not any(lora):
-            step.groups = []
+            step.groups, step.tiles = [], None
+            if self.graph_tokens:
+                self.inputs.clear()  # a replayed graph adds nothing
             return False
         where = self.slots.activate([r for r in lora if r is not None])
+        if self.kernels:
+            slot = np.array([-1 if r is None else where[r.lora_int_id] for r in lora],
+                            dtype=np.int32)
+            token_slot = np.repeat(slot, np.diff(np.asarray(query_start_loc)))
+            from kvflow.kernels.lora import BLOCK_M_LARGE, BLOCK_M_SMALL
+
+            # graphs hold small tiles: a step they may replay must use those too
+            bm = BLOCK_M_SMALL if len(token_slot) <= max(self.graph_tokens, 256) \
+                else BLOCK_M_LARGE
+            step.groups = []
+            step.tiles = self.inputs.fill(token_slot, self.slots.slot_rank, bm)
+            return self.graph_tokens == 0
         runs: dict[int, list[tuple[int, int]]] = {}
         for i, r in enumerate(lora):
             if r is None:
@@ -67,9 +91,41 @@ class LoRAWorker:
                 rows = torch.from_numpy(np.concatenate(
                     [np.arange(s, e) for s, e in spans])).to(self.device)
             groups.append((slot, rows, self.slots.slot_rank[slot]))
-        step.groups = groups
+        step.groups, step.tiles = groups, None
         step.max_rank = max(self.slots.slot_rank[s] for s, _, _ in groups)
         return True
+
+    @property
+    def inputs(self):
+        if self._inputs is None:
+            from kvflow.lora.kernel_inputs import LoRAKernelInputs
+
+            self._inputs = LoRAKernelInputs(len(self.slots.slot_ids), self.max_tokens,
+                                            self.device)
+        return self._inputs
+
+    # --- CUDA graphs (worker/cuda_graphs.py) ------------------------------------
+    def reserve_graph_tokens(self, max_tokens: int) -> None:
+        """Graphs of up to ``max_tokens`` rows will hold the kernels: room for them in
+        the kernels' buffers before any graph is captured over them."""
+        self.kernels = True
+        self.inputs.reserve(max_tokens)
+        self.graph_tokens = max(self.graph_tokens, max_tokens)
+
+    @contextmanager
+    def graph_step(self, num_tokens: int):
+        """A graph's forward of ``num_tokens`` rows (its capture, or a test's eager
+        stand-in): the kernels over the first tiles of the static buffers, whatever the
+        step holds (slot -1 tiles return at once)."""
+        from kvflow.kernels.lora import BLOCK_M_SMALL
+
+        step = self.slots.step
+        saved = step.groups, step.tiles
+        step.groups, step.tiles = [], self.inputs.views(num_tokens, BLOCK_M_SMALL)
+        try:
+            yield
+        finally:
+            step.groups, step.tiles = saved
 
     def stats(self) -> dict[str, int | float]:
         s = self.slots

@@ -7,6 +7,9 @@ decode step costs a few small copies and one replay instead of hundreds of kerne
 launches. (Logits stay outside: [batch, vocab] outputs for every captured size would
 pin gigabytes in the graph pool.)
 Padding rows write nothing to the cache (slot -1) and attend to one key of block 0.
+With LoRA (``lora``: the LoRA worker), graphs are captured with the LoRA kernels on over
+the worker's static tile buffers (``kvflow/lora/kernel_inputs.py``), which each step
+fills before the replay: steps with adapter rows replay too (padding rows: no slot).
 
 Verification steps (speculative decoding, chains of drafts) get graphs too, one per
 (batch size, query length q) for steps of at most that many requests with at most q
@@ -39,6 +42,7 @@ costs (they read the weights once), so padding up to the rung is nearly free.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -121,7 +125,8 @@ class CudaGraphRunner:
     def __init__(self, model: nn.Module, attn_builder: AttentionMetadataBuilder,
                  max_num_seqs: int, max_model_len: int, max_blocks: int,
                  device: torch.device, verify_sizes: list[int] = (),
-                 verify_lens: list[int] = (), prefill_lens: list[int] = ()) -> None:
+                 verify_lens: list[int] = (), prefill_lens: list[int] = (),
+                 lora=None) -> None:
         self.model = model
         self.attn_builder = attn_builder
         self.max_model_len = max_model_len
@@ -136,6 +141,10 @@ class CudaGraphRunner:
         # longest one-request prefill.
         max_tokens = max(max_bs, self.verify_sizes[-1] * max(self.verify_lens + [64])
                          if self.verify_sizes else 0, max(self.prefill_lens, default=0))
+        # LoRA: forwards of t rows run its kernels over static buffers (graph_step(t))
+        self._lora_step = nullcontext if lora is None else lora.graph_step
+        if lora is not None:
+            lora.reserve_graph_tokens(max_tokens)
         dev = device
         self.max_blocks = max_blocks
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
@@ -168,7 +177,8 @@ class CudaGraphRunner:
             split_context=min(GRAPH_SPLIT_CONTEXT, self.max_model_len))
 
     def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        with self._lora_step(bs):
+            return self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
 
     def _verify_meta(self, bs: int, q: int, tree: bool = False) -> AttentionMetadata:
         t = bs * q
@@ -183,8 +193,9 @@ class CudaGraphRunner:
 
     def _verify_forward(self, bs: int, q: int, tree: bool = False) -> torch.Tensor:
         t = bs * q
-        return self.model(self.input_ids[:t], self.positions[:t],
-                          self._verify_meta(bs, q, tree))
+        with self._lora_step(t):
+            return self.model(self.input_ids[:t], self.positions[:t],
+                              self._verify_meta(bs, q, tree))
 
     def _capture_verify(self, lens: list[int], tree: bool,
                         sizes: list[int] | None = None) -> None:

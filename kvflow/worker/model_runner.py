@@ -181,7 +181,8 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile kernels and capture CUDA graphs before serving; on CPU, build the C++
         decode step (worker/cpu_step.py) or the opt-in compiled one (cpu_compile.py).
-        LoRA wraps its layers after them: steps without adapter rows still take them."""
+        LoRA wraps its layers after the C++ step (steps without adapter rows still take
+        it) and before the CUDA graphs (which then hold the LoRA kernels)."""
         self._warmup()
         if self.lora is not None:
             self.lora.slots.install()
@@ -225,10 +226,13 @@ class ModelRunner:
         if prefill_graphs_on(self.device):  # a short prompt's TTFT on an idle engine
             prefill_lens = prefill_query_lens(cfg.scheduler.max_num_batched_tokens,
                                               cfg.model.max_model_len)
+        if self.lora is not None:  # graphs hold the LoRA kernels: wrap before capture
+            self.lora.slots.install()
         graphs = CudaGraphRunner(self.model, self.step_builder.attn_builder,
                                  cfg.scheduler.max_num_seqs, cfg.model.max_model_len,
                                  self.step_builder.device_block_table.table.shape[1],
-                                 self.device, verify_sizes, verify_lens, prefill_lens)
+                                 self.device, verify_sizes, verify_lens, prefill_lens,
+                                 lora=self.lora)
         graphs.capture()
         if self.spec is not None and self.spec.tree is not None:
             graphs.capture_trees(self.spec.tree.num_nodes)
@@ -275,7 +279,7 @@ class ModelRunner:
         if self.idle_meter is not None:
             self.idle_meter.step_start()
         inputs = self.step_builder.build(so)
-        # Steps with adapter rows run eager (the C++ step and CUDA graphs hold no deltas).
+        # Steps with adapter rows run eager unless the CUDA graphs hold the LoRA kernels.
         eager = self.lora is not None and self.lora.prepare(
             inputs.req_ids, inputs.meta.query_start_loc_cpu)
         if eager and self.graphs is not None and self.graphs.can_run(inputs) \

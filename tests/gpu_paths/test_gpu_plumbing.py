@@ -72,7 +72,7 @@ def gpu_like(llm: LLM, graphs: bool, verify_sizes=(), verify_lens=(),
                                         r.config.model.max_model_len,
                                         sb.device_block_table.table.shape[1], r.device,
                                         list(verify_sizes), list(verify_lens),
-                                        list(prefill_lens))
+                                        list(prefill_lens), lora=r.lora)
         g.sizes = g.sizes[:4]  # 1, 2, 4, 8: the tests run at most 6 requests at once
         for bs in g.sizes:
             g.hidden[bs] = g._forward(bs)
