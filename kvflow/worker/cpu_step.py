@@ -44,6 +44,7 @@ from kvflow.layers.attention import AttentionMetadata, Attention
 from kvflow.layers.attention.metadata import TreeAttention
 from kvflow.layers.attention.kv_quant import keep_cache_values
 from kvflow.layers.linear import UnquantizedLinearMethod
+from kvflow.layers.quantization import layout_cache
 from kvflow.logger import init_logger
 from kvflow.spec_decode.tree import DraftTree
 from kvflow.worker.step_inputs import StepInputs
@@ -238,6 +239,7 @@ def int8_activations(model: nn.Module, module) -> int:
     methods = [m.quant_method for m in model.modules()
                if hasattr(getattr(m, "quant_method", None), "to_int8_activations")]
     methods = [q for q in methods if q.to_int8_activations()]
+    layout_cache.log_summary("int8-activation GEMV layouts")
     if not methods:
         return 0
     sizes = [-(-q.gemv[0].numel() // 64) * 64 for q in methods]  # 64-byte aligned pieces

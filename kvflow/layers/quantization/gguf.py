@@ -22,7 +22,7 @@ from kvflow import envs
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import LinearBase, LinearMethod
 from kvflow.layers.quantization import ggml_blocks as gb
-from kvflow.layers.quantization import gpu
+from kvflow.layers.quantization import gpu, layout_cache
 from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, flatten_tokens,
                                                gemv_layout, int4_mm, q8_layout,
                                                refine_top_logits)
@@ -136,10 +136,22 @@ class GGUFLinearMethod(LinearMethod):
     def to_int8_activations(self) -> bool:
         """Switch ``gemv`` to the int8-activation layout (once; whether it now has it)."""
         if self.gemv is not None and self.gemv_kind == 0:
-            q8 = q8_layout(*self.gemv, self.group, self.doubled)
+            name = None if self.layout_src is None else layout_cache.key("gguf-q8",
+                                                                         self.layout_src)
+            hit = None if name is None else layout_cache.get(name, ("blocks",))
+            if hit is not None and hit[1].get("bits") in ("4", "8"):
+                q8 = hit[0]["blocks"], int(hit[1]["bits"])
+            else:
+                q8 = q8_layout(*self.gemv, self.group, self.doubled)
+                if q8 is not None and name is not None:
+                    layout_cache.put(name, {"blocks": q8[0]}, {"bits": str(q8[1])})
             if q8 is not None:  # (blocks, unused): quant_gemv takes two tensors
                 self.gemv, self.gemv_kind = (q8[0], torch.empty(0)), q8[1]
         return self.gemv_kind != 0
+
+    layout_src: str | None = None
+    """The layout cache's key of this layer's source (its GGML blocks, or the tied
+    embedding's), None when its layouts are not cached (dense, GPU)."""
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -148,14 +160,36 @@ class GGUFLinearMethod(LinearMethod):
             _placeholders(layer, lambda p, w, shard=None: _record(layer, p, w, shard))
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
+        cpu = self.device.type == "cpu"
+        # The C++ decode step's own 4-bit GEMV reads a copy in its layout (float32
+        # activations, no call back into Python); a tied head runs it from here once the
+        # step is up.
+        want_gemv = envs.cpu_cpp_step() and envs.cpu_int4_gemv()
         if self._tied:
-            weight, _ = self._tied[0].quant_method.source(self._tied[0])
+            emb = self._tied[0]
+            src = getattr(emb.quant_method, "layout_src", None)
+            src = None if src is None or not cpu else layout_cache.key(
+                "gguf-tied-head", src, want_gemv)
+
+            def convert():
+                return emb.quant_method.source(emb)
         else:
             shards = layer.shard_ids if len(layer.output_sizes) > 1 else [None]
             parts = [_shard(layer, s, n, layer.input_size)
                      for s, n in zip(shards, layer.output_sizes)]
-            weight, layer.gguf_types = _convert(parts, layer.input_size)
             del layer.qweight, layer.qweight_type, layer._gguf_shards
+            dense = all(t in gb.DENSE_TYPES for t, _ in parts)
+            src = None if dense or not cpu else layout_cache.key(
+                "gguf-linear", want_gemv, layer.input_size, *[x for p in parts for x in p])
+
+            def convert():
+                return _convert(parts, layer.input_size)
+        self.layout_src = src
+        if src is not None and self._cached(layer, src):
+            return
+        weight, types = convert()
+        if not self._tied:
+            layer.gguf_types = types
         if isinstance(weight, torch.Tensor):
             self.packed = None
             set_param(layer, "weight", weight.to(self.device, self.dtype))
@@ -167,12 +201,40 @@ class GGUFLinearMethod(LinearMethod):
         packed = PackedInt4(weight)
         self.group, self.doubled = packed.group, packed.doubled
         self.packed = True
-        # The C++ decode step's own 4-bit GEMV reads this copy (float32 activations, no
-        # call back into Python); a tied head runs it from here once the step is up.
-        self.gemv = gemv_layout(weight) if (envs.cpu_cpp_step() and envs.cpu_int4_gemv()
-                                            ) else None
+        self.gemv = gemv_layout(weight) if want_gemv else None
         for name, t in packed.tensors().items():
             set_param(layer, name, t)
+        if src is not None:
+            tensors = dict(packed.tensors())
+            if self.gemv is not None:
+                tensors.update(gemv_values=self.gemv[0], gemv_scale_bias=self.gemv[1])
+            layout_cache.put(src, tensors, {"group": str(self.group),
+                                            "doubled": str(int(self.doubled)),
+                                            "types": ",".join(types)})
+
+    def _cached(self, layer: LinearBase, src: str) -> bool:
+        """Take the packed weights (and the GEMV copy, when the entry's key asked for one
+        and the layer has that layout) from the layout cache; whether it had them."""
+        hit = layout_cache.get(src, None)
+        if hit is None:
+            return False
+        tensors, meta = hit
+        if not {"qweight", "scales_and_zeros"} <= tensors.keys() or \
+                ("gemv_values" in tensors) != ("gemv_scale_bias" in tensors):
+            return False  # written by another kind of entry: repack
+        try:
+            self.group, self.doubled = int(meta["group"]), bool(int(meta["doubled"]))
+            types = meta["types"].split(",")
+        except (KeyError, ValueError):
+            return False
+        self.packed = True
+        self.gemv = (tensors["gemv_values"], tensors["gemv_scale_bias"]) \
+            if "gemv_values" in tensors else None
+        if not self._tied:
+            layer.gguf_types = types
+        for name in ("qweight", "scales_and_zeros"):
+            set_param(layer, name, tensors[name])
+        return True
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         if not self.packed:
@@ -215,12 +277,25 @@ class GGUFEmbeddingMethod:
         self.device = torch.empty(0).device  # the model is built under torch.device(...)
         _placeholders(layer, lambda p, w, shard=None: _record(layer, p, w, shard))
 
+    layout_src: str | None = None
+    """The layout cache's key of the table's GGML blocks (CPU, quantized), else None."""
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # A vocabulary-parallel table holds its slice of the rows (num_rows, padded).
         rows = getattr(layer, "num_rows", layer.vocab_size)
         part = _shard(layer, None, rows, layer.hidden_size)
-        weight, layer.gguf_types = _convert([part], layer.hidden_size)
         del layer.qweight, layer.qweight_type, layer._gguf_shards
+        if part[0] not in gb.DENSE_TYPES and self.device.type == "cpu":
+            self.layout_src = layout_cache.key("gguf-embedding", layer.hidden_size, *part)
+            hit = layout_cache.get(self.layout_src, ("qvalues", "qscale", "qzero"))
+            if hit is not None and {"group", "doubled", "types"} <= hit[1].keys():
+                tensors, meta = hit
+                self.group, self.doubled = int(meta["group"]), bool(int(meta["doubled"]))
+                layer.gguf_types = meta["types"].split(",")
+                for name, t in tensors.items():
+                    set_param(layer, name, t)
+                return
+        weight, layer.gguf_types = _convert([part], layer.hidden_size)
         if isinstance(weight, torch.Tensor):
             self.doubled = None
             set_param(layer, "weight", weight.to(self.device, self.dtype))
@@ -231,6 +306,11 @@ class GGUFEmbeddingMethod:
             self.device))
         set_param(layer, "qscale", weight.scale.to(self.device))
         set_param(layer, "qzero", weight.zero.to(self.device))
+        if self.layout_src is not None:
+            layout_cache.put(self.layout_src, {"qvalues": layer.qvalues, "qscale": layer.qscale,
+                                               "qzero": layer.qzero},
+                             {"group": str(self.group), "doubled": str(int(self.doubled)),
+                              "types": ",".join(layer.gguf_types)})
 
     def _groups(self, layer: nn.Module, rows: torch.Tensor | None = None) -> Int4Groups:
         packed = layer.qvalues if rows is None else layer.qvalues[rows]
