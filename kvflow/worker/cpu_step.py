@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from kvflow import envs
+from kvflow.errors import KvflowError
 from kvflow.layers.attention import AttentionMetadata, Attention
 from kvflow.layers.attention.metadata import TreeAttention
 from kvflow.layers.attention.kv_quant import keep_cache_values
@@ -47,6 +48,7 @@ from kvflow.layers.linear import UnquantizedLinearMethod
 from kvflow.layers.quantization import layout_cache
 from kvflow.logger import init_logger
 from kvflow.spec_decode.tree import DraftTree
+from kvflow.worker import cpu_verdict
 from kvflow.worker.step_inputs import StepInputs
 
 logger = init_logger(__name__)
@@ -580,6 +582,56 @@ class CppDecodeStep:
         return self.model.config.vocab_size
 
 
+def _tolerance(step: CppDecodeStep, kv_caches: torch.Tensor) -> float:
+    """The self-check's bound on the step's output against eager's, relative to its
+    scale. Rounding differences stay far below it; a wrong step (a layer skipped, rotary
+    misplaced) is off by order one."""
+    # Quantized linears called back (the int4 GEMM rounds its inputs to bf16) amplify
+    # the float32 rounding differences like a 16-bit model; those that run the step's
+    # GEMV run the same GEMV in the eager reference.
+    exact = kv_caches.dtype == torch.float32 and step.num_callbacks == step.num_int4
+    # int8 activations: a float32 rounding difference upstream can move a value across
+    # a rounding boundary of the int8 grid (a step of 1/127 of its block's largest
+    # value), and the self-check's random tokens and cache carry that through 30 layers
+    # of SmolLM2 to 0.07 (float32 activations: 2e-5).
+    # (A quantized cache: the eager reference reads the step's stored K/V, see
+    # _check_one; SmolLM2, float32 activations: 5.5e-4 against 9.3e-3 over eager's own.)
+    return 1.5e-1 if step.num_int8_act else 1e-2 if exact else 1e-1
+
+
+def _self_check(step: CppDecodeStep, kv_caches: torch.Tensor, block_size: int
+                ) -> tuple[float, float]:
+    """(the step against eager, its GEMV against float64), on one thread: the check's
+    small steps gain nothing from a second one, and on a busy machine each op split
+    over two threads waits for the descheduled one (cpu_threads.py), which made the
+    check 8-15 s of an engine start there."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return step.self_check(kv_caches, block_size), step.gemv_error()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _verdict_key(runner, step: CppDecodeStep, label: str) -> str | None:
+    """The self-check record's key (cpu_verdict.py), None for a model without files (or
+    whose files cannot be read again: then the check runs)."""
+    cfg = runner.config
+    models = [cfg.model] + ([cfg.draft_model] if cfg.draft_model is not None else [])
+    try:
+        ids = [cpu_verdict.model_identity(m.path, m.load_format) for m in models]
+    except (OSError, KvflowError):
+        return None
+    if any(i is None for i in ids):
+        return None
+    kv = runner.kv_caches
+    facts = [label, repr(cfg.model), repr(cfg.draft_model), repr(cfg.cache), repr(cfg.device),
+             str(kv.dtype), str(kv.shape[:2] + kv.shape[3:]), step.kv_kind, step.num_layers,
+             step.num_callbacks, step.num_int4, step.num_int8_act,
+             step.module.q8_gemv_isa() if step.num_int8_act else ""]
+    return cpu_verdict.record_key(build_root().name, " ".join(ids), repr(facts))
+
+
 def cpu_decode_step(runner, label: str = ""):
     """The CPU step the runner uses: the C++ step (default), the opt-in inductor step
     (KVFLOW_CPU_COMPILE=1), or None (eager), with one log line saying which and why
@@ -615,9 +667,19 @@ def cpu_decode_step(runner, label: str = ""):
                        label, type(e).__name__, first_line)
         return None
     step = None
+    record = None
     try:
         step = CppDecodeStep(runner, module)
-        error = step.self_check(runner.kv_caches, runner.block_size)
+        tolerance = _tolerance(step, runner.kv_caches)
+        limits = {"error": tolerance, "gemv_error": GEMV_TOLERANCE,
+                  "write_error": WRITE_TOLERANCE, "eager_error": float("inf")}
+        key = _verdict_key(runner, step, label)
+        record = None if key is None else cpu_verdict.lookup(key, limits)
+        if record is not None:
+            error, gemv_error = record["error"], record["gemv_error"]
+            step.write_error, step.eager_error = record["write_error"], record["eager_error"]
+        else:
+            error, gemv_error = _self_check(step, runner.kv_caches, runner.block_size)
     except Exception as e:  # e.g. a layout the C++ side rejects: eager, not a dead engine
         if step is not None:
             step.detach()
@@ -625,19 +687,6 @@ def cpu_decode_step(runner, label: str = ""):
                        "eagerly: %s: %s", label, type(e).__name__, str(e).strip().splitlines()[0] if
                        str(e).strip() else "")
         return None
-    # Rounding differences stay far below these; a wrong step (a layer skipped, rotary
-    # misplaced) is off by order one. Quantized linears called back (the int4 GEMM
-    # rounds its inputs to bf16) amplify the float32 rounding differences like a 16-bit
-    # model; those that run the step's GEMV run the same GEMV in the eager reference.
-    exact = runner.kv_caches.dtype == torch.float32 and step.num_callbacks == step.num_int4
-    # int8 activations: a float32 rounding difference upstream can move a value across
-    # a rounding boundary of the int8 grid (a step of 1/127 of its block's largest
-    # value), and the self-check's random tokens and cache carry that through 30 layers
-    # of SmolLM2 to 0.07 (float32 activations: 2e-5).
-    # (A quantized cache: the eager reference reads the step's stored K/V, see
-    # _check_one; SmolLM2, float32 activations: 5.5e-4 against 9.3e-3 over eager's own.)
-    tolerance = 1.5e-1 if step.num_int8_act else 1e-2 if exact else 1e-1
-    gemv_error = step.gemv_error()
     if not error <= tolerance or not gemv_error <= GEMV_TOLERANCE or \
             not step.write_error <= WRITE_TOLERANCE:
         step.detach()
@@ -647,14 +696,19 @@ def cpu_decode_step(runner, label: str = ""):
                        "eagerly", label, error, tolerance, gemv_error, GEMV_TOLERANCE,
                        step.write_error, WRITE_TOLERANCE)
         return None
+    if record is None and key is not None and runner.kv_caches.shape[2] >= 4:  # checked
+        cpu_verdict.store(key, {"error": error, "gemv_error": gemv_error,
+                                "write_error": step.write_error,
+                                "eager_error": step.eager_error})
     head = step.head_gemv(True)
     logger.info("%sC++ CPU decode step: %d decoder layers in one call (%d quantized linears "
                 "called back, %d of them by its own 4-bit GEMV%s%s; %s KV "
-                "cache), every step; built/loaded in %.1f s (%s), self-check "
+                "cache), every step; built/loaded in %.1f s (%s), self-check%s "
                 "relative error %.1e (GEMV %.1e%s)", label, step.num_layers, step.num_callbacks,
                 step.num_int4, ", the lm_head too" if head else "",
                 f", {step.num_int8_act} on int8 activations ({step.module.q8_gemv_isa()})"
                 if step.num_int8_act else "", step.kv_kind or "model-dtype",
-                seconds, build_root(), error, gemv_error, f"; over eager's own K/V {step.eager_error:.1e}, stored K/V "
+                seconds, build_root(), " (recorded at an earlier start of this build, model "
+                "and configuration)" if record is not None else "", error, gemv_error, f"; over eager's own K/V {step.eager_error:.1e}, stored K/V "
                 f"{step.write_error:.1e}" if step.kv_kind else "")
     return step
