@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvflow import LLM, SamplingParams  # noqa: E402
 from kvflow.models.registry import embedded_model_path  # noqa: E402
-from kvflow.worker.cpu_step import CppDecodeStep, find_compiler  # noqa: E402
+from kvflow.cpu.step import CppDecodeStep, find_compiler  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",

@@ -1,5 +1,5 @@
 """What an engine start keeps between starts (kvflow/layers/quantization/layout_cache.py,
-kvflow/worker/cpu_verdict.py): a GGUF model's packed layouts and the C++ step's
+kvflow/cpu/verdict.py): a GGUF model's packed layouts and the C++ step's
 self-check verdict are written by the first start and used by the next, give the same
 tokens as a start without them, and a damaged, stale or foreign entry is detected,
 deleted and rebuilt, never used."""
@@ -14,7 +14,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.layers.quantization import layout_cache
-from kvflow.worker import cpu_step
+from kvflow.cpu import step as cpu_step
 
 pytestmark = pytest.mark.skipif(cpu_step.find_compiler() is None,
                                 reason="needs a C++ compiler")
@@ -106,7 +106,7 @@ def test_model_identity_follows_the_file(tiny_gguf, tmp_path):
     import os
     import shutil
 
-    from kvflow.worker import cpu_verdict
+    from kvflow.cpu import verdict as cpu_verdict
 
     copy = str(tmp_path / "copy.gguf")
     shutil.copy(tiny_gguf, copy)

@@ -124,7 +124,7 @@ class GGUFLinearMethod(LinearMethod):
     """0: ``gemv`` is for float32 activations; 4 or 8: for int8 ones (weights of 4 or 8
     bits, ``q8_gemv``), the ``kind`` of the C++ ``quant_gemv``."""
     run_gemv_any_rows = False
-    """``run_gemv`` takes any number of rows (cpu_step.use_step_gemv), not only 16."""
+    """``run_gemv`` takes any number of rows (cpu/step.py use_step_gemv), not only 16."""
     head = False
     """Set with ``run_gemv`` on an lm_head (whose top logits are then refined)."""
     refine_gemv = None

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvflow import envs
+from kvflow.cpu.kernels import build
 from kvflow.logger import init_logger
 
 logger = init_logger(__name__)
@@ -40,15 +40,8 @@ _CODE = ("packed.py", "ggml_blocks.py", "gguf.py")
 
 
 def cache_root() -> Path:
-    """``<torch extensions dir>/kvflow/layouts``: the build cache root of the C++ CPU
-    kernels (torch's ``get_default_build_root``, or TORCH_EXTENSIONS_DIR)."""
-    root = envs.torch_extensions_dir()
-    if root is None:
-        from torch import _appdirs  # what get_default_build_root reads, without importing
-        # cpp_extension (a third of a second)
-
-        root = os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
-    return Path(root) / "kvflow" / "layouts"
+    """``layouts`` in the CPU wing's build root (beside the C++ builds)."""
+    return build.build_root() / "layouts"
 
 
 _salt: bytes | None = None

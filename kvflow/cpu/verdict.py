@@ -7,7 +7,7 @@ of the build, the weights, the engine's configuration and kvflow's code, so a pa
 check is recorded under a key that hashes all four:
 
 - the C++ build: its folder name (a hash of the sources, flags, torch, Python
-  installation and CPU flags, ``cpu_step.build_root``);
+  installation and CPU flags, ``step.build_root``);
 - the model: its file (path, size, modification time and a hash of the GGUF header with
   its tensor index) or the folder's weight files (name, size, modification time) and
   its config.json; a model without files (``--load-format dummy``) is never recorded;
