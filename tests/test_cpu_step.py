@@ -373,6 +373,12 @@ def test_gguf_linears_take_the_int4_gemv(tiny_gguf, monkeypatch):
     off = _runner(LLM(tiny_gguf, **kw)).graphs
     assert off.num_int4 == 0 and off.num_callbacks == 8
 
+    # A GGUF layer makes its copy in the GEMV's layout only when the step asks for it.
+    def copies(model):
+        return sum(getattr(getattr(m, "quant_method", None), "gemv", None) is not None
+                   for m in model.modules())
+    assert copies(step.model) == 9 and copies(off.model) == 0
+
 
 def test_int8_activation_steps_over_16_tokens_stay_in_cpp(tiny_gguf, monkeypatch):
     """With int8 activations the GGUF linears and the head take the step's GEMV for a

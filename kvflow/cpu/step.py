@@ -169,6 +169,18 @@ def _linear_args(lin: nn.Module) -> tuple[list[torch.Tensor], object, list[torch
     return [empty, bias], fn, list(gemv), [m.group, int(m.doubled), m.gemv_kind]
 
 
+def gemv_layouts(model: nn.Module) -> int:
+    """Ask every quantization method that can describe its weights to the step's 4-bit
+    GEMV (``make_gemv_layout``: GGUF) for that layout, unless KVFLOW_CPU_INT4_GEMV=0;
+    the number of layers that have it."""
+    if not envs.cpu_int4_gemv():
+        return 0
+    count = sum(m.quant_method.make_gemv_layout() for m in model.modules()
+                if hasattr(getattr(m, "quant_method", None), "make_gemv_layout"))
+    layout_cache.log_summary("4-bit GEMV layouts")
+    return count
+
+
 def int8_activations(model: nn.Module, module) -> int:
     """Switch every GGUF layer's GEMV copy (the tied lm_head's too) to int8 activations
     (the caller checks that the build has a SIMD kernel for them, AVX512-VNNI or AVX2,
@@ -199,6 +211,7 @@ def use_step_gemv(model: nn.Module, int8: bool) -> int:
     step's linear numerics on any forward, e.g. ``kvflow bench quality``'s prefill
     windows (the rounding is per row, so chunks change nothing). The layers switched."""
     module, _ = load_extension()
+    gemv_layouts(model)
     if int8:
         if not module.q8_gemv_simd():
             logger.warning("this build has no AVX512-VNNI or AVX2 kernel: int8 activations "
@@ -249,6 +262,7 @@ class CppDecodeStep:
         # reference reading the K/V the step stored (0.51 over eager's own; the stored
         # K/V of late layers part by 1.45 of their scale), as much as an order-one error
         # the check must catch, so those engines keep float32 activations.
+        gemv_layouts(model)  # the GGUF layers' copies for the step's own GEMV
         kv = parts.kv_caches.dtype
         self.num_int8_act = int8_activations(model, module) if (
             module.q8_gemv_simd() and envs.cpu_int8_act() and kv.is_floating_point

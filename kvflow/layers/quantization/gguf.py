@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow import envs
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import LinearBase, LinearMethod
 from kvflow.layers.quantization import ggml_blocks as gb
@@ -161,15 +160,10 @@ class GGUFLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         cpu = self.device.type == "cpu"
-        # The C++ decode step's own 4-bit GEMV reads a copy in its layout (float32
-        # activations, no call back into Python); a tied head runs it from here once the
-        # step is up.
-        want_gemv = envs.cpu_cpp_step() and envs.cpu_int4_gemv()
         if self._tied:
             emb = self._tied[0]
             src = getattr(emb.quant_method, "layout_src", None)
-            src = None if src is None or not cpu else layout_cache.key(
-                "gguf-tied-head", src, want_gemv)
+            src = None if src is None or not cpu else layout_cache.key("gguf-tied-head", src)
 
             def convert():
                 return emb.quant_method.source(emb)
@@ -177,14 +171,17 @@ class GGUFLinearMethod(LinearMethod):
             shards = layer.shard_ids if len(layer.output_sizes) > 1 else [None]
             parts = [_shard(layer, s, n, layer.input_size)
                      for s, n in zip(shards, layer.output_sizes)]
+            cols = layer.input_size
             del layer.qweight, layer.qweight_type, layer._gguf_shards
             dense = all(t in gb.DENSE_TYPES for t, _ in parts)
             src = None if dense or not cpu else layout_cache.key(
-                "gguf-linear", want_gemv, layer.input_size, *[x for p in parts for x in p])
+                "gguf-linear", cols, *[x for p in parts for x in p])
 
-            def convert():
-                return _convert(parts, layer.input_size)
+            def convert():  # the blocks stay the file's mapped pages until then
+                return _convert(parts, cols)
         self.layout_src = src
+        # What make_gemv_layout converts again if a CPU step asks for its layout.
+        self._source = convert if cpu else None
         if src is not None and self._cached(layer, src):
             return
         weight, types = convert()
@@ -192,6 +189,7 @@ class GGUFLinearMethod(LinearMethod):
             layer.gguf_types = types
         if isinstance(weight, torch.Tensor):
             self.packed = None
+            self._source = None
             set_param(layer, "weight", weight.to(self.device, self.dtype))
             return
         if gpu.use_triton(self.device):
@@ -201,39 +199,51 @@ class GGUFLinearMethod(LinearMethod):
         packed = PackedInt4(weight)
         self.group, self.doubled = packed.group, packed.doubled
         self.packed = True
-        self.gemv = gemv_layout(weight) if want_gemv else None
         for name, t in packed.tensors().items():
             set_param(layer, name, t)
         if src is not None:
-            tensors = dict(packed.tensors())
-            if self.gemv is not None:
-                tensors.update(gemv_values=self.gemv[0], gemv_scale_bias=self.gemv[1])
-            layout_cache.put(src, tensors, {"group": str(self.group),
-                                            "doubled": str(int(self.doubled)),
-                                            "types": ",".join(types)})
+            layout_cache.put(src, packed.tensors(), {"group": str(self.group),
+                                                     "doubled": str(int(self.doubled)),
+                                                     "types": ",".join(types)})
+
+    def make_gemv_layout(self) -> bool:
+        """Describe this layer to the C++ CPU step's 4-bit GEMV: make (once) ``gemv``, a
+        copy of the weight in that GEMV's layout (``packed.gemv_layout``), from the
+        layout cache or from the layer's GGML blocks. Whether the layer has one (none:
+        dense, on the GPU, or a group the GEMV cannot read). The step asks at its
+        warm-up; an engine without the step keeps no copy."""
+        if self.gemv is not None:
+            return True
+        source, self._source = getattr(self, "_source", None), None  # asked once
+        if not self.packed or self.triton is not None or source is None:
+            return False
+        name = None if self.layout_src is None else layout_cache.key("gguf-gemv",
+                                                                     self.layout_src)
+        hit = None if name is None else layout_cache.get(name, ("values", "scale_bias"))
+        if hit is not None:
+            self.gemv = hit[0]["values"], hit[0]["scale_bias"]
+            return True
+        self.gemv = gemv_layout(source()[0])
+        if self.gemv is not None and name is not None:
+            layout_cache.put(name, {"values": self.gemv[0], "scale_bias": self.gemv[1]})
+        return self.gemv is not None
 
     def _cached(self, layer: LinearBase, src: str) -> bool:
-        """Take the packed weights (and the GEMV copy, when the entry's key asked for one
-        and the layer has that layout) from the layout cache; whether it had them."""
-        hit = layout_cache.get(src, None)
+        """Take the packed weights from the layout cache; whether it had them."""
+        hit = layout_cache.get(src, ("qweight", "scales_and_zeros"))
         if hit is None:
             return False
         tensors, meta = hit
-        if not {"qweight", "scales_and_zeros"} <= tensors.keys() or \
-                ("gemv_values" in tensors) != ("gemv_scale_bias" in tensors):
-            return False  # written by another kind of entry: repack
         try:
             self.group, self.doubled = int(meta["group"]), bool(int(meta["doubled"]))
             types = meta["types"].split(",")
         except (KeyError, ValueError):
-            return False
+            return False  # written by another kind of entry: repack
         self.packed = True
-        self.gemv = (tensors["gemv_values"], tensors["gemv_scale_bias"]) \
-            if "gemv_values" in tensors else None
         if not self._tied:
             layer.gguf_types = types
-        for name in ("qweight", "scales_and_zeros"):
-            set_param(layer, name, tensors[name])
+        for name, t in tensors.items():
+            set_param(layer, name, t)
         return True
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
