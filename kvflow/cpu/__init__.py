@@ -8,7 +8,8 @@
 - ``step.py`` + ``step.cpp`` + ``int4.cpp``: the C++ decode step (every decoder layer of
   a step in one call, its 4-bit and int8-activation GEMVs), built from the model, the
   metadata builder and the KV caches like the CUDA graph runner; ``verdict.py`` keeps
-  its self-check between starts. ``compiled.py``: the opt-in inductor-compiled step.
-  ``threads.py``: the thread count per step. Floor: the worker's (the model runner
+  its self-check between starts. ``compiled.py``: the opt-in inductor-compiled step;
+  ``parts.py``: what both are built from (``StepParts``); ``threads.py``: the thread
+  count per step. Floor: the worker's (the model runner
   installs them at warm-up).
 """

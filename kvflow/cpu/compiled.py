@@ -22,20 +22,17 @@ compiled code out of the way with ``torch.compiler.set_stance("force_eager")``.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvflow import envs
 from kvflow.cpu.kernels import build
+from kvflow.cpu.parts import StepParts
 from kvflow.layers.attention import AttentionMetadata, AttentionMetadataBuilder, AttentionSpec
 from kvflow.layers.attention.torch_backend import PaddedDecodePlan
 from kvflow.logger import init_logger
 from kvflow.worker.step_inputs import PromptLogprobsPlan, StepInputs
-
-if TYPE_CHECKING:
-    from kvflow.cpu.step import StepParts
 
 logger = init_logger(__name__)
 

@@ -29,7 +29,6 @@ self-check.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,10 +38,9 @@ from kvflow import envs
 from kvflow.cpu import verdict as cpu_verdict
 from kvflow.cpu.kernels import build
 from kvflow.cpu.kernels.build import find_compiler
-from kvflow.config import EngineConfig
+from kvflow.cpu.parts import StepParts
 from kvflow.errors import KvflowError
-from kvflow.layers.attention import (Attention, AttentionMetadata,
-                                     AttentionMetadataBuilder, AttentionSpec)
+from kvflow.layers.attention import Attention, AttentionMetadata
 from kvflow.layers.attention.metadata import TreeAttention
 from kvflow.layers.attention.kv_quant import keep_cache_values
 from kvflow.layers.linear import UnquantizedLinearMethod
@@ -91,28 +89,6 @@ def load_extension():
 def build_root() -> Path:
     """The C++ step's build folder (``build.extension_dir``)."""
     return build.extension_dir(EXTENSION, SOURCES + HEADERS, CFLAGS)
-
-
-@dataclass(frozen=True)
-class StepParts:
-    """What a CPU decode step is built from, as the CUDA graph runner is: the model, its
-    metadata builder, its KV caches and the few settings the step reads (the model
-    runner's, or a draft model's own)."""
-
-    model: nn.Module
-    attn_builder: AttentionMetadataBuilder
-    """The eager metadata builder. The step wraps it (``step.attn_builder``, which the
-    owner installs once the step is up) and its self-check plans the eager reference
-    with it."""
-    kv_caches: torch.Tensor
-    """The model's KV caches, [L, 2, NB, BS, KVH, D]."""
-    kv_scales: torch.Tensor | None
-    """An int8 cache's per-token scales, [L, 2, NB, BS, KVH]; None otherwise."""
-    attn_spec: AttentionSpec
-    """The block size and the rotary cos/sin cache the step's attention reads."""
-    config: EngineConfig
-    """The engine's configuration: --enforce-eager, the decoder layer count and batch
-    bound of the compiled step, and the settings a recorded self-check is keyed on."""
 
 
 def why_unsupported(model: nn.Module, kv_caches: torch.Tensor) -> str | None:

@@ -132,7 +132,8 @@ class DraftModelProposer(Proposer):
         """On CPU, give the draft the C++ step the target runs (same switches: none when
         the target decodes eagerly), checked against its eager forward like the
         target's; its forwards of up to 64 new tokens per request then run in C++."""
-        from kvflow.cpu.step import CppDecodeStep, StepParts, cpu_decode_step
+        from kvflow.cpu.parts import StepParts
+        from kvflow.cpu.step import CppDecodeStep, cpu_decode_step
 
         if self.device.type != "cpu" or self.kv_caches is None or \
                 not isinstance(runner.graphs, CppDecodeStep):

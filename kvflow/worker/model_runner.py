@@ -201,7 +201,8 @@ class ModelRunner:
                 logger.info("compiled CPU decode step off with %d ranks",
                             self.parallel.world.world_size)
                 return
-            from kvflow.cpu.step import StepParts, cpu_decode_step
+            from kvflow.cpu.parts import StepParts
+            from kvflow.cpu.step import cpu_decode_step
 
             self.graphs = cpu_decode_step(StepParts(
                 self.model, self.step_builder.attn_builder, self.kv_caches, self.kv_scales,
