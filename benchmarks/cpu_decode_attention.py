@@ -1,6 +1,6 @@
 """Per-layer CPU decode attention time at CPU-B's shape: the torch backend's gather +
 dequantize + SDPA path against the C++ kernel that reads the cache in place
-(kvflow/kernels/cpu/paged_attention.cpp), for float32, int8 and fp8 caches.
+(kvflow/cpu/kernels/paged_attention.cpp), for float32, int8 and fp8 caches.
 
     flock /tmp/kvflow-bench.lock python benchmarks/cpu_decode_attention.py \
         --save-result benchmarks/results/cpu-decode-attention.json

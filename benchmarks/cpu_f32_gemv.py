@@ -1,4 +1,4 @@
-"""The C++ step's float32 GEMV (`linear_f32`, cpu_step.cpp's ``linear_rows_f32``) against
+"""The C++ step's float32 GEMV (`linear_f32`, cpu/step.cpp's ``linear_rows_f32``) against
 ``F.linear`` (at::linear: what the step ran above 4 rows, and what a dense lm_head ran)
 at SmolLM2-135M's dense shapes, for m rows of input.
 
@@ -39,7 +39,7 @@ def main() -> int:
     ns = p.parse_args()
 
     from kvflow.bench.machine import save_result
-    from kvflow.worker.cpu_step import load_extension
+    from kvflow.cpu.step import load_extension
 
     module, _ = load_extension()
     empty = torch.empty(0)

@@ -8,7 +8,7 @@ SmolLM2-135M's real shapes, at M = 1 (one decode), 64 (a CPU-B decode batch) and
 * ``w8a8_total``: the whole W8A8 linear of kvflow (per-token quantize + GEMM + scale);
   ``w8a8_total_torch_quant`` the same with the activations quantized by the torch ops
   (``quantize_int8_rows_ref``) instead of the one C call that takes up to 16 float32
-  rows (``kernels/cpu/quant_rows.cpp``); ``quantize_act`` / ``quantize_act_torch`` that
+  rows (``cpu/kernels/quant_rows.cpp``); ``quantize_act`` / ``quantize_act_torch`` that
   step alone.
 
     flock /tmp/kvflow-bench.lock python benchmarks/cpu_int8_gemm.py \

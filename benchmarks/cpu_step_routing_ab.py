@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
-import kvflow.worker.cpu_step as cpu_step  # noqa: E402
+import kvflow.cpu.step as cpu_step  # noqa: E402
 from kvflow.cli import main  # noqa: E402
 
 variant, run, which = sys.argv[1], sys.argv[2], sys.argv[3]

@@ -44,7 +44,7 @@ def main() -> int:
     ns = p.parse_args()
 
     from kvflow import LLM
-    from kvflow.worker import cpu_step
+    from kvflow.cpu import step as cpu_step
     from kvflow.bench.machine import save_result
     from kvflow.engine.args import EngineArgs
 

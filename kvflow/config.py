@@ -240,7 +240,7 @@ class DeviceConfig:
     """Never capture CUDA graphs."""
     cpu_step_threads: str = "adaptive"
     """CPU: adaptive (steps of up to 16 tokens run on one torch thread or all of them,
-    whichever measures faster; kvflow/worker/cpu_threads.py) or all (every step on all
+    whichever measures faster; kvflow/cpu/threads.py) or all (every step on all
     threads)."""
     deterministic: bool = False
     """Batch-invariant kernels on the GPU (docs/determinism.md): every row of a step is

@@ -113,7 +113,7 @@ def cpu_compile() -> bool:
 
 
 def cpu_kernels() -> bool:
-    """KVFLOW_CPU_KERNELS=0 keeps kvflow's C++ CPU kernels (kvflow/kernels/cpu/) unused:
+    """KVFLOW_CPU_KERNELS=0 keeps kvflow's C++ CPU kernels (kvflow/cpu/kernels/) unused:
     the torch paths run instead (comparisons, debugging). On by default."""
     return os.environ.get("KVFLOW_CPU_KERNELS", "1") != "0"
 
@@ -130,7 +130,7 @@ def torch_extensions_dir() -> str | None:
 
 
 def cpu_cpp_step() -> bool:
-    """KVFLOW_CPU_CPP_STEP=0 turns off the C++ CPU decode step (worker/cpu_step.py; on by
+    """KVFLOW_CPU_CPP_STEP=0 turns off the C++ CPU decode step (cpu/step.py; on by
     default where it applies; --enforce-eager always keeps it off)."""
     return os.environ.get("KVFLOW_CPU_CPP_STEP", "1") != "0"
 
@@ -138,14 +138,14 @@ def cpu_cpp_step() -> bool:
 def cpu_int4_gemv() -> bool:
     """KVFLOW_CPU_INT4_GEMV=0: the C++ CPU decode step calls GGUF 4-bit linears back into
     Python (the packed aten op on bfloat16) instead of its own float32 GEMV
-    (worker/cpu_int4.cpp), and GGUF layers keep no copy of their weights for it."""
+    (cpu/int4.cpp), and GGUF layers keep no copy of their weights for it."""
     return os.environ.get("KVFLOW_CPU_INT4_GEMV", "1") != "0"
 
 
 def cpu_int8_act() -> bool:
     """KVFLOW_CPU_INT8_ACT=0: the C++ CPU decode step's GGUF GEMV keeps float32
     activations instead of rounding them to int8 per block of 32 for integer dot products
-    (worker/cpu_int4.cpp ``q8_gemv``; used only where the build has its AVX512-VNNI or
+    (cpu/int4.cpp ``q8_gemv``; used only where the build has its AVX512-VNNI or
     AVX2 kernel)."""
     return os.environ.get("KVFLOW_CPU_INT8_ACT", "1") != "0"
 

@@ -1,4 +1,4 @@
-"""The compiled CPU decode step (kvflow/worker/cpu_compile.py): the same greedy tokens as
+"""The compiled CPU decode step (kvflow/cpu/compiled.py): the same greedy tokens as
 eager under batching, chunked prefill and preemption; --enforce-eager and a missing C++
 compiler fall back to eager with a log line. One compiled tiny engine per scenario keeps
 the compile time small (the 2-layer tiny model builds in seconds; the FX graph cache
@@ -14,7 +14,7 @@ from tiny_engine import greedy as _greedy
 from tiny_engine import prompts as _prompts
 from tiny_engine import runner as _runner
 from tiny_engine import tiny as _tiny
-from kvflow.worker import cpu_compile
+from kvflow.cpu import compiled as cpu_compile
 
 
 @pytest.fixture

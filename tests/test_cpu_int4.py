@@ -1,4 +1,4 @@
-"""The C++ decode step's 4-bit GEMVs (kvflow/worker/cpu_int4.cpp) against the dequantized
+"""The C++ decode step's 4-bit GEMVs (kvflow/cpu/int4.cpp) against the dequantized
 float32 weight, at the embedded model's shapes and others, group sizes 32 to 128, 4-bit
 and doubled 8-bit weights: the float32-activation one (1 to 16 rows in one pass, also
 through quant_gemv) and the int8-activation one (q8_gemv, any number of rows, its VNNI kernel and its
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvflow.layers.quantization.packed import Int4Groups, gemv_layout, quantize_int4
-from kvflow.worker import cpu_step
+from kvflow.cpu import step as cpu_step
 
 pytestmark = pytest.mark.skipif(cpu_step.find_compiler() is None,
                                 reason="no C++ compiler to build the step with")

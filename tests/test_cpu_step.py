@@ -1,4 +1,4 @@
-"""The C++ CPU decode step (kvflow/worker/cpu_step.py + cpu_step.cpp): the same greedy
+"""The C++ CPU decode step (kvflow/cpu/step.py + cpu/step.cpp): the same greedy
 tokens as eager under batching, chunked prefill (short chunks run through the C++ step
 as mixed steps) and recompute preemption, in float32 and bfloat16, with int8 and fp8 KV
 caches, with quantized linears called back; the off switches and fallbacks say why in
@@ -19,7 +19,7 @@ from tiny_engine import runner as _runner
 from tiny_engine import tiny as _tiny
 from kvflow.layers.attention import AttentionMetadata
 from kvflow.models import registry
-from kvflow.worker import cpu_step
+from kvflow.cpu import step as cpu_step
 
 pytestmark = pytest.mark.skipif(cpu_step.find_compiler() is None,
                                 reason="no C++ compiler to build the step with")
@@ -167,8 +167,8 @@ def test_a_wrong_step_is_caught_by_the_self_check(caplog, monkeypatch):
         def forward(self, *args):
             return self.step.forward(*args) + 1
 
-    def shifted(self, runner, module):
-        real(self, runner, module)
+    def shifted(self, parts, module):
+        real(self, parts, module)
         self.step = Shifted(self.step)
     monkeypatch.setattr(cpu_step.CppDecodeStep, "__init__", shifted)
     with caplog.at_level(logging.INFO, logger="kvflow"):
@@ -342,7 +342,7 @@ def tiny_gguf(tmp_path_factory):
 
 
 def test_gguf_linears_take_the_int4_gemv(tiny_gguf, monkeypatch):
-    """GGUF 4-bit (and doubled 8-bit) linears run cpu_int4.cpp's GEMV inside the step:
+    """GGUF 4-bit (and doubled 8-bit) linears run cpu/int4.cpp's GEMV inside the step:
     on int8 activations (VNNI builds) close to, with KVFLOW_CPU_INT8_ACT=0 (float32
     activations) the same greedy tokens as the float32 model on the dequantized weights
     (the bfloat16 callback path may differ from both); the switches turn them off."""
@@ -372,6 +372,12 @@ def test_gguf_linears_take_the_int4_gemv(tiny_gguf, monkeypatch):
     monkeypatch.setenv("KVFLOW_CPU_INT4_GEMV", "0")
     off = _runner(LLM(tiny_gguf, **kw)).graphs
     assert off.num_int4 == 0 and off.num_callbacks == 8
+
+    # A GGUF layer makes its copy in the GEMV's layout only when the step asks for it.
+    def copies(model):
+        return sum(getattr(getattr(m, "quant_method", None), "gemv", None) is not None
+                   for m in model.modules())
+    assert copies(step.model) == 9 and copies(off.model) == 0
 
 
 def test_int8_activation_steps_over_16_tokens_stay_in_cpp(tiny_gguf, monkeypatch):

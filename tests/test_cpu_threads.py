@@ -1,4 +1,4 @@
-"""The CPU step thread policy (kvflow/worker/cpu_threads.py) on a fake clock, its use by
+"""The CPU step thread policy (kvflow/cpu/threads.py) on a fake clock, its use by
 the engine, and the exact fast paths of the eager decode layer (rotary, RMSNorm)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.layers.norm import rms_norm_ref
 from kvflow.layers.rotary import apply_rotary, apply_rotary_ref, rotary_tables
-from kvflow.worker import cpu_threads
-from kvflow.worker.cpu_threads import StepThreadPolicy
+from kvflow.cpu import threads as cpu_threads
+from kvflow.cpu.threads import StepThreadPolicy
 
 
 class FakeMachine:

@@ -14,7 +14,7 @@ import pytest
 from kvflow.engine.args import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.sampling_params import SamplingParams
-from kvflow.worker import cpu_step
+from kvflow.cpu import step as cpu_step
 from tiny_gguf import V, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(cpu_step.find_compiler() is None,

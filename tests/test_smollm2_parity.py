@@ -19,7 +19,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from kvflow import LLM, SamplingParams  # noqa: E402
-from kvflow.worker.cpu_step import CppDecodeStep, find_compiler  # noqa: E402
+from kvflow.cpu.step import CppDecodeStep, find_compiler  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))

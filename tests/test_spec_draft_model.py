@@ -12,7 +12,7 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.engine.args import EngineArgs
 from kvflow.errors import InvalidParameterError, ModelNotFoundError
-from kvflow.worker import cpu_step
+from kvflow.cpu import step as cpu_step
 
 # Dummy weights with the target's own seed: the full copy IS the target.
 COPY = {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 2,

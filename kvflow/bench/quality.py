@@ -176,7 +176,7 @@ def run_quality(ns: argparse.Namespace) -> int:
         scorer = _Scorer(method_args(base, m.removesuffix(f"-{gemv}") if gemv else m),
                          ns.context)
         if gemv:
-            from kvflow.worker.cpu_step import use_step_gemv
+            from kvflow.cpu.step import use_step_gemv
 
             use_step_gemv(scorer.model, int8=gemv == "int8act")
         lp = torch.cat([scorer.logprobs(w)[half:-1] for w in wins])

@@ -31,7 +31,7 @@ class Determinism:
 
 
 def _cpu_mode(config: EngineConfig, runner) -> tuple[str, str]:
-    from kvflow.worker.cpu_step import CppDecodeStep
+    from kvflow.cpu.step import CppDecodeStep
 
     graphs = getattr(runner, "graphs", None) if runner is not None else None
     if not isinstance(graphs, CppDecodeStep):

@@ -90,7 +90,7 @@ class InputProcessor:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         self.vocab_size = config.model.arch.vocab_size
-        from kvflow.structured_output.check import DEFAULT_LIMITS
+        from kvflow.structured_output.limits import DEFAULT_LIMITS
 
         # The server replaces these with its --structured-outputs-* limits.
         self.structured_limits = DEFAULT_LIMITS

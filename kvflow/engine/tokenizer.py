@@ -25,7 +25,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from kvflow.errors import InvalidParameterError, KvflowError, ModelLoadError, \
     ModelNotFoundError
 from kvflow.logger import init_logger
-from kvflow.models.gguf_header import read_gguf_header
+from kvflow.models.gguf_header import cached_gguf_header
 
 logger = init_logger(__name__)
 
@@ -113,7 +113,10 @@ class Tokenizer:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ModelNotFoundError(f"GGUF file {path} does not exist")
-        fields = read_gguf_header(path, prefix="tokenizer.", tensors=False).fields
+        # The header the model's architecture and weights were read from (parsed once:
+        # the vocabulary's strings are most of its parse time).
+        fields = {k: v for k, v in cached_gguf_header(path).fields.items()
+                  if k.startswith("tokenizer.")}
         try:
             return cls._from_gguf_fields(fields, path)
         except KvflowError:

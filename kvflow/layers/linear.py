@@ -92,7 +92,7 @@ class UnquantizedLinearMethod(LinearMethod):
         # (kvflow/kernels/gemv_dispatch.py; set after loading, empty off CUDA)
         layer.gemv = NO_GEMV
         # CPU: the C++ step's float32 GEMV (x, weight, bias) -> y for up to 16 rows, set
-        # on a dense lm_head by worker/cpu_step.py once its self-check has passed.
+        # on a dense lm_head by cpu/step.py once its self-check has passed.
         layer.cpu_gemv = None
         # --deterministic on CUDA: the batch-invariant matmul (x, weight, bias) -> y for
         # every row count (kvflow/kernels/batch_invariant.py), set by use_batch_invariant

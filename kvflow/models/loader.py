@@ -15,7 +15,7 @@ from kvflow.config import ModelConfig, torch_dtype
 from kvflow.distributed.parallel_state import GroupCoordinator
 from kvflow.errors import InvalidParameterError, ModelLoadError
 from kvflow.layers.attention import AttentionBackend
-from kvflow.layers.quantization import QuantizationConfig, resolve_quantization
+from kvflow.layers.quantization import QuantizationConfig, layout_cache, resolve_quantization
 from kvflow.logger import init_logger
 from kvflow.models.registry import model_class
 
@@ -130,6 +130,7 @@ def load_model(config: ModelConfig, device: torch.device, backend: AttentionBack
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    layout_cache.log_summary("weights")
     if torch.device(device).type == "cuda":
         from kvflow.kernels.gemv_dispatch import describe
 

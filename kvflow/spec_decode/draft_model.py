@@ -95,7 +95,7 @@ class DraftModelProposer(Proposer):
             num_sms=torch.cuda.get_device_properties(device).multi_processor_count
             if device.type == "cuda" else 1)
         self.attn_builder = backend.metadata_builder(self.attn_spec)
-        # On CPU, the draft's own C++ step (worker/cpu_step.py), built in warmup() when
+        # On CPU, the draft's own C++ step (cpu/step.py), built in warmup() when
         # the target runs one: a draft token then costs what a plain decode step of the
         # draft costs, not an eager forward (~180 aten calls per layer).
         self.cpp_step = None
@@ -132,21 +132,17 @@ class DraftModelProposer(Proposer):
         """On CPU, give the draft the C++ step the target runs (same switches: none when
         the target decodes eagerly), checked against its eager forward like the
         target's; its forwards of up to 64 new tokens per request then run in C++."""
-        from kvflow.worker.cpu_step import CppDecodeStep, cpu_decode_step
+        from kvflow.cpu.parts import StepParts
+        from kvflow.cpu.step import CppDecodeStep, cpu_decode_step
 
         if self.device.type != "cpu" or self.kv_caches is None or \
                 not isinstance(runner.graphs, CppDecodeStep):
             return
-        # What cpu_decode_step reads of a model runner, for the draft.
-        host = SimpleNamespace(
-            config=runner.config, parallel=runner.parallel, model=self.model,
-            kv_caches=self.kv_caches, kv_scales=None, attn_spec=self.attn_spec,
-            block_size=self.block_size,
-            step_builder=SimpleNamespace(attn_builder=self.attn_builder))
-        self.cpp_step = cpu_decode_step(host, label="draft model: ")
-        # The C++ step's builder marks the steps it takes (or, after a failed check, the
-        # builder stays the eager one).
-        self.attn_builder = host.step_builder.attn_builder
+        self.cpp_step = cpu_decode_step(StepParts(
+            self.model, self.attn_builder, self.kv_caches, None, self.attn_spec,
+            runner.config), label="draft model: ")
+        if self.cpp_step is not None:  # its builder marks the steps it takes
+            self.attn_builder = self.cpp_step.attn_builder
 
     def release(self, req_id: str) -> None:
         """The request finished or was preempted: its draft blocks go back."""
@@ -294,7 +290,7 @@ class DraftModelProposer(Proposer):
         last = to_device(qsl[1:] - 1, dev, torch.int64)
 
         # (All intra-op threads: an adaptive thread count of the draft's own, as the
-        # target's steps have (worker/cpu_threads.py), measured 1.4x slower drafts on two
+        # target's steps have (cpu/threads.py), measured 1.4x slower drafts on two
         # cores, switching the thread count twice per draft token.)
         if self.cpp_step is not None and self.cpp_step.can_run(inputs):
             hidden = self.cpp_step.run(inputs)  # [T, hidden]

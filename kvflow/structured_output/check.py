@@ -10,41 +10,17 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 
 # Imported with this module (at server start): a first import takes seconds, which the
 # first constrained request must not pay before its 400.
 import xgrammar as xgr
 
 from kvflow.errors import InvalidParameterError
+from kvflow.structured_output.limits import DEFAULT_LIMITS, ConstraintLimits
 from kvflow.sampling_params import StructuredOutputsParams
 
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: ".
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
-
-
-@dataclass(frozen=True)
-class ConstraintLimits:
-    """How large a constraint may be; past these a request gets a 400."""
-
-    max_chars: int = 100_000
-    """Longest schema (as compact JSON), regex or grammar text, in characters."""
-    max_depth: int = 32
-    """Deepest nesting of a JSON schema's objects and lists."""
-    max_nodes: int = 10_000
-    """Most JSON values in a schema (every object, list, string, number counted)."""
-    max_enum: int = 2_000
-    """Most values in one ``enum`` and choices in ``choice``."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_chars", "max_depth", "max_nodes", "max_enum"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise InvalidParameterError(f"{name} must be an integer >= 1, got {value!r}",
-                                            param=name)
-
-
-DEFAULT_LIMITS = ConstraintLimits()
 
 
 def _refuse(param: str, message: str) -> None:

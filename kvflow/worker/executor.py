@@ -54,15 +54,6 @@ def set_rank_threads(config: EngineConfig) -> None:
     torch.set_num_threads(max(1, cores // config.parallel.ranks_per_node))
 
 
-def initialize_rank(runner: ModelRunner) -> int:
-    """Size the KV cache (the fewest blocks any rank can hold), allocate it, warm up.
-    Every rank calls this in the same order: it contains collectives."""
-    num_blocks = runner.parallel.world.min_int(runner.determine_num_blocks())
-    runner.init_kv_cache(num_blocks)
-    runner.warmup()
-    return num_blocks
-
-
 def _check_torchrun_rank0() -> None:
     from kvflow.distributed.torchrun import torchrun_rank
 
@@ -138,12 +129,9 @@ class Executor:
     def initialize(self) -> int:
         """Size and allocate the KV cache; returns the number of blocks."""
         if self.state is None:
-            num_blocks = self.runner.determine_num_blocks()
-            self.runner.init_kv_cache(num_blocks)
-            self.runner.warmup()
-            return num_blocks
+            return self.runner.initialize()
         try:
-            return initialize_rank(self.runner)
+            return self.runner.initialize()
         except Exception as e:
             try:
                 self._fail(e)

@@ -22,15 +22,15 @@ from kvflow.models.loader import load_model
 from kvflow.utils import cdiv
 from kvflow.worker import kv_cache
 from kvflow.worker.block_table import DeviceBlockTable
-from kvflow.worker.cpu_threads import StepThreadPolicy
+from kvflow.cpu.threads import StepThreadPolicy
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.step_builder import StepBuilder
 from kvflow.worker.step_inputs import StepHostOutputs, StepInputs
 from kvflow.worker.transfer import to_device, to_host_async
 
 if TYPE_CHECKING:
-    from kvflow.worker.cpu_compile import CpuCompiledStep
-    from kvflow.worker.cpu_step import CppDecodeStep
+    from kvflow.cpu.compiled import CpuCompiledStep
+    from kvflow.cpu.step import CppDecodeStep
     from kvflow.worker.cuda_graphs import CudaGraphRunner
 
 logger = init_logger(__name__)
@@ -136,7 +136,7 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | CpuCompiledStep | CppDecodeStep | None = None
         self.idle_meter = None  # a GpuIdleMeter while a benchmark measures GPU idle time
         # CPU: small steps run on one thread or all of them, whichever measures faster
-        # (worker/cpu_threads.py); made at the first step, when the thread count is set.
+        # (cpu/threads.py); made at the first step, when the thread count is set.
         self.thread_policy: StepThreadPolicy | None = None
         # Ranks of a parallel group keep the thread count set_rank_threads gave them.
         # Constrained decoding: the rank that samples keeps the matchers; None elsewhere.
@@ -147,6 +147,15 @@ class ModelRunner:
                                   and self.parallel.world.world_size == 1)
 
     # --- KV cache ---------------------------------------------------------------
+    def initialize(self) -> int:
+        """Size the KV cache (the fewest blocks any rank can hold), allocate it, warm up;
+        returns the number of blocks. Every rank calls this in the same order: it contains
+        collectives (none on one rank)."""
+        num_blocks = self.parallel.world.min_int(self.determine_num_blocks())
+        self.init_kv_cache(num_blocks)
+        self.warmup()
+        return num_blocks
+
     def determine_num_blocks(self) -> int:
         cfg = self.config
         if cfg.cache.num_blocks_override is not None:
@@ -180,7 +189,7 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """Compile kernels and capture CUDA graphs before serving; on CPU, build the C++
-        decode step (worker/cpu_step.py) or the opt-in compiled one (cpu_compile.py).
+        decode step (cpu/step.py) or the opt-in compiled one (cpu/compiled.py).
         LoRA wraps its layers after the C++ step (steps without adapter rows still take
         it) and before the CUDA graphs (which then hold the LoRA kernels)."""
         self._warmup()
@@ -194,9 +203,14 @@ class ModelRunner:
                 logger.info("compiled CPU decode step off with %d ranks",
                             self.parallel.world.world_size)
                 return
-            from kvflow.worker.cpu_step import cpu_decode_step
+            from kvflow.cpu.parts import StepParts
+            from kvflow.cpu.step import cpu_decode_step
 
-            self.graphs = cpu_decode_step(self)
+            self.graphs = cpu_decode_step(StepParts(
+                self.model, self.step_builder.attn_builder, self.kv_caches, self.kv_scales,
+                self.attn_spec, self.config))
+            if self.graphs is not None:  # it marks the steps it takes
+                self.step_builder.attn_builder = self.graphs.attn_builder
             if self.spec is not None:  # a draft model builds a C++ step of its own
                 self.spec.warmup(self)
             return

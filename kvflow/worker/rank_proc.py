@@ -37,7 +37,7 @@ def run_torchrun_rank(config, tr) -> int:
 def run_rank(config, rank: int, local_rank: int, port: int) -> int:
     from kvflow.distributed import destroy_parallel_state, init_parallel_state
     from kvflow.distributed.messages import ExecuteStep, Setup, broadcast_message
-    from kvflow.worker.executor import initialize_rank, rank_config, set_rank_threads
+    from kvflow.worker.executor import rank_config, set_rank_threads
     from kvflow.worker.model_runner import ModelRunner
 
     set_rank_threads(config)
@@ -51,7 +51,7 @@ def run_rank(config, rank: int, local_rank: int, port: int) -> int:
             raise RuntimeError("this node's --tensor/--pipeline-parallel-size disagree with "
                                "node 0's")
         runner = ModelRunner(rank_config(setup.config, rank, local_rank), state)
-        initialize_rank(runner)
+        runner.initialize()
         prev = None
         while True:
             msg = broadcast_message(state.control, None)

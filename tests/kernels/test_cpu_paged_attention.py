@@ -1,4 +1,4 @@
-"""The C++ CPU decode attention (kernels/cpu/paged_attention.cpp) against the reference
+"""The C++ CPU decode attention (cpu/kernels/paged_attention.cpp) against the reference
 over the same quantized values: float32, int8 and fp8 caches at several head counts,
 GQA ratios, head dims, block sizes, partial last blocks and scattered block tables;
 through the torch backend on mixed steps; and the fallback when it cannot be built."""
@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-from kvflow.kernels.cpu import build
-from kvflow.kernels.cpu import paged_attention as pa
+from kvflow.cpu.kernels import build
+from kvflow.cpu.kernels import paged_attention as pa
 from kvflow.layers.attention import AttentionMetadata, AttentionSpec
 from kvflow.layers.attention.kv_quant import (KVQuant, dequantize_cache, quantize_fp8,
                                              quantize_int8, storage_dtype)
@@ -193,7 +193,7 @@ def fresh_build(monkeypatch, tmp_path):
 
 def test_no_compiler_falls_back_to_the_torch_path(fresh_build, monkeypatch, caplog):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    with caplog.at_level(logging.INFO, logger="kvflow.kernels.cpu.build"):
+    with caplog.at_level(logging.INFO, logger="kvflow.cpu.kernels.build"):
         assert not pa.available()
     assert "no C++ compiler found" in caplog.text
     # The backend plans the torch decode path and still matches the reference.
@@ -205,7 +205,7 @@ def test_no_compiler_falls_back_to_the_torch_path(fresh_build, monkeypatch, capl
 
 def test_switched_off_by_environment(fresh_build, monkeypatch, caplog):
     monkeypatch.setenv("KVFLOW_CPU_KERNELS", "0")
-    with caplog.at_level(logging.INFO, logger="kvflow.kernels.cpu.build"):
+    with caplog.at_level(logging.INFO, logger="kvflow.cpu.kernels.build"):
         assert not pa.available()
     assert "KVFLOW_CPU_KERNELS=0" in caplog.text
 
@@ -213,7 +213,7 @@ def test_switched_off_by_environment(fresh_build, monkeypatch, caplog):
 @needs_kernel
 def test_failed_build_is_logged_and_falls_back(fresh_build, monkeypatch, caplog):
     monkeypatch.setattr(build, "FLAGS", [*build.FLAGS, "-fno-such-flag-kvflow"])
-    with caplog.at_level(logging.INFO, logger="kvflow.kernels.cpu.build"):
+    with caplog.at_level(logging.INFO, logger="kvflow.cpu.kernels.build"):
         assert not pa.available()
     assert "could not be built" in caplog.text
     assert not list(fresh_build.glob("kvflow/*.so"))
@@ -221,7 +221,7 @@ def test_failed_build_is_logged_and_falls_back(fresh_build, monkeypatch, caplog)
 
 @needs_kernel
 def test_built_once_then_loaded_from_the_cache(fresh_build, monkeypatch, caplog):
-    with caplog.at_level(logging.INFO, logger="kvflow.kernels.cpu.build"):
+    with caplog.at_level(logging.INFO, logger="kvflow.cpu.kernels.build"):
         assert pa.available()
         monkeypatch.setattr(build, "_loaded", {})  # as a new process would
         assert pa.available()

@@ -1,4 +1,4 @@
-"""The C++ per-token int8 quantization of decode activations (kernels/cpu/quant_rows.cpp)
+"""The C++ per-token int8 quantization of decode activations (cpu/kernels/quant_rows.cpp)
 gives the torch reference's bytes and scales exactly, and the W8A8 path takes it for a
 few float32 rows only."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.kernels.cpu import quant_rows
+from kvflow.cpu.kernels import quant_rows
 from kvflow.layers.quantization import int8_gemm
 
 needs_kernel = pytest.mark.skipif(not quant_rows.available(), reason="no C++ compiler")

@@ -3,7 +3,7 @@
 ``paged_attention_ref`` is the plain definition (one request at a time, float32 math).
 ``TorchAttentionBackend`` computes the same thing faster: all decode tokens in one
 batched call over their gathered contexts, then one SDPA call per prefill chunk. On CPU
-(float32 models) the decodes instead run the C++ kernel ``kernels/cpu/paged_attention``,
+(float32 models) the decodes instead run the C++ kernel ``cpu/kernels/paged_attention``,
 which reads the float32/int8/fp8 blocks in place; the gather path is its fallback.
 """
 
@@ -122,7 +122,7 @@ def use_cpu_decode_kernel(spec: AttentionSpec) -> bool:
     could be built; else (no compiler, KVFLOW_CPU_KERNELS=0, GPU, bf16) the torch path."""
     if spec.device.type != "cpu" or spec.dtype != torch.float32:
         return False
-    from kvflow.kernels.cpu import paged_attention
+    from kvflow.cpu.kernels import paged_attention
 
     return paged_attention.available()
 
@@ -166,7 +166,7 @@ class TorchAttentionPlan:
     decodes: list[tuple[slice, tuple, torch.Tensor | None]]
     # Prefill chunks: (start, end, how to read the cached context or None, mask, causal).
     prefills: list[tuple[int, int, tuple | None, torch.Tensor | None, bool]]
-    # The decodes go through the C++ CPU kernel (kernels/cpu/paged_attention.cpp),
+    # The decodes go through the C++ CPU kernel (cpu/kernels/paged_attention.cpp),
     # which reads the cache blocks in place; then decode_order/decodes are unused.
     decode_kernel: bool = False
 
@@ -176,7 +176,7 @@ class PaddedDecodePlan:
     """An all-decode step read through whole block-table rows, made of tensors only.
 
     Every shape follows the batch size B and the table width W and no Python number
-    depends on them, so a compiled layer (worker/cpu_compile.py) traces this path once
+    depends on them, so a compiled layer (cpu/compiled.py) traces this path once
     for any batch size and context length. Same math as the grouped decode path.
     """
 
@@ -334,7 +334,7 @@ class TorchAttentionBackend:
                        scale: float, quant: KVQuant | None) -> torch.Tensor:
         """The step's decodes (requests 0..nd-1) through the C++ kernel, straight from
         the (quantized) cache blocks. q [nd, H, D] -> [nd, H, D]."""
-        from kvflow.kernels.cpu.paged_attention import paged_decode, supports
+        from kvflow.cpu.kernels.paged_attention import paged_decode, supports
 
         nd = q.shape[0]
         if not supports(q.dtype, kv_cache.dtype, q.device, q.shape[-1]):

@@ -18,11 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow import envs
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import LinearBase, LinearMethod
 from kvflow.layers.quantization import ggml_blocks as gb
-from kvflow.layers.quantization import gpu
+from kvflow.layers.quantization import gpu, layout_cache
 from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, flatten_tokens,
                                                gemv_layout, int4_mm, q8_layout,
                                                refine_top_logits)
@@ -124,7 +123,7 @@ class GGUFLinearMethod(LinearMethod):
     """0: ``gemv`` is for float32 activations; 4 or 8: for int8 ones (weights of 4 or 8
     bits, ``q8_gemv``), the ``kind`` of the C++ ``quant_gemv``."""
     run_gemv_any_rows = False
-    """``run_gemv`` takes any number of rows (cpu_step.use_step_gemv), not only 16."""
+    """``run_gemv`` takes any number of rows (cpu/step.py use_step_gemv), not only 16."""
     head = False
     """Set with ``run_gemv`` on an lm_head (whose top logits are then refined)."""
     refine_gemv = None
@@ -136,10 +135,22 @@ class GGUFLinearMethod(LinearMethod):
     def to_int8_activations(self) -> bool:
         """Switch ``gemv`` to the int8-activation layout (once; whether it now has it)."""
         if self.gemv is not None and self.gemv_kind == 0:
-            q8 = q8_layout(*self.gemv, self.group, self.doubled)
+            name = None if self.layout_src is None else layout_cache.key("gguf-q8",
+                                                                         self.layout_src)
+            hit = None if name is None else layout_cache.get(name, ("blocks",))
+            if hit is not None and hit[1].get("bits") in ("4", "8"):
+                q8 = hit[0]["blocks"], int(hit[1]["bits"])
+            else:
+                q8 = q8_layout(*self.gemv, self.group, self.doubled)
+                if q8 is not None and name is not None:
+                    layout_cache.put(name, {"blocks": q8[0]}, {"bits": str(q8[1])})
             if q8 is not None:  # (blocks, unused): quant_gemv takes two tensors
                 self.gemv, self.gemv_kind = (q8[0], torch.empty(0)), q8[1]
         return self.gemv_kind != 0
+
+    layout_src: str | None = None
+    """The layout cache's key of this layer's source (its GGML blocks, or the tied
+    embedding's), None when its layouts are not cached (dense, GPU)."""
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -148,16 +159,37 @@ class GGUFLinearMethod(LinearMethod):
             _placeholders(layer, lambda p, w, shard=None: _record(layer, p, w, shard))
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
+        cpu = self.device.type == "cpu"
         if self._tied:
-            weight, _ = self._tied[0].quant_method.source(self._tied[0])
+            emb = self._tied[0]
+            src = getattr(emb.quant_method, "layout_src", None)
+            src = None if src is None or not cpu else layout_cache.key("gguf-tied-head", src)
+
+            def convert():
+                return emb.quant_method.source(emb)
         else:
             shards = layer.shard_ids if len(layer.output_sizes) > 1 else [None]
             parts = [_shard(layer, s, n, layer.input_size)
                      for s, n in zip(shards, layer.output_sizes)]
-            weight, layer.gguf_types = _convert(parts, layer.input_size)
+            cols = layer.input_size
             del layer.qweight, layer.qweight_type, layer._gguf_shards
+            dense = all(t in gb.DENSE_TYPES for t, _ in parts)
+            src = None if dense or not cpu else layout_cache.key(
+                "gguf-linear", cols, *[x for p in parts for x in p])
+
+            def convert():  # the blocks stay the file's mapped pages until then
+                return _convert(parts, cols)
+        self.layout_src = src
+        # What make_gemv_layout converts again if a CPU step asks for its layout.
+        self._source = convert if cpu else None
+        if src is not None and self._cached(layer, src):
+            return
+        weight, types = convert()
+        if not self._tied:
+            layer.gguf_types = types
         if isinstance(weight, torch.Tensor):
             self.packed = None
+            self._source = None
             set_param(layer, "weight", weight.to(self.device, self.dtype))
             return
         if gpu.use_triton(self.device):
@@ -167,12 +199,52 @@ class GGUFLinearMethod(LinearMethod):
         packed = PackedInt4(weight)
         self.group, self.doubled = packed.group, packed.doubled
         self.packed = True
-        # The C++ decode step's own 4-bit GEMV reads this copy (float32 activations, no
-        # call back into Python); a tied head runs it from here once the step is up.
-        self.gemv = gemv_layout(weight) if (envs.cpu_cpp_step() and envs.cpu_int4_gemv()
-                                            ) else None
         for name, t in packed.tensors().items():
             set_param(layer, name, t)
+        if src is not None:
+            layout_cache.put(src, packed.tensors(), {"group": str(self.group),
+                                                     "doubled": str(int(self.doubled)),
+                                                     "types": ",".join(types)})
+
+    def make_gemv_layout(self) -> bool:
+        """Describe this layer to the C++ CPU step's 4-bit GEMV: make (once) ``gemv``, a
+        copy of the weight in that GEMV's layout (``packed.gemv_layout``), from the
+        layout cache or from the layer's GGML blocks. Whether the layer has one (none:
+        dense, on the GPU, or a group the GEMV cannot read). The step asks at its
+        warm-up; an engine without the step keeps no copy."""
+        if self.gemv is not None:
+            return True
+        source, self._source = getattr(self, "_source", None), None  # asked once
+        if not self.packed or self.triton is not None or source is None:
+            return False
+        name = None if self.layout_src is None else layout_cache.key("gguf-gemv",
+                                                                     self.layout_src)
+        hit = None if name is None else layout_cache.get(name, ("values", "scale_bias"))
+        if hit is not None:
+            self.gemv = hit[0]["values"], hit[0]["scale_bias"]
+            return True
+        self.gemv = gemv_layout(source()[0])
+        if self.gemv is not None and name is not None:
+            layout_cache.put(name, {"values": self.gemv[0], "scale_bias": self.gemv[1]})
+        return self.gemv is not None
+
+    def _cached(self, layer: LinearBase, src: str) -> bool:
+        """Take the packed weights from the layout cache; whether it had them."""
+        hit = layout_cache.get(src, ("qweight", "scales_and_zeros"))
+        if hit is None:
+            return False
+        tensors, meta = hit
+        try:
+            self.group, self.doubled = int(meta["group"]), bool(int(meta["doubled"]))
+            types = meta["types"].split(",")
+        except (KeyError, ValueError):
+            return False  # written by another kind of entry: repack
+        self.packed = True
+        if not self._tied:
+            layer.gguf_types = types
+        for name, t in tensors.items():
+            set_param(layer, name, t)
+        return True
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         if not self.packed:
@@ -215,12 +287,25 @@ class GGUFEmbeddingMethod:
         self.device = torch.empty(0).device  # the model is built under torch.device(...)
         _placeholders(layer, lambda p, w, shard=None: _record(layer, p, w, shard))
 
+    layout_src: str | None = None
+    """The layout cache's key of the table's GGML blocks (CPU, quantized), else None."""
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # A vocabulary-parallel table holds its slice of the rows (num_rows, padded).
         rows = getattr(layer, "num_rows", layer.vocab_size)
         part = _shard(layer, None, rows, layer.hidden_size)
-        weight, layer.gguf_types = _convert([part], layer.hidden_size)
         del layer.qweight, layer.qweight_type, layer._gguf_shards
+        if part[0] not in gb.DENSE_TYPES and self.device.type == "cpu":
+            self.layout_src = layout_cache.key("gguf-embedding", layer.hidden_size, *part)
+            hit = layout_cache.get(self.layout_src, ("qvalues", "qscale", "qzero"))
+            if hit is not None and {"group", "doubled", "types"} <= hit[1].keys():
+                tensors, meta = hit
+                self.group, self.doubled = int(meta["group"]), bool(int(meta["doubled"]))
+                layer.gguf_types = meta["types"].split(",")
+                for name, t in tensors.items():
+                    set_param(layer, name, t)
+                return
+        weight, layer.gguf_types = _convert([part], layer.hidden_size)
         if isinstance(weight, torch.Tensor):
             self.doubled = None
             set_param(layer, "weight", weight.to(self.device, self.dtype))
@@ -231,6 +316,11 @@ class GGUFEmbeddingMethod:
             self.device))
         set_param(layer, "qscale", weight.scale.to(self.device))
         set_param(layer, "qzero", weight.zero.to(self.device))
+        if self.layout_src is not None:
+            layout_cache.put(self.layout_src, {"qvalues": layer.qvalues, "qscale": layer.qscale,
+                                               "qzero": layer.qzero},
+                             {"group": str(self.group), "doubled": str(int(self.doubled)),
+                              "types": ",".join(layer.gguf_types)})
 
     def _groups(self, layer: nn.Module, rows: torch.Tensor | None = None) -> Int4Groups:
         packed = layer.qvalues if rows is None else layer.qvalues[rows]

@@ -28,9 +28,9 @@ def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int8 [M, K], float32 scales [M]): one symmetric scale per row (a
     weight's output channel, an activation's token), round to nearest even. A few
     float32 rows on CPU (decode activations) take one C call
-    (``kernels/cpu/quant_rows.cpp``, the same bytes); the rest the torch ops below."""
+    (``cpu/kernels/quant_rows.cpp``, the same bytes); the rest the torch ops below."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= 16:
-        from kvflow.kernels.cpu import quant_rows
+        from kvflow.cpu.kernels import quant_rows
 
         if quant_rows.supports(x):
             return quant_rows.quantize_int8_rows(x)

@@ -124,7 +124,7 @@ class PackedInt4:
 
 
 def gemv_layout(w: Int4Groups) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``w`` in the layout of the C++ step's 4-bit GEMV (kvflow/worker/cpu_int4.cpp):
+    """``w`` in the layout of the C++ step's 4-bit GEMV (kvflow/cpu/int4.cpp):
     (values int32 [N, K2 / 8], scale_bias float32 [N, K2 / group, 2]). Per block of 64
     inputs, word i holds input 8j + i in bits 4j..4j+3; the weight is ``v * scale + bias``
     (bias = zero - 8 scale). None when the group is not a multiple of 32 or K2 not of 64
@@ -148,7 +148,7 @@ def gemv_layout(w: Int4Groups) -> tuple[torch.Tensor, torch.Tensor] | None:
 def q8_layout(q: torch.Tensor, sb: torch.Tensor, group: int, doubled: bool
               ) -> tuple[torch.Tensor, int] | None:
     """``gemv_layout``'s (values, scale_bias) converted for the C++ step's int8-activation
-    GEMV (``q8_gemv`` in kvflow/worker/cpu_int4.cpp): (blocks uint8 [N, K / 64 * B], bits).
+    GEMV (``q8_gemv`` in kvflow/cpu/int4.cpp): (blocks uint8 [N, K / 64 * B], bits).
     Per block of 64 inputs, B bytes: the values, then (scale, bias) of its two halves of
     32 in float16 (w = u * scale + bias). 4-bit (B = 40): byte i holds value i (low
     nibble) and i + 32 (high); a doubled 8-bit weight whose high half's scales are 16x

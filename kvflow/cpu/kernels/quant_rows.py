@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-from kvflow.kernels.cpu import build
+from kvflow.cpu.kernels import build
 
 MAX_ROWS = 16  # beyond, torch's vectorized ops cost about the same as one call here
 
@@ -43,7 +43,7 @@ def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lib = _library()
     if lib is None:
         raise RuntimeError("the C++ int8 row quantization is not available "
-                           "(check kernels.cpu.quant_rows.supports() first)")
+                           "(check cpu.kernels.quant_rows.supports() first)")
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.int8)
     s = torch.empty(m, dtype=torch.float32)

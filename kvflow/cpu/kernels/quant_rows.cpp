@@ -9,7 +9,7 @@
 // q = clamp(round_half_even(x * inv), -127, 127); scale = 1 / inv. Built with
 // -ffp-contract=off (build.py), so nothing fuses into a different rounding.
 //
-// Plain C ABI (ctypes, kernels/cpu/quant_rows.py), no torch headers.
+// Plain C ABI (ctypes, cpu/kernels/quant_rows.py), no torch headers.
 
 #include <cmath>
 #include <cstdint>

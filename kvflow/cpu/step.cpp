@@ -6,7 +6,7 @@
 // RMSNorm, QKV projection, rotary, paged cache write, paged attention over the block
 // tables, o_proj, residual adds, post-norm, gate_up, SiLU-mul and down projection.
 // Float32, int8 and fp8 KV caches are written (quantized as kv_quant.py does) and read
-// by kernels/cpu/paged_attention.h, the eager decodes' kernel; bf16/fp16 caches by the
+// by cpu/kernels/paged_attention.h, the eager decodes' kernel; bf16/fp16 caches by the
 // loop in attention() below.
 //
 // The weights are handed over once (DecodeStep's constructor); per step only the small
@@ -48,11 +48,11 @@
 
 // The paged attention kernel the torch backend's decodes also run (float32, int8 and
 // fp8 caches read in place): one copy of that code, compiled into both libraries.
-#include "../kernels/cpu/paged_attention.h"
+#include "kernels/paged_attention.h"
 
 namespace py = pybind11;
 
-namespace kvflow {  // cpu_int4.cpp
+namespace kvflow {  // cpu/int4.cpp
 void int4_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sb, int64_t group,
                bool doubled, at::Tensor& y);
 bool int4_gemv_simd();
@@ -70,7 +70,7 @@ constexpr int64_t kMaxGemvRows = 16;
 namespace {
 
 // A linear layer: a dense weight [N, K] (+ bias [N]) or a Python callable x -> y; a
-// 4-bit layer may also hand its weights over for cpu_int4.cpp's GEMV (up to 16 rows on
+// 4-bit layer may also hand its weights over for cpu/int4.cpp's GEMV (up to 16 rows on
 // float32 activations, any number on int8 ones).
 struct Linear {
   at::Tensor weight;
@@ -822,7 +822,7 @@ class DecodeStep {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "kvflow's C++ CPU decode step (kvflow/worker/cpu_step.py)";
+  m.doc() = "kvflow's C++ CPU decode step (kvflow/cpu/step.py)";
   py::class_<DecodeStep>(m, "DecodeStep")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<py::object>,
                     std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
@@ -838,7 +838,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     at::Tensor y = at::empty({x.size(0), q.size(0)}, x.options());
     kvflow::int4_gemv(x, q, sb, group, doubled, y);
     return y;
-  }, "cpu_int4.cpp's GEMV: x [M <= 16, K] float32 -> [M, N] float32 (for tests)");
+  }, "cpu/int4.cpp's GEMV: x [M <= 16, K] float32 -> [M, N] float32 (for tests)");
   m.def("int4_gemv_simd", &kvflow::int4_gemv_simd);
   m.def("linear_f32", [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
     TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) &&
@@ -865,7 +865,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
     kvflow::q8_gemv(x, w, bits, simd, y);
     return y;
-  }, "cpu_int4.cpp's int8-activation GEMV; simd False: the plain loops (for tests)");
+  }, "cpu/int4.cpp's int8-activation GEMV; simd False: the plain loops (for tests)");
   m.def("q8_gemv_simd", &kvflow::q8_gemv_simd);
   m.def("q8_gemv_isa", &kvflow::q8_gemv_isa, "the SIMD kernel q8_gemv runs: 'AVX512-VNNI', "
         "'AVX2', or '' (plain loops)");

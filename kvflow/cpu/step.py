@@ -1,4 +1,4 @@
-"""The C++ CPU decode step: all decoder layers of a step in one call (cpu_step.cpp).
+"""The C++ CPU decode step: all decoder layers of a step in one call (cpu/step.cpp).
 
 On CPU a decode step of a small model is host work: eager PyTorch issues ~180 aten calls
 per layer, each a microsecond or more of Python and dispatcher time. The C++ step runs
@@ -13,7 +13,7 @@ step only the step tensors cross. A linear layer kept quantized by its method (G
 int8, int4 ...) is called back in Python with its activations, so every model of the
 Llama family on one rank can use the step. Float32, int8 and fp8 KV caches are written
 (quantized exactly as ``kv_quant.py`` does) and read by the paged attention kernel the
-eager decodes run (``kernels/cpu/paged_attention.h``), which also applies a Medusa
+eager decodes run (``cpu/kernels/paged_attention.h``), which also applies a Medusa
 verification step's tree masks; layers with q/k norms (Qwen3) and tensor/pipeline
 parallelism keep the eager path.
 
@@ -28,32 +28,33 @@ self-check.
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import os
-import shutil
-import sys
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from kvflow import envs
-from kvflow.layers.attention import AttentionMetadata, Attention
+from kvflow.cpu import verdict as cpu_verdict
+from kvflow.cpu.kernels import build
+from kvflow.cpu.kernels.build import find_compiler
+from kvflow.cpu.parts import StepParts
+from kvflow.errors import KvflowError
+from kvflow.layers.attention import Attention, AttentionMetadata
 from kvflow.layers.attention.metadata import TreeAttention
 from kvflow.layers.attention.kv_quant import keep_cache_values
 from kvflow.layers.linear import UnquantizedLinearMethod
+from kvflow.layers.quantization import layout_cache
 from kvflow.logger import init_logger
 from kvflow.spec_decode.tree import DraftTree
 from kvflow.worker.step_inputs import StepInputs
 
 logger = init_logger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_step.cpp")
-SOURCES = [SOURCE, Path(__file__).with_name("cpu_int4.cpp")]  # + the 4-bit GEMV
-# Included by cpu_step.cpp: the paged attention kernel the eager decodes run too.
-HEADERS = [Path(__file__).parent.parent / "kernels" / "cpu" / "paged_attention.h"]
+SOURCE = Path(__file__).with_name("step.cpp")
+SOURCES = [SOURCE, Path(__file__).with_name("int4.cpp")]  # + the 4-bit GEMV
+# Included by step.cpp: the paged attention kernel the eager decodes run too.
+HEADERS = [Path(__file__).parent / "kernels" / "paged_attention.h"]
 EXTENSION = "kvflow_cpu_step"
 # -ffp-contract=off: no fused multiply-adds, so element-wise math rounds like eager ops.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
@@ -70,8 +71,6 @@ GEMV_TOLERANCE = 5e-2
 # order one.
 WRITE_TOLERANCE = 3e-1
 
-_module = None  # the loaded extension, once per process
-
 
 class CppStepPlan:
     """``meta.backend`` of a step the C++ step runs: nothing is planned in Python (the
@@ -81,108 +80,25 @@ class CppStepPlan:
 CPP_PLAN = CppStepPlan()
 
 
-def find_compiler() -> str | None:
-    """The C++ compiler ``torch.utils.cpp_extension`` builds with (CXX, else c++)."""
-    return shutil.which(envs.cxx() or "c++")
-
-
-def _ninja_on_path() -> None:
-    """cpp_extension runs ``ninja`` from PATH; the pip package (a dependency) installs it
-    beside the interpreter, which is not on PATH when the venv is not activated."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return  # cpp_extension then raises, and the engine decodes eagerly
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
 def load_extension():
-    """Build (first time) or load the extension; returns (module, seconds)."""
-    global _module
-    if _module is not None:
-        return _module, 0.0
-    from torch.utils import cpp_extension
-
-    start = time.perf_counter()
-    _ninja_on_path()
-    build_dir = build_root()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    # cpp_extension's own lock is a file that a build killed midway leaves behind (and
-    # the next start would wait on forever); an flock dies with its process, and whoever
-    # holds it may remove such a leftover.
-    with open(build_dir / "kvflow.flock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        sources = _copy_sources(build_dir)
-        fresh = not (build_dir / f"{EXTENSION}.so").exists()
-        if fresh:
-            logger.info("building the C++ CPU decode step once for this environment (a "
-                        "minute or two; later starts load it) in %s", build_dir)
-        _module = cpp_extension.load(name=EXTENSION, sources=[str(p) for p in sources],
-                                     extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                                     build_directory=str(build_dir), verbose=False)
-    seconds = time.perf_counter() - start
-    if fresh:
-        logger.info("built the C++ CPU decode step in %.1f s", seconds)
-    return _module, seconds
-
-
-def _copy_sources(build_dir: Path) -> list[Path]:
-    """The sources, copied into the build folder (their layout kept) so that the
-    generated build.ninja names the same files whichever checkout holds kvflow: ninja
-    rebuilds whenever build.ninja changes, so two checkouts of the same source that
-    built from their own paths would rebuild each other's library on every start."""
-    pkg = Path(__file__).resolve().parent.parent
-    out = []
-    for path in SOURCES + HEADERS:
-        dest = build_dir / "src" / path.resolve().relative_to(pkg)
-        data = path.read_bytes()
-        if not dest.exists() or dest.read_bytes() != data:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_suffix(dest.suffix + ".tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, dest)  # the hash in the folder name says the content is equal
-        if path in SOURCES:
-            out.append(dest)
-    return out
+    """Build (first time) or load the C++ step; returns (module, seconds)."""
+    return build.load_extension(EXTENSION, SOURCES, HEADERS, CFLAGS,
+                                "the C++ CPU decode step")
 
 
 def build_root() -> Path:
-    """This source's build folder in torch's extension cache. Its name carries a hash of
-    the source, the flags, torch's version and the CPU's feature flags (-march=native):
-    ninja alone compares times, so another checkout's older but different copy, or a
-    cache shared with another CPU, would load a library built from something else. The
-    torch and Python installation count too (see the comment below); the checkout does
-    not (the build reads copies of the sources, see ``_copy_sources``)."""
-    import hashlib
-
-    from torch.utils import cpp_extension
-
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS))
-    key.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
-    # The environment: build.ninja names torch's and Python's include folders, so two
-    # virtual environments (even with the same torch version) need folders of their own
-    # or each start would rebuild the other's library.
-    key.update(os.path.dirname(torch.__file__).encode() + sys.prefix.encode())
-    try:
-        with open("/proc/cpuinfo") as f:
-            key.update(next((line for line in f if line.startswith("flags")), "").encode())
-    except OSError:
-        pass
-    return Path(cpp_extension.get_default_build_root()) / f"{EXTENSION}-{key.hexdigest()[:12]}"
+    """The C++ step's build folder (``build.extension_dir``)."""
+    return build.extension_dir(EXTENSION, SOURCES + HEADERS, CFLAGS)
 
 
-def why_unsupported(runner) -> str | None:
-    """Why this engine's model cannot run the C++ step (None: it can)."""
-    if runner.parallel.world.world_size > 1:
-        return f"{runner.parallel.world.world_size} ranks"
-    quants = {m.kv_quant.kind for m in runner.model.modules()
+def why_unsupported(model: nn.Module, kv_caches: torch.Tensor) -> str | None:
+    """Why this model and cache cannot run the C++ step (None: it can). The caller runs
+    it on one rank only."""
+    quants = {m.kv_quant.kind for m in model.modules()
               if isinstance(m, Attention) and m.kv_quant is not None}
     if len(quants) > 1:
         return "KV caches quantized in different ways"
-    inner = getattr(runner.model, "model", None)
+    inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "norm") or not hasattr(inner, "embed_tokens"):
         return "not a Llama-family decoder stack"
@@ -190,7 +106,7 @@ def why_unsupported(runner) -> str | None:
     from kvflow.layers.moe import FusedMoE
     from kvflow.models.llama import LlamaDecoderLayer
 
-    if any(isinstance(m, FusedMoE) for m in runner.model.modules()):
+    if any(isinstance(m, FusedMoE) for m in model.modules()):
         return "mixture-of-experts layers (the eager path reads the routed experts)"
 
     for layer in layers:
@@ -200,14 +116,14 @@ def why_unsupported(runner) -> str | None:
         if hasattr(layer.self_attn, "q_norm"):
             return "q/k norms"
     if quants:  # int8 / fp8: written and read by the shared paged kernel
-        head_dim = runner.kv_caches.shape[-1]  # [L, 2, NB, BS, KVH, D]
+        head_dim = kv_caches.shape[-1]  # [L, 2, NB, BS, KVH, D]
         if head_dim % 8:
             return f"{quants.pop()} KV cache with head dim {head_dim} (the kernel needs " \
                 "a multiple of 8)"
         return None
-    if runner.kv_caches.dtype != torch.float32 and runner.kv_caches.dtype not in (
-            torch.bfloat16, torch.float16):
-        return f"KV cache dtype {runner.kv_caches.dtype}"
+    if kv_caches.dtype != torch.float32 and kv_caches.dtype not in (torch.bfloat16,
+                                                                     torch.float16):
+        return f"KV cache dtype {kv_caches.dtype}"
     return None
 
 
@@ -229,6 +145,18 @@ def _linear_args(lin: nn.Module) -> tuple[list[torch.Tensor], object, list[torch
     return [empty, bias], fn, list(gemv), [m.group, int(m.doubled), m.gemv_kind]
 
 
+def gemv_layouts(model: nn.Module) -> int:
+    """Ask every quantization method that can describe its weights to the step's 4-bit
+    GEMV (``make_gemv_layout``: GGUF) for that layout, unless KVFLOW_CPU_INT4_GEMV=0;
+    the number of layers that have it."""
+    if not envs.cpu_int4_gemv():
+        return 0
+    count = sum(m.quant_method.make_gemv_layout() for m in model.modules()
+                if hasattr(getattr(m, "quant_method", None), "make_gemv_layout"))
+    layout_cache.log_summary("4-bit GEMV layouts")
+    return count
+
+
 def int8_activations(model: nn.Module, module) -> int:
     """Switch every GGUF layer's GEMV copy (the tied lm_head's too) to int8 activations
     (the caller checks that the build has a SIMD kernel for them, AVX512-VNNI or AVX2,
@@ -238,6 +166,7 @@ def int8_activations(model: nn.Module, module) -> int:
     methods = [m.quant_method for m in model.modules()
                if hasattr(getattr(m, "quant_method", None), "to_int8_activations")]
     methods = [q for q in methods if q.to_int8_activations()]
+    layout_cache.log_summary("int8-activation GEMV layouts")
     if not methods:
         return 0
     sizes = [-(-q.gemv[0].numel() // 64) * 64 for q in methods]  # 64-byte aligned pieces
@@ -258,6 +187,7 @@ def use_step_gemv(model: nn.Module, int8: bool) -> int:
     step's linear numerics on any forward, e.g. ``kvflow bench quality``'s prefill
     windows (the rounding is per row, so chunks change nothing). The layers switched."""
     module, _ = load_extension()
+    gemv_layouts(model)
     if int8:
         if not module.q8_gemv_simd():
             logger.warning("this build has no AVX512-VNNI or AVX2 kernel: int8 activations "
@@ -298,8 +228,8 @@ class CppDecodeStep:
     """The C++ step behind the model runner's ``graphs`` hooks (``can_run``, ``run``,
     ``run_eager``), like the CUDA graphs on the GPU."""
 
-    def __init__(self, runner, module) -> None:
-        model = runner.model
+    def __init__(self, parts: StepParts, module) -> None:
+        model = parts.model
         inner = model.model
         cfg = model.config
         # int8 activations (VNNI or AVX2) before the layers hand their GEMV copies over.
@@ -308,7 +238,8 @@ class CppDecodeStep:
         # reference reading the K/V the step stored (0.51 over eager's own; the stored
         # K/V of late layers part by 1.45 of their scale), as much as an order-one error
         # the check must catch, so those engines keep float32 activations.
-        kv = runner.kv_caches.dtype
+        gemv_layouts(model)  # the GGUF layers' copies for the step's own GEMV
+        kv = parts.kv_caches.dtype
         self.num_int8_act = int8_activations(model, module) if (
             module.q8_gemv_simd() and envs.cpu_int8_act() and kv.is_floating_point
             and kv.itemsize > 1) else 0
@@ -338,19 +269,19 @@ class CppDecodeStep:
         self.gemv_methods = [lin.quant_method for lin in self._int4_linears]
         self.step = module.DecodeStep(
             norms, dense, fns, int4, int4_meta, caches, inner.norm.weight.detach(),
-            runner.attn_spec.rotary.cos_sin_cache, first.num_heads, first.num_kv_heads,
+            parts.attn_spec.rotary.cos_sin_cache, first.num_heads, first.num_kv_heads,
             first.head_dim, eps, first.attn.scale)
-        self.kv_scales = runner.kv_scales  # int8: [L, 2, NB, BS, KVH]
+        self.kv_scales = parts.kv_scales  # int8: [L, 2, NB, BS, KVH]
         self._kv_quants = [layer.self_attn.attn.kv_quant for layer in inner.layers]
         self.kv_kind = self._set_kv_quant(self._kv_quants)
         # The self-check's quantized-cache figures (see _check_one).
         self.write_error = 0.0  # the step's stored K/V against eager's own
         self.eager_error = 0.0  # the output against eager over eager's own K/V
-        self.step_builder = runner.step_builder
-        builder = runner.step_builder.attn_builder
+        builder = parts.attn_builder
         self._eager_builder = builder.inner if isinstance(builder, CppMetadataBuilder) \
             else builder
-        self.step_builder.attn_builder = CppMetadataBuilder(self._eager_builder)
+        # What the owner's step builder plans with while this step is installed.
+        self.attn_builder = CppMetadataBuilder(self._eager_builder)
         self.hidden_size = cfg.hidden_size
         self.num_int4 = self.step.num_int4
         self.module = module
@@ -368,8 +299,7 @@ class CppDecodeStep:
         return kind
 
     def detach(self) -> None:
-        """Back to the eager path (a failed self-check)."""
-        self.step_builder.attn_builder = self._eager_builder
+        """Back to the eager path (a failed self-check, before the owner installs it)."""
         self.head_gemv(False)
 
     def head_gemv(self, on: bool) -> bool:
@@ -578,30 +508,81 @@ class CppDecodeStep:
         return self.model.config.vocab_size
 
 
-def cpu_decode_step(runner, label: str = ""):
-    """The CPU step the runner uses: the C++ step (default), the opt-in inductor step
+def _tolerance(step: CppDecodeStep, kv_caches: torch.Tensor) -> float:
+    """The self-check's bound on the step's output against eager's, relative to its
+    scale. Rounding differences stay far below it; a wrong step (a layer skipped, rotary
+    misplaced) is off by order one."""
+    # Quantized linears called back (the int4 GEMM rounds its inputs to bf16) amplify
+    # the float32 rounding differences like a 16-bit model; those that run the step's
+    # GEMV run the same GEMV in the eager reference.
+    exact = kv_caches.dtype == torch.float32 and step.num_callbacks == step.num_int4
+    # int8 activations: a float32 rounding difference upstream can move a value across
+    # a rounding boundary of the int8 grid (a step of 1/127 of its block's largest
+    # value), and the self-check's random tokens and cache carry that through 30 layers
+    # of SmolLM2 to 0.07 (float32 activations: 2e-5).
+    # (A quantized cache: the eager reference reads the step's stored K/V, see
+    # _check_one; SmolLM2, float32 activations: 5.5e-4 against 9.3e-3 over eager's own.)
+    return 1.5e-1 if step.num_int8_act else 1e-2 if exact else 1e-1
+
+
+def _self_check(step: CppDecodeStep, kv_caches: torch.Tensor, block_size: int
+                ) -> tuple[float, float]:
+    """(the step against eager, its GEMV against float64), on one thread: the check's
+    small steps gain nothing from a second one, and on a busy machine each op split
+    over two threads waits for the descheduled one (cpu/threads.py), which made the
+    check 8-15 s of an engine start there."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return step.self_check(kv_caches, block_size), step.gemv_error()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _verdict_key(parts: StepParts, step: CppDecodeStep, label: str) -> str | None:
+    """The self-check record's key (cpu/verdict.py), None for a model without files (or
+    whose files cannot be read again: then the check runs)."""
+    cfg = parts.config
+    models = [cfg.model] + ([cfg.draft_model] if cfg.draft_model is not None else [])
+    try:
+        ids = [cpu_verdict.model_identity(m.path, m.load_format) for m in models]
+    except (OSError, KvflowError):
+        return None
+    if any(i is None for i in ids):
+        return None
+    kv = parts.kv_caches
+    facts = [label, repr(cfg.model), repr(cfg.draft_model), repr(cfg.cache), repr(cfg.device),
+             str(kv.dtype), str(kv.shape[:2] + kv.shape[3:]), step.kv_kind, step.num_layers,
+             step.num_callbacks, step.num_int4, step.num_int8_act,
+             step.module.q8_gemv_isa() if step.num_int8_act else ""]
+    return cpu_verdict.record_key(build_root().name, " ".join(ids), repr(facts))
+
+
+def cpu_decode_step(parts: StepParts, label: str = ""):
+    """The CPU step built from ``parts``: the C++ step (default), the opt-in inductor step
     (KVFLOW_CPU_COMPILE=1), or None (eager), with one log line saying which and why
-    (starting with ``label``: a draft model's runner-like host passes "draft model: ")."""
-    cfg = runner.config
+    (starting with ``label``: a draft model passes "draft model: "). The caller installs
+    a step's ``attn_builder`` in its step builder."""
+    cfg = parts.config
     if cfg.device.enforce_eager:
         logger.info("compiled CPU decode step off (--enforce-eager): decoding eagerly")
         return None
     from kvflow.layers.attention.windowed import eager_reason
 
-    if (reason := eager_reason(runner.model)) is not None:  # no window mask in C++ yet
+    if (reason := eager_reason(parts.model)) is not None:  # no window mask in C++ yet
         logger.info("%scompiled CPU decode step off (%s): decoding eagerly", label, reason)
         return None
     if envs.cpu_compile():
-        from kvflow.worker.cpu_compile import compile_decode_step
+        from kvflow.cpu.compiled import compile_decode_step
 
-        return compile_decode_step(runner)
+        return compile_decode_step(parts)
     why_not = None
     if not envs.cpu_cpp_step():
         why_not = "KVFLOW_CPU_CPP_STEP=0"
     elif find_compiler() is None:
         why_not = "no C++ compiler found (install g++ or set CXX)"
     else:
-        why_not = why_unsupported(runner)
+        why_not = why_unsupported(parts.model, parts.kv_caches)
     if why_not is not None:
         logger.info("%sC++ CPU decode step off (%s): decoding eagerly", label, why_not)
         return None
@@ -613,9 +594,20 @@ def cpu_decode_step(runner, label: str = ""):
                        label, type(e).__name__, first_line)
         return None
     step = None
+    record = None
     try:
-        step = CppDecodeStep(runner, module)
-        error = step.self_check(runner.kv_caches, runner.block_size)
+        step = CppDecodeStep(parts, module)
+        tolerance = _tolerance(step, parts.kv_caches)
+        limits = {"error": tolerance, "gemv_error": GEMV_TOLERANCE,
+                  "write_error": WRITE_TOLERANCE, "eager_error": float("inf")}
+        key = _verdict_key(parts, step, label)
+        record = None if key is None else cpu_verdict.lookup(key, limits)
+        if record is not None:
+            error, gemv_error = record["error"], record["gemv_error"]
+            step.write_error, step.eager_error = record["write_error"], record["eager_error"]
+        else:
+            error, gemv_error = _self_check(step, parts.kv_caches,
+                                                parts.attn_spec.block_size)
     except Exception as e:  # e.g. a layout the C++ side rejects: eager, not a dead engine
         if step is not None:
             step.detach()
@@ -623,19 +615,6 @@ def cpu_decode_step(runner, label: str = ""):
                        "eagerly: %s: %s", label, type(e).__name__, str(e).strip().splitlines()[0] if
                        str(e).strip() else "")
         return None
-    # Rounding differences stay far below these; a wrong step (a layer skipped, rotary
-    # misplaced) is off by order one. Quantized linears called back (the int4 GEMM
-    # rounds its inputs to bf16) amplify the float32 rounding differences like a 16-bit
-    # model; those that run the step's GEMV run the same GEMV in the eager reference.
-    exact = runner.kv_caches.dtype == torch.float32 and step.num_callbacks == step.num_int4
-    # int8 activations: a float32 rounding difference upstream can move a value across
-    # a rounding boundary of the int8 grid (a step of 1/127 of its block's largest
-    # value), and the self-check's random tokens and cache carry that through 30 layers
-    # of SmolLM2 to 0.07 (float32 activations: 2e-5).
-    # (A quantized cache: the eager reference reads the step's stored K/V, see
-    # _check_one; SmolLM2, float32 activations: 5.5e-4 against 9.3e-3 over eager's own.)
-    tolerance = 1.5e-1 if step.num_int8_act else 1e-2 if exact else 1e-1
-    gemv_error = step.gemv_error()
     if not error <= tolerance or not gemv_error <= GEMV_TOLERANCE or \
             not step.write_error <= WRITE_TOLERANCE:
         step.detach()
@@ -645,14 +624,19 @@ def cpu_decode_step(runner, label: str = ""):
                        "eagerly", label, error, tolerance, gemv_error, GEMV_TOLERANCE,
                        step.write_error, WRITE_TOLERANCE)
         return None
+    if record is None and key is not None and parts.kv_caches.shape[2] >= 4:  # checked
+        cpu_verdict.store(key, {"error": error, "gemv_error": gemv_error,
+                                "write_error": step.write_error,
+                                "eager_error": step.eager_error})
     head = step.head_gemv(True)
     logger.info("%sC++ CPU decode step: %d decoder layers in one call (%d quantized linears "
                 "called back, %d of them by its own 4-bit GEMV%s%s; %s KV "
-                "cache), every step; built/loaded in %.1f s (%s), self-check "
+                "cache), every step; built/loaded in %.1f s (%s), self-check%s "
                 "relative error %.1e (GEMV %.1e%s)", label, step.num_layers, step.num_callbacks,
                 step.num_int4, ", the lm_head too" if head else "",
                 f", {step.num_int8_act} on int8 activations ({step.module.q8_gemv_isa()})"
                 if step.num_int8_act else "", step.kv_kind or "model-dtype",
-                seconds, build_root(), error, gemv_error, f"; over eager's own K/V {step.eager_error:.1e}, stored K/V "
+                seconds, build_root(), " (recorded at an earlier start of this build, model "
+                "and configuration)" if record is not None else "", error, gemv_error, f"; over eager's own K/V {step.eager_error:.1e}, stored K/V "
                 f"{step.write_error:.1e}" if step.kv_kind else "")
     return step

@@ -21,14 +21,14 @@ compiled code out of the way with ``torch.compiler.set_stance("force_eager")``.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 
 import torch
 from torch import nn
 
 from kvflow import envs
+from kvflow.cpu.kernels import build
+from kvflow.cpu.parts import StepParts
 from kvflow.layers.attention import AttentionMetadata, AttentionMetadataBuilder, AttentionSpec
 from kvflow.layers.attention.torch_backend import PaddedDecodePlan
 from kvflow.logger import init_logger
@@ -38,15 +38,14 @@ logger = init_logger(__name__)
 
 
 def find_cxx() -> str | None:
-    """The C++ compiler inductor would use, or None when there is none on PATH."""
-    from torch._inductor import config
+    """The C++ compiler inductor is to use: the CPU wing's (``build.find_compiler``), set
+    as inductor's, or None when there is none."""
+    cxx = build.find_compiler()
+    if cxx is not None:
+        from torch._inductor import config
 
-    for cxx in config.cpp.cxx:
-        if cxx is None:  # inductor's None entry: the CXX environment variable
-            cxx = os.environ.get("CXX")
-        if cxx and shutil.which(cxx):
-            return cxx
-    return None
+        config.cpp.cxx = (cxx,)
+    return cxx
 
 
 def _decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -79,25 +78,26 @@ class CpuCompiledStep:
     """Compiled decoder layers plus the decode plan that feeds them; the model runner
     calls ``run`` for the steps ``can_run`` accepts and ``run_eager`` for the others."""
 
-    def __init__(self, model: nn.Module, step_builder, spec: AttentionSpec,
-                 num_layers: int, max_num_seqs: int) -> None:
+    def __init__(self, model: nn.Module, attn_builder: AttentionMetadataBuilder,
+                 spec: AttentionSpec, num_layers: int, max_num_seqs: int) -> None:
         self.model = model
-        self.step_builder = step_builder
         self.spec = spec
         self.layers = _decoder_layers(model, num_layers)
         self.max_num_seqs = max_num_seqs
-        self._eager_builder = step_builder.attn_builder
+        self._eager_builder = attn_builder
+        # What the owner's step builder plans with while this step is installed.
+        self.attn_builder: AttentionMetadataBuilder | CompiledDecodeMetadataBuilder = \
+            attn_builder
 
     def compile(self) -> None:
         for layer in self.layers:
             layer.compile(dynamic=True)
-        self.step_builder.attn_builder = CompiledDecodeMetadataBuilder(self._eager_builder,
-                                                                       self.spec)
+        self.attn_builder = CompiledDecodeMetadataBuilder(self._eager_builder, self.spec)
 
     def uncompile(self) -> None:
         for layer in self.layers:
             layer._compiled_call_impl = None  # what nn.Module.compile() set
-        self.step_builder.attn_builder = self._eager_builder
+        self.attn_builder = self._eager_builder
 
     def can_run(self, inputs: StepInputs) -> bool:
         meta = inputs.meta
@@ -138,15 +138,16 @@ class CpuCompiledStep:
             block_tables=torch.zeros(bs, width, dtype=torch.int32),
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=seq_lens.tolist())
         positions = (seq_lens - 1).long()
-        self.step_builder.attn_builder.build(meta, positions)
+        self.attn_builder.build(meta, positions)
         return StepInputs(req_ids=[], rows=None, input_ids=torch.zeros(bs, dtype=torch.int64),
                           positions=positions, meta=meta, sample=None,
                           prompt_logprobs=PromptLogprobsPlan())
 
 
-def compile_decode_step(runner) -> CpuCompiledStep | None:
-    """Compile the CPU decode step unless told not to or unable to (then: eager, logged)."""
-    cfg = runner.config
+def compile_decode_step(parts: StepParts) -> CpuCompiledStep | None:
+    """Compile the CPU decode step unless told not to or unable to (then: eager, logged);
+    the caller installs its ``attn_builder``."""
+    cfg = parts.config
     why_not = None
     if cfg.device.enforce_eager:
         why_not = "--enforce-eager"
@@ -157,11 +158,11 @@ def compile_decode_step(runner) -> CpuCompiledStep | None:
     if why_not is not None:
         logger.info("compiled CPU decode step off (%s): decoding eagerly", why_not)
         return None
-    step = CpuCompiledStep(runner.model, runner.step_builder, runner.attn_spec,
+    step = CpuCompiledStep(parts.model, parts.attn_builder, parts.attn_spec,
                            cfg.model.arch.num_hidden_layers, cfg.scheduler.max_num_seqs)
     step.compile()
     try:
-        seconds = step.warmup(runner.kv_caches)
+        seconds = step.warmup(parts.kv_caches)
     except Exception as e:  # a broken toolchain must not stop the engine
         step.uncompile()
         torch._dynamo.reset()

@@ -14,7 +14,7 @@
 //
 // This header holds the kernel itself (namespace kvflow::paged, no torch headers): it is
 // compiled into paged_attention.cpp's plain C library (ctypes, the torch backend's
-// decodes) and into the C++ decode step (kvflow/worker/cpu_step.cpp), so eager decodes
+// decodes) and into the C++ decode step (kvflow/cpu/step.cpp), so eager decodes
 // and the step's attention are one piece of code. Multiply-adds are written as fma8 /
 // fmadd (fused where the CPU has FMA, whatever -ffp-contract the including build uses),
 // so both builds round alike. Loops are written for the auto-vectorizer (-O3; `omp

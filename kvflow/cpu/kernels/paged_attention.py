@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from kvflow.kernels.cpu import build
+from kvflow.cpu.kernels import build
 
 _KINDS = {torch.float32: 0, torch.int8: 1}
 _FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -60,7 +60,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     lib = _library()
     if lib is None:
         raise RuntimeError("the C++ CPU attention kernel is not available "
-                           "(check kernels.cpu.paged_attention.available() first)")
+                           "(check cpu.kernels.paged_attention.available() first)")
     kind = _KINDS.get(kv_cache.dtype)
     b, h, d = q.shape
     _, nb, bs, kvh, dc = kv_cache.shape

@@ -1,4 +1,4 @@
-// The 4-bit GEMV of the C++ CPU decode step (cpu_step.cpp): y [M, N] = x [M, K] W^T for
+// The 4-bit GEMV of the C++ CPU decode step (cpu/step.cpp): y [M, N] = x [M, K] W^T for
 // M <= 16 rows in one pass over the weights, float32 activations and float32 sums,
 // straight from the packed weights.
 //
