@@ -239,7 +239,7 @@ class DeviceConfig:
     enforce_eager: bool = False
     """Never capture CUDA graphs."""
     cpu_step_threads: str = "adaptive"
-    """CPU: adaptive (steps of up to 16 tokens run on one torch thread or all of them,
+    """CPU: adaptive (each size class of step runs on one torch thread or all of them,
     whichever measures faster; kvflow/cpu/threads.py) or all (every step on all
     threads)."""
     deterministic: bool = False

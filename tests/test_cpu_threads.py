@@ -74,16 +74,22 @@ def test_follows_a_change_of_load():
 
 
 def test_size_classes_and_large_steps():
-    m = FakeMachine({1: 0.001, 2: 0.002})
+    assert [StepThreadPolicy.size_class(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64)] == \
+        [0, 1, 2, 2, 3, 3, 4, 4, 5, 6]
+    assert StepThreadPolicy.size_class(100_000) == StepThreadPolicy.size_class(
+        cpu_threads.TOP_CLASS_TOKENS) == 12
+    m = FakeMachine({1: 1.0, 2: 4.0})  # a loaded machine, a prompt-heavy step
     policy = _policy(m)
-    for _ in range(10):
-        m.step(policy, 64)  # above MAX_TOKENS: always every thread, nothing learnt
-    assert m.log == [2] * 10 and policy.classes == {}
-    assert [StepThreadPolicy.size_class(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == \
-        [0, 1, 2, 2, 3, 3, 4, 4, None]
+    for _ in range(200):
+        m.step(policy, 80)
+    assert set(policy.describe()) == {"65-128 tokens"}
+    assert sorted(m.log[:2]) == [1, 2] and m.log[2:].count(1) > 190
+    # a retry of the 4-second count waits RETRY_COST of its step times: <= 5% of the time
+    slow = m.log[2:].count(2)
+    assert slow * 4.0 <= m.now / cpu_threads.RETRY_COST + 4.0
     for _ in range(10):
         m.step(policy, 3)
-    assert set(policy.describe()) == {"3-4 tokens"}
+    assert set(policy.describe()) == {"3-4 tokens", "65-128 tokens"}
     one = StepThreadPolicy(1, clock=m.clock, set_threads=m.set_threads)
     assert one.choose(1) == 1 and one.classes == {}
 

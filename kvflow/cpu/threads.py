@@ -1,4 +1,4 @@
-"""How many torch threads a small CPU step runs on, chosen by measuring.
+"""How many torch threads a CPU step runs on, chosen by measuring.
 
 A decode step of a small batch is thousands of tiny ops. With two or more intra-op
 threads each op that goes parallel ends in a barrier, and on a shared machine the other
@@ -6,10 +6,12 @@ thread is often descheduled: measured on the 2-core development machine at load 
 30-layer hidden-64 model's decode forward took 151 ms on two threads and 8.4 ms on one.
 On a quiet machine the answer depends on the model: the same tiny model is no faster on
 two threads, while the dense 135M model decodes one stream faster on two (32 vs 51 ms per
-token). No fixed rule fits both, so the policy measures: per size class of step (by
-scheduled tokens, up to ``MAX_TOKENS``), it times steps on one thread and on all of them
-and runs the faster, trying the slower one again now and then (the load changes).
-Larger steps always use every thread: their GEMMs are big enough to split.
+token). Prompt-heavy steps too: at load 4-7 a step of 10 decodes and 64 prompt tokens
+of the embedded model took 3.4-4.4 s on two threads and 1.0 s on one (and 16 prompt
+tokens 2.0 vs 0.31 s), while on a quiet machine their GEMMs split well. No fixed rule
+fits, so the policy measures: per size class of step (scheduled tokens in powers of two),
+it times steps on one thread and on all of them and runs the faster, trying the slower
+one again now and then (the load changes), the more rarely the longer it takes.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ from collections.abc import Callable
 
 import torch
 
-# Steps with more scheduled tokens than this always run on every thread.
-MAX_TOKENS = 16
+# Steps of more scheduled tokens than this share the top size class.
+TOP_CLASS_TOKENS = 4096
 # Measured steps per thread count before the policy trusts its estimate.
 WARMUP_STEPS = 3
-# How often (seconds) the slower thread count of a size class is tried again.
+# How often (seconds) the slower thread count of a size class is tried again at most,
+# and at least this many of its own step times apart (a retry of a multi-second prompt
+# step then costs under 1/RETRY_COST of the time).
 RETRY_SECONDS = 5.0
+RETRY_COST = 20.0
 # A thread count this many times slower than the other after one step needs no more
 # warm-up steps (on a loaded machine a two-thread step can cost 200x a one-thread step).
 CLEAR_FACTOR = 2.0
@@ -54,15 +59,14 @@ class StepThreadPolicy:
         self.classes: dict[int, _SizeClass] = {}
 
     @staticmethod
-    def size_class(num_tokens: int) -> int | None:
-        """1, 2, 3-4, 5-8, 9-16 tokens -> 0..4; None above MAX_TOKENS."""
-        if num_tokens > MAX_TOKENS:
-            return None
-        return (num_tokens - 1).bit_length()
+    def size_class(num_tokens: int) -> int:
+        """1, 2, 3-4, 5-8, 9-16, ... tokens -> 0, 1, 2, 3, 4, ...; steps above
+        TOP_CLASS_TOKENS share the class of TOP_CLASS_TOKENS."""
+        return (min(max(num_tokens, 1), TOP_CLASS_TOKENS) - 1).bit_length()
 
     def choose(self, num_tokens: int) -> int:
         key = self.size_class(num_tokens)
-        if key is None or len(self.candidates) == 1:
+        if len(self.candidates) == 1:
             return self.max_threads
         cls = self.classes.get(key)
         if cls is None:
@@ -78,13 +82,14 @@ class StepThreadPolicy:
                     return n
         now = self.clock()
         for n in self.candidates:
-            if n != best and now - cls.last_tried[n] >= RETRY_SECONDS:
+            wait = max(RETRY_SECONDS, RETRY_COST * cls.estimate[n])
+            if n != best and now - cls.last_tried[n] >= wait:
                 return n  # has the load changed? try the slower one once
         return best
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         key = self.size_class(num_tokens)
-        if key is None or key not in self.classes:
+        if key not in self.classes:
             return
         cls = self.classes[key]
         old = cls.estimate.get(threads)
@@ -94,10 +99,9 @@ class StepThreadPolicy:
 
     def run(self, num_tokens: int, fn: Callable[[], object]):
         threads = self.choose(num_tokens)
-        if threads == self.max_threads:
-            if self.size_class(num_tokens) is None or len(self.candidates) == 1:
-                return fn()
-        else:
+        if len(self.candidates) == 1:
+            return fn()
+        if threads != self.max_threads:
             self.set_threads(threads)
         start = self.clock()
         try:
@@ -109,6 +113,8 @@ class StepThreadPolicy:
 
     def describe(self) -> dict[str, dict[int, float]]:
         """Per size class, the estimated ms per step of each thread count (for the meter)."""
-        names = {0: "1", 1: "2", 2: "3-4", 3: "5-8", 4: "9-16"}
-        return {f"{names[k]} tokens": {n: round(t * 1e3, 3) for n, t in c.estimate.items()}
+        def name(k: int) -> str:
+            lo, hi = (1 << (k - 1)) + 1 if k else 1, 1 << k
+            return f"{lo}" if lo == hi else f"{lo}-{hi}"
+        return {f"{name(k)} tokens": {n: round(t * 1e3, 3) for n, t in c.estimate.items()}
                 for k, c in sorted(self.classes.items())}

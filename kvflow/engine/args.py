@@ -149,7 +149,7 @@ class EngineArgs:
                                "a throughput cost (docs/determinism.md; on CPU this holds "
                                "without the flag)",
                                aliases=["--enable-deterministic-inference"])
-    cpu_step_threads: str = _arg("adaptive", "CPU: adaptive (steps of up to 16 tokens run "
+    cpu_step_threads: str = _arg("adaptive", "CPU: adaptive (each size class of step runs "
                                  "on one torch thread or all of them, whichever measures "
                                  "faster) or all", choices=["adaptive", "all"])
     async_scheduling: bool | None = _arg(None, "prepare and launch step N+1 while step N runs "
