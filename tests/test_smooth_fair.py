@@ -226,8 +226,19 @@ def test_huge_prompt_shares_the_prompt_budget_with_a_small_one():
     # has its first token after ceil(200 / 128) = 2 steps instead of after the ~12 steps
     # the huge prompt needs; then the huge one has the whole budget again.
     assert trace.steps[1] == {"huge": 128, "small": 128}
+    assert trace.steps[2] == {"huge": 256 - 72, "small": 72}  # the rest of small's prompt
     assert trace.first_token_step["small"] == 3
     assert trace.steps[3] == {"small": 1, "huge": 255}
+
+
+def test_prompts_that_fit_together_are_not_split():
+    m = Machine()
+    s = make(m, step_ms=None, budget=512)
+    s.add_request(request("long", 300, 4, m.now))
+    s.add_request(request("short", 7, 4, m.now + 1))
+    trace = Trace()
+    step(s, m, trace)
+    assert trace.steps[0] == {"long": 300, "short": 7}
 
 
 def test_min_share_keeps_chunks_worth_a_step():

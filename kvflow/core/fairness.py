@@ -7,10 +7,11 @@ Two rules keep any one request from starving the others:
   (default an eighth of ``max_num_seqs``, at least 16). Its other samples wait in the queue, and the
   scheduler admits later requests past them, so ``n=127`` can neither take every seat
   nor make every decode step 127 rows long while others wait behind it.
-- **Prompt tokens**: while more than one group has prompt tokens to compute, one group
-  takes at most half of what the step leaves for prompts after the running decodes (but
-  never less than ``MIN_SHARE``). A huge prompt then cannot hold a small one back from
-  its first token for its whole prefill. At most two prompts advance side by side;
+- **Prompt tokens**: while more than one group has prompt tokens to compute and together
+  they want more than the step leaves for prompts after the running decodes, one group
+  takes at most half of it (never less than ``MIN_SHARE``), or more where the others
+  want less than their half. A huge prompt then cannot hold a small one back from its
+  first token for its whole prefill, and prompts that fit together are not split. At most two prompts advance side by side;
   otherwise service stays first come, first served, which gives a burst of similar
   prompts the earliest first tokens on average (sharing among all of them, as
   processor sharing would, delays every one of them to near the end of the burst).
@@ -53,12 +54,17 @@ class StepShares:
                  max_seqs_per_request: int) -> None:
         self.max_seats = max_seqs_per_request
         self.seats = Counter(r.group_id for r in running)
-        groups = {r.group_id for r in running if owes_prompt(r)}
+        # prompt tokens each group still wants (an upper bound: prefix-cache hits of
+        # waiting requests are found at admission)
+        self.demand: Counter[str] = Counter()
+        for r in running:
+            if owes_prompt(r):
+                self.demand[r.group_id] += r.num_tokens_scheduled_for - r.num_computed_tokens
         for r in waiting[:LOOKAHEAD]:
             if self.seats[r.group_id] < self.max_seats:
-                groups.add(r.group_id)
-        self.num_prompt_groups = len(groups)
-        self._cap: int | None = None  # set at the first prompt chunk of the step
+                self.demand[r.group_id] += r.num_tokens_scheduled_for - r.num_computed_tokens
+        self.num_prompt_groups = len(self.demand)
+        self._budget: int | None = None  # set at the first prompt chunk of the step
         self._taken: Counter[str] = Counter()
 
     # --- seats ---------------------------------------------------------------
@@ -72,10 +78,15 @@ class StepShares:
     def prompt_limit(self, req: Request, budget: int) -> int:
         """Most prompt tokens ``req``'s group may still take this step; ``budget`` is
         what the step has left (the first call fixes the share: decodes come first)."""
-        if self._cap is None:
-            self._cap = budget if self.num_prompt_groups <= 1 \
-                else max(MIN_SHARE, -(-budget // 2))
-        return max(0, min(budget, self._cap - self._taken[req.group_id]))
+        if self._budget is None:
+            self._budget = budget
+        total, g = sum(self.demand.values()), req.group_id
+        if self.num_prompt_groups <= 1 or total <= self._budget:
+            share = self._budget
+        else:
+            others = total - self.demand[g]
+            share = max(MIN_SHARE, -(-self._budget // 2), self._budget - others)
+        return max(0, min(budget, share - self._taken[g]))
 
     def took_prompt(self, req: Request, n: int) -> None:
         self._taken[req.group_id] += n
