@@ -261,8 +261,13 @@ def test_options():
         is None
     from kvflow.engine.core import latency_target
 
-    # Opt-in everywhere (docs/serving.md: on a loaded 2-core machine it lost the burst).
+    # Off in the engine (offline use keeps the whole budget); on for kvflow serve on CPU.
     assert latency_target(EngineArgs(device="cpu").create_engine_config()) is None
+    from kvflow.engine.smooth_steps import CPU_SERVER_STEP_MS, smooth_on_cpu
+
+    assert smooth_on_cpu(EngineArgs(device="cpu")).target_step_ms == CPU_SERVER_STEP_MS
+    assert smooth_on_cpu(EngineArgs(device="cpu", target_step_ms=0)).target_step_ms == 0
+    assert smooth_on_cpu(EngineArgs(device="cpu", target_tpot_ms=80)).target_step_ms is None
     lt = latency_target(EngineArgs(device="cpu", target_step_ms=100).create_engine_config())
     assert lt.target_s == pytest.approx(0.100)
     assert not lt.cap_seats and lt.min_chunk == MIN_PROMPT_CHUNK

@@ -137,8 +137,9 @@ class EngineArgs:
     target_step_ms: float | None = _arg(None, "smooth steps: each step's token budget is "
                                         "sized so its predicted time stays under this "
                                         "many ms (prompt chunks shrink, at least 32 "
-                                        "tokens; running streams always decode); 0: off "
-                                        "(default; docs/serving.md says when it pays)")
+                                        "tokens; running streams always decode); 0: off. "
+                                        "Default: 100 for kvflow serve on CPU, off "
+                                        "otherwise (docs/serving.md)")
     max_seqs_per_request: int | None = _arg(None, "most sequences one request's n samples "
                                             "run at once, so a large n leaves seats to "
                                             "others (default: --max-num-seqs / 8, at "

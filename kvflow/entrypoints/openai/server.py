@@ -23,6 +23,7 @@ from fastapi.openapi.utils import get_openapi
 from kvflow import __version__
 from kvflow.config import GiB
 from kvflow.engine.async_client import AsyncEngine, CoreProcess, EngineState
+from kvflow.engine.smooth_steps import smooth_on_cpu
 from kvflow.engine.stats import LoggingStatsListener
 from kvflow.entrypoints.openai.dashboard import install_dashboard
 from kvflow.entrypoints.openai.docs_page import install_docs
@@ -337,6 +338,7 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
     if engine_args.max_queued_requests is None:
         engine_args = dataclasses.replace(engine_args,
                                           max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS)
+    engine_args = smooth_on_cpu(engine_args)  # bounded steps on CPU (engine/smooth_steps.py)
     # The core's start-up (imports, model load) overlaps this process's own.
     try:
         core = CoreProcess(engine_args)
