@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.plan.cli import add_plan_parser
 
     add_plan_parser(sub)
-    from kvflow.spec_decode.train_cli import add_train_eagle_parser, add_train_medusa_parser
+    from kvflow.train.cli import add_train_eagle_parser, add_train_medusa_parser
 
     add_train_medusa_parser(sub)
     add_train_eagle_parser(sub)

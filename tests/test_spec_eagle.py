@@ -16,7 +16,7 @@ from kvflow.engine.args import EngineArgs
 from kvflow.errors import InvalidParameterError, ModelLoadError, ModelNotFoundError
 from kvflow.spec_decode.eagle_mlp import EagleMlpHead, EagleMlpProposer
 from kvflow.spec_decode.heads_config import EagleMlpConfig
-from kvflow.spec_decode.train_eagle import make_examples
+from kvflow.train.eagle import make_examples
 
 HIDDEN, VOCAB = 64, 512  # tiny-llama
 
@@ -230,7 +230,7 @@ def test_confidence_sweep_counts_what_the_gate_would_propose_and_keep():
     """confidence_sweep against a direct count: per rule and threshold, drafts proposed
     (until the gate first fails), kept (leading proposed drafts that are right), and
     head passes (one more than proposed, at most k)."""
-    from kvflow.spec_decode.train_eagle import confidence_sweep, unroll_head
+    from kvflow.train.eagle import confidence_sweep, unroll_head
 
     torch.manual_seed(0)
     cfg = EagleMlpConfig(hidden_size=16, vocab_size=40, draft_vocab_size=8,
@@ -276,7 +276,7 @@ def test_answer_cache_generates_only_the_prompts_it_lacks(tmp_path):
     just the new ones, and a run with another answer length generates all again."""
     import argparse
 
-    from kvflow.spec_decode.train_medusa import generate_answers
+    from kvflow.train.medusa import generate_answers
 
     class FakeLLM:
         def __init__(self):

@@ -16,7 +16,7 @@ from kvflow.engine.args import EngineArgs
 from kvflow.errors import InvalidParameterError, ModelNotFoundError
 from kvflow.spec_decode.heads_config import HEADS_FILE, MedusaHeadsConfig
 from kvflow.spec_decode.medusa import MedusaHeads
-from kvflow.spec_decode.train_medusa import make_examples
+from kvflow.train.medusa import make_examples
 
 HIDDEN, VOCAB = 64, 512  # tiny-llama
 

@@ -33,7 +33,7 @@ logger = init_logger(__name__)
 
 
 def default_prompts_path() -> str:
-    return str(resources.files("kvflow.spec_decode") / "data" / "medusa_prompts.txt")
+    return str(resources.files("kvflow.train") / "data" / "medusa_prompts.txt")
 
 
 def read_prompts(path: str) -> list[str]:

@@ -1,5 +1,5 @@
 """The ``kvflow train-medusa`` command line (torch-free: the CLI builds every parser at
-start; the training itself is kvflow/spec_decode/train_medusa.py)."""
+start; the training itself is kvflow/train/medusa.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 
 
 def _run(ns: argparse.Namespace) -> int:
-    from kvflow.spec_decode.train_medusa import train
+    from kvflow.train.medusa import train
 
     train(ns)
     return 0
@@ -40,7 +40,7 @@ def add_train_medusa_parser(sub) -> None:
 
 
 def _run_eagle(ns: argparse.Namespace) -> int:
-    from kvflow.spec_decode.train_eagle import train
+    from kvflow.train.eagle import train
 
     train(ns)
     return 0
@@ -54,7 +54,7 @@ def add_train_eagle_parser(sub) -> None:
     p.add_argument("--output", required=True, help="directory for the head's checkpoint")
     p.add_argument("--prompts", default=None, nargs="+", help="prompt files, one prompt "
                    "per line, read in order (default: 900 varied instructions shipped with "
-                   "kvflow; kvflow/spec_decode/data/chat_prompts.txt has 192 chat requests)")
+                   "kvflow; kvflow/train/data/chat_prompts.txt has 192 chat requests)")
     p.add_argument("--num-prompts", type=int, default=1200, help="at most this many of "
                    "them (every tenth is held out)")
     p.add_argument("--max-tokens", type=int, default=128, help="answer length per prompt")

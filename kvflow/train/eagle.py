@@ -36,7 +36,7 @@ logger = init_logger(__name__)
 def default_prompts_path() -> str:
     from importlib import resources
 
-    return str(resources.files("kvflow.spec_decode") / "data" / "draft_prompts.txt")
+    return str(resources.files("kvflow.train") / "data" / "draft_prompts.txt")
 
 
 def make_examples(hidden: list[torch.Tensor], seqs: list[list[int]], starts: list[int],
@@ -170,7 +170,7 @@ def eval_prompts(value: str | None) -> list[str]:
         from kvflow.bench.datasets import CHAT_PROMPTS
 
         return list(CHAT_PROMPTS)
-    from kvflow.spec_decode.train_medusa import read_prompts
+    from kvflow.train.medusa import read_prompts
 
     return read_prompts(value)
 
@@ -214,7 +214,7 @@ def cached_hidden_states(llm, seqs: list[list[int]], path: str | None
     forward too."""
     import os
 
-    from kvflow.spec_decode.train_medusa import last_hidden_states
+    from kvflow.train.medusa import last_hidden_states
 
     known: dict[tuple, torch.Tensor] = {}
     if path and os.path.isfile(path):
@@ -233,7 +233,7 @@ def cached_hidden_states(llm, seqs: list[list[int]], path: str | None
 def train(ns: argparse.Namespace) -> dict:
     from kvflow import LLM
     from kvflow.spec_decode.eagle_mlp import EagleMlpHead, target_lm_head_rows
-    from kvflow.spec_decode.train_medusa import generate_answers, read_prompts
+    from kvflow.train.medusa import generate_answers, read_prompts
 
     from kvflow.errors import InvalidParameterError
 
