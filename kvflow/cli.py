@@ -208,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if argv is not None:  # called in-process: results record these arguments
+        from kvflow.bench import machine
+
+        machine.cli_argv = list(argv)
     try:
         return ns.func(ns)
     except KvflowError as e:

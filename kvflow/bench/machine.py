@@ -76,10 +76,17 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
+# The arguments ``kvflow.cli.main(argv)`` was called with in-process (tests, scripts),
+# which sys.argv does not hold.
+cli_argv: list[str] | None = None
+
+
 def invocation() -> str:
     """This process's command line as a user would type it: ``python benchmarks/x.py ...``
     for a script of the repository's benchmarks/ or scripts/, else ``kvflow ...`` (the
     CLI, also when its ``main`` is called in-process)."""
+    if cli_argv is not None:
+        return f"kvflow {' '.join(shlex.quote(a) for a in cli_argv)}".rstrip()
     args = " ".join(shlex.quote(a) for a in sys.argv[1:])
     prog = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

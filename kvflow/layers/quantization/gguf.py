@@ -179,6 +179,8 @@ class GGUFLinearMethod(LinearMethod):
 
             def convert():  # the blocks stay the file's mapped pages until then
                 return _convert(parts, cols)
+        if gpu.use_triton(self.device):
+            src = None  # the cache holds CPU layouts; the Triton repack is another
         self.layout_src = src
         # What make_gemv_layout converts again if a CPU step asks for its layout.
         self._source = convert if cpu else None

@@ -27,6 +27,7 @@ import time
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvflow.cpu.kernels import build
@@ -72,6 +73,8 @@ def key(kind: str, *parts) -> str:
     for p in parts:
         if isinstance(p, torch.Tensor):
             p = p.contiguous().view(torch.uint8).numpy() if p.numel() else b""
+        elif isinstance(p, np.ndarray):  # a rank's shard of blocks is a strided view
+            p = np.ascontiguousarray(p)
         if hasattr(p, "tobytes") or isinstance(p, (bytes, bytearray, memoryview)):
             data = memoryview(p).cast("B") if not isinstance(p, bytes) else p
             h.update(len(data).to_bytes(8, "little"))
