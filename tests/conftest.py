@@ -20,8 +20,22 @@ def run_slow(config) -> bool:
                                                                      or "")
 
 
+# The files that take longest on CI's two cores (pytest --durations), run first: the two
+# xdist workers (--dist loadfile: whole files) then end together instead of one waiting
+# on a long file it drew last.
+LONG_FILES = ("gpu_paths/test_gpu_plumbing.py", "test_smollm2_parity.py",
+              "test_determinism.py", "test_server_fuzz.py", "test_cpu_step.py",
+              "test_distributed.py", "test_cli.py", "kernels/test_sm90_build.py",
+              "test_cpu_compile.py", "test_server_hardening.py", "test_dashboard.py",
+              "test_bench_serve.py", "gpu_paths/test_lora_gpu_paths.py")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rank = {os.path.join(here, name): i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(str(item.path), len(LONG_FILES)))  # stable
 
     if not run_slow(config):
         slow = pytest.mark.skip(reason="slow: KVFLOW_SLOW_TESTS=1 or scripts/test_full.sh "

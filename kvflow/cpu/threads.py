@@ -29,7 +29,11 @@ WARMUP_STEPS = 3
 # and at least this many of its own step times apart (a retry of a multi-second prompt
 # step then costs under 1/RETRY_COST of the time).
 RETRY_SECONDS = 5.0
-RETRY_COST = 20.0
+RETRY_COST = 50.0
+# Size classes up to this one (16 tokens) take WARMUP_STEPS of each count while the two
+# are close; larger steps take one each (a slow sample of a big step is costly: on the
+# quiet machine three of them per class cost CPU-B 6-12% of its throughput).
+SMALL_CLASSES = 4
 # A thread count this many times slower than the other after one step needs no more
 # warm-up steps (on a loaded machine a two-thread step can cost 200x a one-thread step).
 CLEAR_FACTOR = 2.0
@@ -76,7 +80,8 @@ class StepThreadPolicy:
                 return n
         best = min(self.candidates, key=cls.estimate.__getitem__)
         worst = max(self.candidates, key=cls.estimate.__getitem__)
-        if cls.estimate[worst] < CLEAR_FACTOR * cls.estimate[best]:
+        if cls.estimate[worst] < CLEAR_FACTOR * cls.estimate[best] \
+                and key <= SMALL_CLASSES:
             for n in self.candidates:  # ... and a few times while they are close
                 if cls.samples[n] < WARMUP_STEPS:
                     return n
