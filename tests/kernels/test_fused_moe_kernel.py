@@ -59,8 +59,8 @@ def test_int8_experts_in_the_kernel(device):
 
 
 @pytest.mark.parametrize("align", [moe_align, moe_align_fast])
-def test_moe_align_groups_and_pads(align):
-    ids = torch.tensor([[2, 0], [2, -1], [5, 2]])
+def test_moe_align_groups_and_pads(align, device):
+    ids = torch.tensor([[2, 0], [2, -1], [5, 2]], device=device)
     sorted_ids, block_expert, num = align(ids, 6, 4)
     n = ids.numel()
     assert int(num) == 12  # experts 0, 2 and 5: one 4-row block each
