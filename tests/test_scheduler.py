@@ -336,3 +336,62 @@ def test_preemption_takes_lowest_priority_first():
         so, _ = run_step(s)
         preempted += sorted(so.preempted_req_ids)
     assert preempted[0] == "p9"  # the lowest priority goes first, not the latest arrival
+
+
+def _lora_req(rid: str, adapter: int | None, max_tokens: int, t: float) -> Request:
+    from kvflow.lora.request import LoRARequest
+
+    r = req(rid, 4, max_tokens=max_tokens, t=t)
+    r.lora_request = None if adapter is None else LoRARequest(f"a{adapter}", adapter, "/x")
+    return r
+
+
+def test_adapters_without_a_slot_are_passed_over_while_one_drains():
+    """Two slots, requests round-robin over three adapters: the first request of the
+    third adapter is passed over (later requests of running adapters and of the base
+    start), one running adapter drains for it (its new requests wait too), and the freed
+    slot goes to the blocked request as soon as the drained adapter's last one ends."""
+    cfg = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16, max_model_len=64)
+    s = Scheduler(cfg, 4, 64, max_loras=2)
+    lengths = {"r0": 6, "r1": 3, "r2": 4, "r3": 4, "r4": 10, "r5": 4, "b": 4}
+    adapters = {"r0": 1, "r1": 2, "r2": 3, "r3": 1, "r4": 2, "r5": 3, "b": None}
+    for i, rid in enumerate(lengths):
+        s.add_request(_lora_req(rid, adapters[rid], lengths[rid], t=i))
+    so, _ = run_step(s)
+    # r2 (adapter 3) has no slot: passed over. Adapters 1 and 2 hold one request each,
+    # and the tie goes to the lowest id: adapter 1 drains, so r3 waits too; r4
+    # (adapter 2) and the base request start.
+    assert set(so.num_scheduled_tokens) == {"r0", "r1", "r4", "b"}
+    assert s.lora_draining == 1
+    assert [r.request_id for r in s.waiting] == ["r2", "r3", "r5"]
+
+    def running_adapters():
+        return {r.lora_request.lora_int_id for r in s.running if r.lora_request}
+
+    steps = 0
+    while "r2" not in {r.request_id for r in s.running}:
+        assert running_adapters() <= {1, 2}
+        run_step(s)
+        steps += 1
+    # r0's 6 tokens end in the 6th step; the 7th gives adapter 1's slot to r2
+    assert steps == 6 and running_adapters() == {2, 3}
+    assert [r.request_id for r in s.waiting] == ["r3"]  # r5 (adapter 3) started too
+
+
+def test_a_request_blocked_on_its_adapter_is_not_starved():
+    """A stream of new requests for the two running adapters cannot hold the third
+    adapter's request back for longer than one adapter's requests take to finish."""
+    cfg = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32, max_model_len=64)
+    s = Scheduler(cfg, 4, 256, max_loras=2)
+    s.add_request(_lora_req("x1", 1, 5, t=0))
+    s.add_request(_lora_req("x2", 2, 5, t=1))
+    s.add_request(_lora_req("blocked", 3, 5, t=2))
+    t = 3
+    for step in range(40):
+        for a in (1, 2):  # new requests for the running adapters every step
+            s.add_request(_lora_req(f"n{t}", a, 5, t=t))
+            t += 1
+        run_step(s)
+        if "blocked" in {r.request_id for r in s.running}:
+            break
+    assert step <= 6, step  # x1's 5 tokens (and adapter 1's newcomers held back)

@@ -10,6 +10,8 @@ out, the running request served last (lowest priority, then latest arrival) is
 preempted by recompute: its blocks are freed and it goes back to the waiting queue.
 Client requests share seats and prompt tokens fairly (core/fairness.py): a request's n
 samples hold a bounded number of seats, and two prompts split a step's prompt budget.
+A request whose LoRA adapter has no device slot is passed over while one running adapter
+drains for it (core/adapter_seats.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from kvflow.config import SchedulerConfig, check_preemption_mode
+from kvflow.core.adapter_seats import AdapterSeats
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.fairness import StepShares, default_max_seqs_per_request, owes_prompt
 from kvflow.core.kv_cache_manager import KVCacheManager
@@ -148,6 +151,7 @@ class Scheduler:
         # --enable-lora: the most distinct adapters the running requests may hold (the
         # worker's device slots); a request for another one waits until one frees up.
         self.max_loras = max_loras
+        self.lora_draining: int | None = None  # core/adapter_seats.py
         self.block_size = block_size
         # sliding_window: blocks behind every layer's window are freed (freeable_window)
         # cache_outputs False (a batch-invariant engine): prompt blocks alone are cached.
@@ -283,6 +287,8 @@ class Scheduler:
         # (its later samples follow as earlier ones finish); anything else that cannot
         # start now stops admission, so later requests never overtake it.
         admit = not (self.config.batching == "static" and self.running)
+        adapters = AdapterSeats(self.running, self.max_loras, self.lora_draining) \
+            if self.max_loras else None
         i = 0
         while (admit and not step.preempted and i < len(self.waiting) and step.budget > 0
                and len(step.order) < cap):
@@ -292,18 +298,25 @@ class Scheduler:
             if not shares.seat_free(req):
                 i += 1
                 continue
+            if adapters is not None and not adapters.may_start(req):
+                if adapters.stop:
+                    break
+                i += 1  # its adapter has no slot now (core/adapter_seats.py)
+                continue
             if len(self.running) >= seats and not self._make_room(req, step):
-                break
-            if req.lora_request is not None and not self._lora_fits(req):
                 break
             limit = shares.prompt_limit(req, step.budget) \
                 if self.config.enable_chunked_prefill else step.budget
             if limit <= 0 or not self._admit(req, step, limit):
                 break
             shares.took_seat(req)
+            if adapters is not None:
+                adapters.started(req)
             n = step.num_scheduled[req.request_id]
             if n > 1:
                 shares.took_prompt(req, n)
+        if adapters is not None:
+            self.lora_draining = adapters.draining
         out = self._build_output(step)
         if self.latency is not None:
             self.latency.on_schedule(out.total_num_scheduled_tokens,
@@ -392,11 +405,6 @@ class Scheduler:
         self.running.append(req)
         step.take(req, n, ids)
         return True
-
-    def _lora_fits(self, req: Request) -> bool:
-        """Whether the running requests leave a device slot for ``req``'s adapter."""
-        ids = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
-        return req.lora_request.lora_int_id in ids or len(ids) < self.max_loras
 
     def _make_room(self, req: Request, step: "_Step") -> bool:
         """Priority scheduling: preempt the running request served last if ``req`` comes
