@@ -101,6 +101,10 @@
 #   lora      multi-LoRA mix (kvflow bench lora): 8B dummy, rank 16 on every linear, 256 x
 #             512 in / 128 out over 1, 4, 16 adapters (4 slots) vs the base alone, and the
 #             swap cost (lora-mix.json; target >= 0.85x base with 4 adapters)
+#   lora-kernels  the LoRA shrink/expand kernels at 8B shapes per launch config vs their
+#             memory floor, 128/256/8192 rows (lora-kernels.json)
+#   lora-profile  where LoRA's time goes: 128 x 512 in / 64 out on one LoRA engine, base vs 4
+#             adapters, kernels by name under the torch profiler (profile-lora.json)
 #   deterministic  --deterministic (docs/determinism.md), <= ~400 s, each part under its own
 #             timeout: its GPU tests (batch-invariant matmul and attention kernels, the tiny
 #             engine's request alone vs in batches); GPU-A batch 1 (3 iters) default vs
@@ -276,6 +280,8 @@ PY
       timeout $(( ${GEMV_BUDGET:-140} + 150 )) python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv-bench.json" --ms 1,2,4,8 --sweep --budget-s ${GEMV_BUDGET:-140} 2>&1 | grep -v "^INFO" | tail -30 || echo "gemv-bench failed"
       timeout ${FRESH_LEVERS_TIMEOUT:-240} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-levers-fresh.json" --table "$OUT/gemv-bench.json" --variants ${FRESH_VARIANTS:-auto,auto+table,auto+table+rope+argmax,auto,auto+table,auto+table+rope+argmax} --iters 4 --budget-s $(( ${FRESH_LEVERS_TIMEOUT:-240} - 40 )) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8;;
     lora) timeout ${LORA_TIMEOUT:-540} $KV bench lora --model llama-3.1-8b --load-format dummy --max-model-len 4096 --max-loras ${LORA_SLOTS:-4} --max-cpu-loras 16 --lora-rank 16 --adapter-counts 1,4,16 --num-prompts ${LORA_PROMPTS:-256} --input-len 512 --output-len 128 --rounds 2 --save-result "$OUT/lora-mix.json" 2>&1 | grep -v "^INFO" | tail -12;;
+    lora-kernels) timeout ${LORA_KERNELS_TIMEOUT:-200} python benchmarks/gpu/bench_lora_kernels.py --out "$OUT/lora-kernels.json" 2>&1 | grep -v "^INFO" | tail -16;;
+    lora-profile) timeout ${LORA_PROFILE_TIMEOUT:-240} python benchmarks/gpu/profile_lora.py --out "$OUT/profile-lora.json" ${LORA_PROFILE_ARGS:-} 2>&1 | grep -v "^INFO" | tail -32;;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     deterministic)
       timeout ${DET_TEST_TIMEOUT:-75} python -m pytest -q tests/test_batch_invariant_gpu.py tests/kernels/test_batch_invariant_kernel.py 2>&1 | tail -6

@@ -155,7 +155,8 @@ def run_lora_bench(ns: argparse.Namespace) -> int:
                      "targets": TARGETS},
         "engine_config": _config_summary(cfg),
         "best": best, "ratio_vs_base": ratios, "runs": runs, "swap": swap,
-        "notes": "one engine; base = requests without an adapter on it (no adapter rows: "
-                 "its C++ step / CUDA graphs); steps with adapter rows run eager; rounds "
-                 "alternate base and mixes; the best round counts"})
+        "notes": "one engine with --enable-lora; base = requests without an adapter on it "
+                 "(CPU: the C++ step, adapter steps eager; CUDA: the same graphs, which "
+                 "hold the LoRA kernels and find no tiles); rounds alternate base and "
+                 "mixes; the best round counts; mixes assign adapters round-robin"})
     return 0

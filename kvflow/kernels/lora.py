@@ -200,22 +200,24 @@ def _split_k(n_programs: int, k: int, device: torch.device) -> int:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, tiles: LoRATiles,
-                split_k: int | None = None) -> torch.Tensor:
+                split_k: int | None = None, block_n: int | None = None,
+                block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """x [T, in] @ a[slot(t)]^T for every row with a slot -> xa [T, R_total] fp32
     (rows without a slot are left unwritten: the expand never reads them).
 
-    ``a`` [S, R_total, in] (contiguous in ``in``)."""
+    ``a`` [S, R_total, in] (contiguous in ``in``). ``block_n``, ``block_k``,
+    ``num_warps``: launch overrides (the micro-benchmark's sweep)."""
     assert a.stride(-1) == 1 and x.dim() == 2
     if x.stride(-1) != 1:
         x = x.contiguous()
     t, k = x.shape
     n = a.shape[1]
     n_tiles = tiles.tile_slot.shape[0]
-    block_n = 16 if n <= 16 else 32
-    block_k = 64
     if x.device.type == "cpu":  # the interpreter: its cost is per op, so few big programs
-        block_n = min(max(16, triton.next_power_of_2(n)), 256)
-        block_k = min(max(16, triton.next_power_of_2(k)), 256)
+        block_n = block_n or min(max(16, triton.next_power_of_2(n)), 256)
+        block_k = block_k or min(max(16, triton.next_power_of_2(k)), 256)
+    block_n = block_n or (16 if n <= 16 else 32)
+    block_k = block_k or 64
     grid_n = triton.cdiv(n, block_n)
     if split_k is None:
         split_k = _split_k(n_tiles * grid_n, k, x.device)
@@ -226,12 +228,13 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, tiles: LoRATiles,
     _shrink_kernel[(n_tiles, grid_n, split_k)](
         x, a, out, tiles.rows, tiles.tile_slot, k, n, x.stride(0), a.stride(0),
         a.stride(1), out.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split_k, num_warps=4, **_dot_args(x))
+        SPLIT_K=split_k, num_warps=num_warps, **_dot_args(x))
     return out
 
 
 def lora_expand_add(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor,
-                    offsets: list[int], rank: int, tiles: LoRATiles) -> torch.Tensor:
+                    offsets: list[int], rank: int, tiles: LoRATiles,
+                    block_n: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """y [T, out] += xa[t, i*R:(i+1)*R] @ b[slot(t)][cols of slice i]^T for every row
     with a slot and every slice i (columns ``offsets[i]:offsets[i + 1]``), in place;
     returns y. ``b`` [S, out, R] (R = ``rank``, the slots' padded rank), ``xa`` from
@@ -244,12 +247,12 @@ def lora_expand_add(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor,
     if n_tiles == 0 or t == 0:
         return y
     bounds = list(offsets[1:]) + [n] * (3 - ns)
-    block_n = 64 if y.device.type != "cpu" else min(triton.next_power_of_2(n), 512)
+    block_n = block_n or (64 if y.device.type != "cpu" else min(triton.next_power_of_2(n), 512))
     _expand_kernel[(n_tiles, triton.cdiv(n, block_n))](
         xa, b, y, tiles.rows, tiles.tile_slot, tiles.slot_rank, n, rank, bounds[0],
         bounds[1], xa.stride(0), b.stride(0), b.stride(1), y.stride(0), NS=ns,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        num_warps=4, **_dot_args(b))
+        num_warps=num_warps, **_dot_args(b))
     return y
 
 
