@@ -94,13 +94,31 @@ def test_load_and_unload_while_serving(srv):
     assert _complete(c, "x") == x and _complete(c, "smollm2-135m") == base
 
 
+def _tokens(client, model, n=6):
+    lp = client.completions.create(model=model, prompt=PROMPT, max_tokens=n, temperature=0,
+                                   logprobs=2).choices[0].logprobs
+    return lp.tokens, [sorted(t.values(), reverse=True) for t in lp.top_logprobs]
+
+
+def _agree(got, want, margin=0.5):
+    """``got``'s tokens equal ``want``'s up to the first step where ``want``'s two best
+    candidates were within ``margin`` nats: on the CPU a step holding adapter rows runs
+    eager, whose numerics differ from the C++ step's (docs/lora.md), so a request's
+    tokens may part from its run alone at a near tie, and only there."""
+    tokens, top = want
+    n = next((i for i, t in enumerate(top) if len(t) > 1 and t[0] - t[1] < margin),
+             len(tokens))
+    return got[0][:n] == tokens[:n] and n >= 1
+
+
 def test_mixed_requests_and_metrics(srv):
     c = srv.openai_client()
-    want = {m: _complete(c, m, 6) for m in ("smollm2-135m", "x")}
-    got: dict[int, str] = {}
+    want = {m: _tokens(c, m) for m in ("smollm2-135m", "x")}
+    assert want["x"][0][0] != want["smollm2-135m"][0][0]  # the adapter acts at once
+    got: dict[int, tuple] = {}
 
     def run(i, model):
-        got[i] = _complete(c, model, 6)
+        got[i] = _tokens(c, model)
 
     models = ["x", "smollm2-135m", "x", "smollm2-135m"]
     threads = [threading.Thread(target=run, args=(i, m)) for i, m in enumerate(models)]
@@ -108,7 +126,8 @@ def test_mixed_requests_and_metrics(srv):
         t.start()
     for t in threads:
         t.join()
-    assert [got[i] for i in range(4)] == [want[m] for m in models]
+    for i, m in enumerate(models):  # every row got its own model
+        assert _agree(got[i], want[m]), (m, got[i][0], want[m])
     m = srv.metrics()
     assert m["kvflow:lora_adapters_loaded"] == 1
     assert m["kvflow:lora_slots"] == 2 and m["kvflow:lora_slots_used"] >= 1

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 20},
@@ -22,9 +22,12 @@ ASK = [{"role": "user", "content": "Describe a city as JSON."}]
 
 
 class Pet(BaseModel):
-    name: str
+    # bounded strings, as an extraction schema would have: greedy decoding of the
+    # embedded model can loop inside a string (asked only "Describe a pet.", on an
+    # AVX-512 CPU it filled "name" with a repeated kana pair until max_tokens)
+    name: str = Field(max_length=20)
     legs: int
-    kind: str
+    kind: str = Field(max_length=20)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,8 @@ def test_json_schema_and_json_object(client, server):
 
 def test_parse_with_pydantic(client):
     r = client.chat.completions.parse(
-        model="smollm2-135m", messages=[{"role": "user", "content": "Describe a pet."}],
+        model="smollm2-135m", messages=[{"role": "user", "content": "Describe a pet as JSON "
+                                                  "with its name, number of legs and kind."}],
         response_format=Pet, max_tokens=60, temperature=0)
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(r.choices[0].message.parsed, Pet)
