@@ -242,7 +242,7 @@ def test_prefill_graphs_switch(monkeypatch):
 
 def test_gpu_path_deterministic_matches_torch_path(monkeypatch):
     """--deterministic's GPU plumbing on the CPU: batch-invariant linears, decode
-    attention split in fixed key ranges (64 keys here: the 50-token prompt's context
+    attention split in fixed key ranges (64 keys here: the 60-token prompt's context
     grows into the second),
     one-token prompt chunks (a prefix-cache hit on the repeated 17-token prompt) counted
     as prefills, graphs; tokens as the torch path's."""
@@ -253,8 +253,8 @@ def test_gpu_path_deterministic_matches_torch_path(monkeypatch):
     kw = dict(load_format="dummy", max_model_len=96, num_gpu_blocks_override=40,
               block_size=8, max_num_batched_tokens=24, max_num_seqs=16, device="cpu")
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 50, 3, 17, 9)]
-    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=16 + i, ignore_eos=True)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 60, 3, 17, 9)]
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=6 + i, ignore_eos=True)
               for i in range(len(prompts))]
     ref = LLM("tiny-llama", **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM("tiny-llama", async_scheduling=True, **kw)
