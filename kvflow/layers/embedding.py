@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers.linear import LinearBase, default_weight_loader
+from kvflow.layers.linear import LinearBase, UnquantizedLinearMethod, default_weight_loader
 
 if TYPE_CHECKING:
     from kvflow.layers.quantization import QuantizationConfig
@@ -40,11 +40,10 @@ class VocabEmbedding(nn.Module):
                  quant_config: QuantizationConfig | None = None,
                  prefix: str = "model.embed_tokens") -> None:
         super().__init__()
-        from kvflow.layers.quantization import embedding_method
-
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
-        self.quant_method = embedding_method(quant_config, prefix)
+        self.quant_method = UnquantizedEmbeddingMethod() if quant_config is None \
+            else quant_config.embedding_method(prefix)
         self.quant_method.create_weights(self, dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -59,10 +58,9 @@ class LMHead(LinearBase):
                  tied_to: VocabEmbedding | None = None,
                  quant_config: QuantizationConfig | None = None,
                  prefix: str = "lm_head") -> None:
-        from kvflow.layers.quantization import linear_method
-
         tied_blocks = tied_to is not None and not hasattr(tied_to, "weight")
-        method = linear_method(quant_config, prefix, tied_to if tied_blocks else None)
+        method = UnquantizedLinearMethod() if quant_config is None else \
+            quant_config.linear_method(prefix, tied_to if tied_blocks else None)
         super().__init__(hidden_size, [vocab_size], False, dtype, method, prefix=prefix)
         if tied_to is not None and not tied_blocks:
             self.weight = tied_to.weight  # the same Parameter: loaded once, by the embedding

@@ -180,9 +180,8 @@ class LinearBase(nn.Module):
         self.shard_ids = shard_ids or list(range(len(output_sizes)))
         self.prefix = prefix
         if quant_method is None:
-            from kvflow.layers.quantization import linear_method
-
-            quant_method = linear_method(quant_config, prefix)
+            quant_method = UnquantizedLinearMethod() if quant_config is None \
+                else quant_config.linear_method(prefix)
         self.quant_method = quant_method
         self.quant_method.create_weights(self, dtype)
         if bias:

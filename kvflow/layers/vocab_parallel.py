@@ -87,10 +87,8 @@ class VocabParallelEmbedding(nn.Module):
         if kind == "none":
             self.weight = self.shard.make_weight(hidden_size, dtype, self.weight_loader)
             return
-        from kvflow.layers.quantization import embedding_method
-
         self.num_rows = self.shard.rows  # the method's table: this rank's rows
-        self.quant_method = embedding_method(quant_config, prefix)
+        self.quant_method = quant_config.embedding_method(prefix)
         self.quant_method.create_weights(self, dtype)
         _narrow_loaders(self, self.shard)
 
@@ -130,9 +128,7 @@ class ParallelLMHead(LinearBase):
         if quant_config is None:
             method = UnquantizedLinearMethod()
         else:
-            from kvflow.layers.quantization import linear_method
-
-            method = linear_method(quant_config, prefix, tied_to if tied_blocks else None)
+            method = quant_config.linear_method(prefix, tied_to if tied_blocks else None)
         super().__init__(hidden_size, [shard.rows], False, dtype, method, prefix=prefix)
         self.tp = tp
         self.shard = shard

@@ -93,6 +93,20 @@ class QuantizationConfig:
     def is_skipped(self, prefix: str) -> bool:
         return any(prefix == p or prefix.startswith(p + ".") for p in self.skip_modules)
 
+    def linear_method(self, prefix: str, tied_to=None):
+        """The LinearMethod of the layer named ``prefix`` (``tied_to``: the embedding a
+        tied lm_head shares). The layers ask their config, so ``layers/`` never imports
+        this package (the registry is ``kvflow.layers.quantization.linear_method``)."""
+        from kvflow.layers.quantization import linear_method
+
+        return linear_method(self, prefix, tied_to)
+
+    def embedding_method(self, prefix: str):
+        """The embedding method of the table named ``prefix``."""
+        from kvflow.layers.quantization import embedding_method
+
+        return embedding_method(self, prefix)
+
     def method_for(self, prefix: str) -> str:
         """The method of the linear layer (or embedding) named ``prefix``: none, int8,
         int4 or gguf."""
