@@ -53,3 +53,25 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
                         use_cache=True)
     return tokens
 
+
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Three adapters of different targets, ranks, alpha and scaling (rsLoRA).
+THREE_ADAPTERS = {"a": dict(r=8, alpha=16, targets=ALL_TARGETS, seed=1),
+                  "b": dict(r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], seed=2,
+                            rslora=True),
+                  "c": dict(r=2, alpha=4, targets=["k_proj", "o_proj", "up_proj"], seed=3)}
+
+
+def make_adapters(base: torch.nn.Module, folder, specs: dict[str, dict]):
+    """Save one PEFT adapter of ``base`` per spec under ``folder``; returns the
+    LoRARequests by name (ids from 1) and the merged transformers reference of each
+    (``None``: the base itself)."""
+    from kvflow import LoRARequest
+
+    loras, refs = {}, {None: base}
+    for i, (name, spec) in enumerate(specs.items(), start=1):
+        save_adapter(base, folder / name, **spec)
+        loras[name] = LoRARequest(name, i, str(folder / name))
+        refs[name] = merged(base, folder / name)
+    return loras, refs

@@ -12,15 +12,14 @@ import torch
 
 pytest.importorskip("peft")
 
-from lora_utils import hf_greedy, merged, save_adapter, save_base  # noqa: E402
+from lora_utils import THREE_ADAPTERS, hf_greedy, make_adapters, save_base  # noqa: E402
 
-from kvflow import LLM, InvalidParameterError, LoRARequest, SamplingParams  # noqa: E402
+from kvflow import LLM, InvalidParameterError, SamplingParams  # noqa: E402
 from kvflow.lora.adapter import load_adapter  # noqa: E402
 from kvflow.lora.config import LoRAConfig  # noqa: E402
 from kvflow.lora.memory import lora_slot_bytes  # noqa: E402
 from kvflow.models.registry import resolve_model  # noqa: E402
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 N_TOKENS = 8
 
 
@@ -30,15 +29,7 @@ def setup(request, tmp_path_factory):
     merged transformers reference of each."""
     d = tmp_path_factory.mktemp(request.param)
     base = save_base(request.param, d / "base")
-    specs = {"a": dict(r=8, alpha=16, targets=ALL, seed=1),
-             "b": dict(r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], seed=2,
-                       rslora=True),
-             "c": dict(r=2, alpha=4, targets=["k_proj", "o_proj", "up_proj"], seed=3)}
-    loras, refs = {}, {None: base}
-    for i, (name, spec) in enumerate(specs.items(), start=1):
-        save_adapter(base, d / name, **spec)
-        loras[name] = LoRARequest(name, i, str(d / name))
-        refs[name] = merged(base, d / name)
+    loras, refs = make_adapters(base, d, THREE_ADAPTERS)
     return d, loras, refs
 
 

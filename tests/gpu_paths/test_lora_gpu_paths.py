@@ -16,15 +16,14 @@ import torch
 pytest.importorskip("peft")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the LoRA helpers
 
-from lora_utils import hf_greedy, merged, save_adapter, save_base  # noqa: E402
+from lora_utils import ALL_TARGETS, hf_greedy, make_adapters, save_base  # noqa: E402
 from test_gpu_plumbing import EagerGraph, EagerVerifyGraph, gpu_like  # noqa: E402
 
-from kvflow import LLM, LoRARequest, SamplingParams  # noqa: E402
+from kvflow import LLM, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the real GPU runs these paths in the lora bench")
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 N_TOKENS = 4
 
 
@@ -33,14 +32,10 @@ def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("lora-gpu")
     base = save_base("tiny-llama", d / "base")
     # ranks 8 and 4 in slots of rank 8; qkv/gate_up merged slices with and without B
-    specs = {"a": dict(r=8, alpha=16, targets=ALL, seed=1),
+    specs = {"a": dict(r=8, alpha=16, targets=ALL_TARGETS, seed=1),
              "b": dict(r=4, alpha=8, targets=["q_proj", "v_proj", "up_proj", "down_proj"],
                        seed=2, rslora=True)}
-    loras, refs = {}, {None: base}
-    for i, (name, spec) in enumerate(specs.items(), start=1):
-        save_adapter(base, d / name, **spec)
-        loras[name] = LoRARequest(name, i, str(d / name))
-        refs[name] = merged(base, d / name)
+    loras, refs = make_adapters(base, d, specs)
     return d, loras, refs
 
 
