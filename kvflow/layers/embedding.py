@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers.linear import LinearBase, UnquantizedLinearMethod, default_weight_loader
+from kvflow.layers.linear import LinearBase, default_weight_loader, linear_method_for
 
 if TYPE_CHECKING:
     from kvflow.layers.quantization import QuantizationConfig
@@ -59,8 +59,7 @@ class LMHead(LinearBase):
                  quant_config: QuantizationConfig | None = None,
                  prefix: str = "lm_head") -> None:
         tied_blocks = tied_to is not None and not hasattr(tied_to, "weight")
-        method = UnquantizedLinearMethod() if quant_config is None else \
-            quant_config.linear_method(prefix, tied_to if tied_blocks else None)
+        method = linear_method_for(quant_config, prefix, tied_to if tied_blocks else None)
         super().__init__(hidden_size, [vocab_size], False, dtype, method, prefix=prefix)
         if tied_to is not None and not tied_blocks:
             self.weight = tied_to.weight  # the same Parameter: loaded once, by the embedding

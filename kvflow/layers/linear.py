@@ -143,6 +143,14 @@ class UnquantizedLinearMethod(LinearMethod):
         return super().apply_normed(layer, x, residual, norm, act)
 
 
+def linear_method_for(quant_config: "QuantizationConfig | None", prefix: str,
+                      tied_to=None) -> LinearMethod:
+    """The method of the layer named ``prefix``: its config's (``tied_to``: the embedding
+    a tied lm_head shares), or the unquantized one without a config."""
+    return UnquantizedLinearMethod() if quant_config is None \
+        else quant_config.linear_method(prefix, tied_to)
+
+
 def use_batch_invariant(model: nn.Module) -> tuple[int, list[str]]:
     """``--deterministic`` on CUDA: every dense linear layer (the lm_head included) runs
     the batch-invariant matmul for any row count, and its decode GEMV plans are dropped
@@ -180,8 +188,7 @@ class LinearBase(nn.Module):
         self.shard_ids = shard_ids or list(range(len(output_sizes)))
         self.prefix = prefix
         if quant_method is None:
-            quant_method = UnquantizedLinearMethod() if quant_config is None \
-                else quant_config.linear_method(prefix)
+            quant_method = linear_method_for(quant_config, prefix)
         self.quant_method = quant_method
         self.quant_method.create_weights(self, dtype)
         if bias:

@@ -19,7 +19,7 @@ from torch import nn
 
 from kvflow.distributed.parallel_state import GroupCoordinator
 from kvflow.errors import ModelLoadError
-from kvflow.layers.linear import LinearBase, UnquantizedLinearMethod, default_weight_loader
+from kvflow.layers.linear import LinearBase, default_weight_loader, linear_method_for
 
 
 class _VocabShard:
@@ -125,10 +125,7 @@ class ParallelLMHead(LinearBase):
         tp = tp or GroupCoordinator.single(torch.get_default_device())
         shard = _VocabShard(vocab_size, tp)
         tied_blocks = tied_to is not None and not hasattr(tied_to, "weight")
-        if quant_config is None:
-            method = UnquantizedLinearMethod()
-        else:
-            method = quant_config.linear_method(prefix, tied_to if tied_blocks else None)
+        method = linear_method_for(quant_config, prefix, tied_to if tied_blocks else None)
         super().__init__(hidden_size, [shard.rows], False, dtype, method, prefix=prefix)
         self.tp = tp
         self.shard = shard
