@@ -288,7 +288,7 @@ class Scheduler:
         # start now stops admission, so later requests never overtake it.
         admit = not (self.config.batching == "static" and self.running)
         adapters = AdapterSeats(self.running, self.max_loras, self.lora_draining) \
-            if self.max_loras else None
+            if self.max_loras and self.waiting else None
         i = 0
         while (admit and not step.preempted and i < len(self.waiting) and step.budget > 0
                and len(step.order) < cap):
