@@ -18,6 +18,7 @@ TTFT, median / p99 TPOT, output tokens/s) beside the command, commit and machine
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -43,15 +44,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_run(name: str, server_args: list[str], bench_args: list[str], log_dir: str,
-            server_cmd: list[str] | None = None) -> dict:
-    """Start a server, bench it, stop it. ``server_cmd`` (``{port}`` filled in) replaces
-    ``kvflow serve`` for another engine's server, e.g. llama-server."""
-    port = free_port()
-    log_path = os.path.join(log_dir, f"serve-{name}-{time.time():.0f}.log")
-    cmd = [sys.executable, "-m", "kvflow.cli", "serve", "--port", str(port), *server_args] \
-        if server_cmd is None else [a.replace("{port}", str(port)) for a in server_cmd]
-    start = time.monotonic()
+@contextlib.contextmanager
+def running_server(cmd: list[str], port: int, log_path: str):
+    """Start a server (its output to ``log_path``), wait until /health answers 200, yield
+    its process; SIGTERM it (then kill after 60 s) on the way out."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "KVFLOW_NO_PROGRESS": "1"})
@@ -65,6 +61,25 @@ def one_run(name: str, server_args: list[str], bench_args: list[str], log_dir: s
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def one_run(name: str, server_args: list[str], bench_args: list[str], log_dir: str,
+            server_cmd: list[str] | None = None) -> dict:
+    """Start a server, bench it, stop it. ``server_cmd`` (``{port}`` filled in) replaces
+    ``kvflow serve`` for another engine's server, e.g. llama-server."""
+    port = free_port()
+    log_path = os.path.join(log_dir, f"serve-{name}-{time.time():.0f}.log")
+    cmd = [sys.executable, "-m", "kvflow.cli", "serve", "--port", str(port), *server_args] \
+        if server_cmd is None else [a.replace("{port}", str(port)) for a in server_cmd]
+    start = time.monotonic()
+    with running_server(cmd, port, log_path):
         startup_s = time.monotonic() - start
         out = os.path.join(log_dir, f"bench-{name}.json")
         subprocess.run([sys.executable, "-m", "kvflow.cli", "bench", "serve", "--base-url",
@@ -72,12 +87,6 @@ def one_run(name: str, server_args: list[str], bench_args: list[str], log_dir: s
                        check=True, env={**os.environ, "KVFLOW_NO_PROGRESS": "1"})
         with open(out) as f:
             bench = json.load(f)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     with open(log_path) as f:
         log_lines = f.readlines()
     steps = [line.strip() for line in log_lines

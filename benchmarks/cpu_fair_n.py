@@ -18,40 +18,24 @@ import argparse
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-import httpx
 import openai
 
 from kvflow.bench.machine import save_result
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cpu_burst import _loadavg, free_port  # noqa: E402
+from cpu_burst import _loadavg, free_port, running_server  # noqa: E402
 
 
 def one_run(name: str, server_args: list[str], ns, log_dir: str) -> dict:
     port = free_port()
     log_path = os.path.join(log_dir, f"serve-{name}-{time.time():.0f}.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", "serve", "--port",
-                                 str(port), *server_args], stdout=log,
-                                stderr=subprocess.STDOUT,
-                                env={**os.environ, "KVFLOW_NO_PROGRESS": "1"})
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"server exited with {proc.returncode}; see {log_path}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    cmd = [sys.executable, "-m", "kvflow.cli", "serve", "--port", str(port), *server_args]
+    with running_server(cmd, port, log_path):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                                timeout=ns.timeout, max_retries=0)
         model = client.models.list().data[0].id
@@ -88,12 +72,6 @@ def one_run(name: str, server_args: list[str], ns, log_dir: str) -> dict:
                 row["error"] = f"{type(e).__name__}: {e}"
             small.append(row)
         thread.join()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     return {"config": name, "server_args": server_args, "loadavg_end": _loadavg(),
             "big_n127": {k: (round(v, 2) if isinstance(v, float) else v)
                          for k, v in big.items()}, "small": small}
