@@ -115,3 +115,12 @@ class RemoteServer:
     def cleanup(self) -> None:
         self.stop()
         os.unlink(self._log.name)
+
+    def stop_clean(self) -> None:
+        """Stop it (SIGTERM), require a clean exit (code 0, no traceback in its log: no
+        request may raise inside the server), and remove its log."""
+        log = self.log()
+        code = self.stop()
+        self.cleanup()
+        assert "Traceback" not in log, log
+        assert code == 0, log

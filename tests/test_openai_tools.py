@@ -35,11 +35,7 @@ def server():
 
     srv = RemoteServer(["--reasoning-parser", "qwen3"])
     yield srv
-    log = srv.log()
-    code = srv.stop()
-    srv.cleanup()
-    assert "Traceback" not in log, log
-    assert code == 0, log
+    srv.stop_clean()
 
 
 @pytest.fixture(scope="module")

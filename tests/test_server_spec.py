@@ -19,11 +19,7 @@ def spec_server():
     srv = RemoteServer(["--speculative-config",
                         '{"method": "ngram", "num_speculative_tokens": 4}'])
     yield srv
-    log = srv.log()
-    code = srv.stop()
-    srv.cleanup()
-    assert "Traceback" not in log, log
-    assert code == 0, log
+    srv.stop_clean()
 
 
 def test_server_speculates_and_reports(spec_server):
