@@ -91,13 +91,21 @@ def build_root() -> Path:
     return Path(root) / "kvflow"
 
 
-def load(name: str) -> ctypes.CDLL | None:
+def load(name: str, functions: dict[str, tuple[list, object]] | None = None
+         ) -> ctypes.CDLL | None:
     """The built library of ``<name>.cpp`` (built now if missing), or None when it cannot
-    be built here; the outcome is logged once per process."""
+    be built here; the outcome is logged once per process. ``functions``: each exported
+    function's (argtypes, restype), set once on the loaded library."""
     with _lock:
         if name not in _loaded:
             _loaded[name] = _load(name)
-        return _loaded[name]
+        lib = _loaded[name]
+        if lib is not None and functions and not hasattr(lib, "_kvflow_typed"):
+            for fname, (argtypes, restype) in functions.items():
+                fn = getattr(lib, fname)
+                fn.argtypes, fn.restype = argtypes, restype
+            lib._kvflow_typed = True
+        return lib
 
 
 def _load(name: str) -> ctypes.CDLL | None:

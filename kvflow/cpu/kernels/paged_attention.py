@@ -25,15 +25,9 @@ _f32 = ctypes.c_float
 
 
 def _library() -> ctypes.CDLL | None:
-    lib = build.load("paged_attention")
-    if lib is not None and not hasattr(lib, "_kvflow_typed"):
-        fn = lib.kvflow_paged_decode
-        fn.argtypes = [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
-                       _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _f32,
-                       ctypes.c_int]
-        fn.restype = ctypes.c_int
-        lib._kvflow_typed = True
-    return lib
+    return build.load("paged_attention", {"kvflow_paged_decode": (
+        [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+         _i64, _i64, _f32, _f32, _f32, ctypes.c_int], ctypes.c_int)})
 
 
 def available() -> bool:

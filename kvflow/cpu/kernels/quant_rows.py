@@ -18,13 +18,8 @@ _i64 = ctypes.c_int64
 
 
 def _library() -> ctypes.CDLL | None:
-    lib = build.load("quant_rows")
-    if lib is not None and not hasattr(lib, "_kvflow_typed"):
-        fn = lib.kvflow_quantize_int8_rows
-        fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr]
-        fn.restype = None
-        lib._kvflow_typed = True
-    return lib
+    return build.load("quant_rows", {"kvflow_quantize_int8_rows": (
+        [_ptr, _i64, _i64, _i64, _ptr, _ptr], None)})
 
 
 def available() -> bool:
