@@ -16,6 +16,7 @@ enums, patterns, ``anyOf`` and ``$ref``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -122,6 +123,36 @@ def _timed(llm, prompts, params) -> tuple[float, int]:
     return time.perf_counter() - start, sum(len(r.outputs[0].token_ids) for r in res)
 
 
+@contextlib.contextmanager
+def _probe(llm):
+    """Where a run's time went: mask fill per masked step (the mask thread) and, on a
+    GPU, the idle gap the host left between steps (CUDA events)."""
+    import torch
+
+    runner = llm.engine.core.executor.runner
+    so = runner.structured
+    before = so.stats() if so is not None else None
+    meter = None
+    if torch.cuda.is_available():
+        from kvflow.worker.idle_meter import GpuIdleMeter
+
+        meter = runner.idle_meter = GpuIdleMeter()
+    probe: dict = {}
+    try:
+        yield probe
+    finally:
+        if meter is not None:
+            runner.idle_meter = None
+            rep = meter.report()
+            probe.update(steps=rep["steps"], gpu_busy_ms_per_step=rep["busy_ms"]
+                         / max(1, rep["steps"]), gpu_idle_ms_per_step=rep["idle_ms_per_step"])
+        if so is not None:
+            after = so.stats()
+            steps = after.num_masked_steps - before.num_masked_steps
+            probe.update(masked_steps=steps, fill_ms_per_masked_step=1e3 * (
+                after.fill_s - before.fill_s) / max(1, steps))
+
+
 def overhead(llm, schemas: list[dict], batch_sizes: list[int], output_len: int,
              repeats: int) -> dict:
     from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
@@ -138,17 +169,23 @@ def overhead(llm, schemas: list[dict], batch_sizes: list[int], output_len: int,
         _timed(llm, prompts, con)  # compile every grammar once (the cache is then warm)
         _timed(llm, prompts, free)  # and warm the plain path as much
         runs = {"free": [], "constrained": []}
+        probes = {"free": [], "constrained": []}
         for _ in range(repeats):
             for name, params in (("free", free), ("constrained", con)):
-                wall, tokens = _timed(llm, prompts, params)
+                with _probe(llm) as probe:
+                    wall, tokens = _timed(llm, prompts, params)
                 runs[name].append(1e3 * wall / tokens * bs)  # ms per output token per seq
+                probes[name].append(probe)
         best = {k: min(v) for k, v in runs.items()}
         out[f"batch_{bs}"] = {"ms_per_token_free": best["free"],
                               "ms_per_token_constrained": best["constrained"],
                               "overhead": best["constrained"] / best["free"] - 1,
-                              "runs_ms_per_token": runs}
+                              "runs_ms_per_token": runs,
+                              "best_run_probe": {k: probes[k][runs[k].index(best[k])]
+                                                 for k in runs}}
         print(f"overhead batch {bs}: free {best['free']:.2f} ms/token, constrained "
-              f"{best['constrained']:.2f} ms/token ({out[f'batch_{bs}']['overhead']:+.1%})")
+              f"{best['constrained']:.2f} ms/token ({out[f'batch_{bs}']['overhead']:+.1%}); "
+              f"probes {out[f'batch_{bs}']['best_run_probe']}")
     return out
 
 

@@ -81,7 +81,9 @@ class StepMask:
     """The mask of one step: which logits rows, and their bitmask."""
 
     rows: torch.Tensor  # [M] int64 logits rows
-    bitmask: torch.Tensor  # [M, ceil(V / 32)] int32, bit t of a row: token t allowed
+    # [M, W] int32, bit t of a row: token t allowed; W = ceil(grammar vocab / 32), ids past
+    # 32 W (a padded vocabulary) are forbidden
+    bitmask: torch.Tensor
 
 
 class StructuredOutputManager:
@@ -94,6 +96,7 @@ class StructuredOutputManager:
         idle instead of preparing the next step)."""
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
+        self.mask_vocab_size = vocab_size  # the grammar's token ids (set with the compiler)
         self.eos_token_ids = list(eos_token_ids)
         self._compiler: GrammarCompiler | None = None  # built at the first constraint
         self.reqs: dict[str, _Req] = {}
@@ -118,6 +121,8 @@ class StructuredOutputManager:
             info = load_tokenizer_info(self.tokenizer_path, self.vocab_size,
                                        tuple(self.eos_token_ids))
             self._compiler = GrammarCompiler(info)
+            # ids past it (a padded vocabulary) are never allowed: apply_token_bitmask
+            self.mask_vocab_size = info.vocab_size
             logger.info("structured outputs: grammar vocabulary ready in %.2f s",
                         time.perf_counter() - start)
         return self._compiler
@@ -183,7 +188,7 @@ class StructuredOutputManager:
 
         start = time.perf_counter()
         num_rows = sum(p.count for p in plans)
-        shape = xgr.get_bitmask_shape(num_rows, self.vocab_size)  # [M, W] int32
+        shape = xgr.get_bitmask_shape(num_rows, self.mask_vocab_size)  # [M, W] int32
         bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=self._pin)
         rows = torch.empty(num_rows, dtype=torch.int64, pin_memory=self._pin)
         # Rows whose state is the matcher's current one (a request without drafts: its
