@@ -280,7 +280,7 @@ PY
       timeout $(( ${GEMV_BUDGET:-140} + 150 )) python benchmarks/gpu/bench_gemv.py --out "$OUT/gemv-bench.json" --ms 1,2,4,8 --sweep --budget-s ${GEMV_BUDGET:-140} 2>&1 | grep -v "^INFO" | tail -30 || echo "gemv-bench failed"
       timeout ${FRESH_LEVERS_TIMEOUT:-240} python benchmarks/gpu/decode_levers.py --out "$OUT/decode-levers-fresh.json" --table "$OUT/gemv-bench.json" --variants ${FRESH_VARIANTS:-auto,auto+table,auto+table+rope+argmax,auto,auto+table,auto+table+rope+argmax} --iters 4 --budget-s $(( ${FRESH_LEVERS_TIMEOUT:-240} - 40 )) 2>&1 | grep -E "tok/s|failed|budget|rror" | tail -8;;
     lora) timeout ${LORA_TIMEOUT:-540} $KV bench lora --model llama-3.1-8b --load-format dummy --max-model-len 4096 --max-loras ${LORA_SLOTS:-4} --max-cpu-loras 16 --lora-rank 16 --adapter-counts 1,4,16 --num-prompts ${LORA_PROMPTS:-256} --input-len 512 --output-len 128 --rounds 2 --save-result "$OUT/lora-mix.json" 2>&1 | grep -v "^INFO" | tail -12;;
-    lora-kernels) timeout ${LORA_KERNELS_TIMEOUT:-200} python benchmarks/gpu/bench_lora_kernels.py --out "$OUT/lora-kernels.json" 2>&1 | grep -v "^INFO" | tail -16;;
+    lora-kernels) timeout ${LORA_KERNELS_TIMEOUT:-200} python benchmarks/gpu/bench_lora_kernels.py --out "$OUT/lora-kernels.json" ${LORA_KERNELS_ARGS:-} 2>&1 | grep -v "^INFO" | tail -16;;
     lora-profile) timeout ${LORA_PROFILE_TIMEOUT:-240} python benchmarks/gpu/profile_lora.py --out "$OUT/profile-lora.json" ${LORA_PROFILE_ARGS:-} 2>&1 | grep -v "^INFO" | tail -32;;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     deterministic)

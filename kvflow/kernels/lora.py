@@ -139,7 +139,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, tile_slot_ptr, K, N,
 
 @triton.jit
 def _expand_kernel(xa_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, slot_rank_ptr, N, R,
-                   off1, off2, stride_xam, stride_bs, stride_bn, stride_ym,
+                   off1, off2, stride_xam, stride_xas, stride_bs, stride_bn, stride_ym,
                    NS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     tile = tl.program_id(0)
@@ -151,25 +151,33 @@ def _expand_kernel(xa_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, slot_rank_ptr,
     rows = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows >= 0
     rows64 = tl.where(row_ok, rows, 0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn
                  + offs_r[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [BR, BN]
-    # which slice each output column belongs to (its xa columns start at slice * R)
+    # which slice each output column belongs to (its xa columns start at slice * R; the
+    # slot's own columns at slot * stride_xas when xa holds every slot's, the dense shrink)
     col_slice = (offs_n >= off1).to(tl.int32) + (offs_n >= off2).to(tl.int32)
+    n1 = tl.minimum(n0 + BLOCK_N, N) - 1
+    first = (n0 >= off1).to(tl.int32) + (n0 >= off2).to(tl.int32)
+    last = (n1 >= off1).to(tl.int32) + (n1 >= off2).to(tl.int32)
+    xa_rows = xa_ptr + rows64[:, None] * stride_xam + slot.to(tl.int64) * stride_xas
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in tl.static_range(NS):
-        xat = tl.load(xa_ptr + rows64[:, None] * stride_xam + s * R + offs_r[None, :],
-                      mask=row_ok[:, None] & r_ok[None, :], other=0.0)  # [BM, BR] fp32
-        bs = tl.where((col_slice == s)[None, :], bt, tl.zeros_like(bt))
-        # xa rounds to the activation dtype, as the torch path's product does
-        xat = xat.to(bt.dtype)
-        if UPCAST:  # CPU interpreter (see the shrink)
-            acc += tl.dot(xat.to(tl.float32), bs.to(tl.float32), input_precision=PRECISION)
-        else:
-            acc += tl.dot(xat, bs, input_precision=PRECISION)
+        if (s >= first) & (s <= last):  # only the slices this column block meets
+            xat = tl.load(xa_rows + s * R + offs_r[None, :],
+                          mask=row_ok[:, None] & r_ok[None, :], other=0.0)  # [BM, BR]
+            bs = tl.where((col_slice == s)[None, :], bt, tl.zeros_like(bt))
+            # xa rounds to the activation dtype, as the torch path's product does
+            xat = xat.to(bt.dtype)
+            if UPCAST:  # CPU interpreter (see the shrink)
+                acc += tl.dot(xat.to(tl.float32), bs.to(tl.float32),
+                              input_precision=PRECISION)
+            else:
+                acc += tl.dot(xat, bs, input_precision=PRECISION)
     ptrs = y_ptr + rows64[:, None] * stride_ym + offs_n[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
     y = tl.load(ptrs, mask=mask, other=0.0)
@@ -236,16 +244,38 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, tiles: LoRATiles,
     return out
 
 
+def lora_shrink_dense(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ every slot's A: xa [T, S * R_total] in x's dtype (slot s's columns at
+    ``s * R_total``), one dense GEMM (cuBLAS). For steps of few rows (decode, verify: what
+    CUDA graphs replay) the segmented shrink is latency-bound (12-20 us a launch on an
+    H100 at 128-256 rows against a 1-4 us floor, ``gpu-lora-kernels-h100.json``), while
+    the S-fold work is a few MFLOP here. ``lora_expand_add(..., dense=True)`` reads it."""
+    return x @ a.view(-1, a.shape[-1]).T
+
+
+def use_dense_shrink(x: torch.Tensor, num_slots: int) -> bool:
+    """Whether a step's shrink runs dense: CUDA steps of at most DENSE_ROW_SLOTS rows x
+    slots (every decode graph of 256 rows over up to 32 slots; long prompts keep the
+    segmented kernel, whose work does not grow with the slots)."""
+    return x.is_cuda and x.shape[0] * num_slots <= DENSE_ROW_SLOTS
+
+
+DENSE_ROW_SLOTS = 8192
+
+
 def lora_expand_add(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor,
                     offsets: list[int], rank: int, tiles: LoRATiles,
-                    block_n: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                    block_n: int | None = None, num_warps: int = 4,
+                    dense: bool = False) -> torch.Tensor:
     """y [T, out] += xa[t, i*R:(i+1)*R] @ b[slot(t)][cols of slice i]^T for every row
     with a slot and every slice i (columns ``offsets[i]:offsets[i + 1]``), in place;
     returns y. ``b`` [S, out, R] (R = ``rank``, the slots' padded rank), ``xa`` from
-    ``lora_shrink`` [T, len(offsets) * R]. At most 3 slices."""
+    ``lora_shrink`` [T, len(offsets) * R], or with ``dense`` from ``lora_shrink_dense``
+    [T, S * len(offsets) * R] (each row reads its slot's columns). At most 3 slices."""
     assert y.stride(-1) == 1 and b.stride(-1) == 1 and xa.stride(-1) == 1
     ns = len(offsets)
-    assert 1 <= ns <= 3 and offsets[0] == 0 and xa.shape[1] == ns * rank
+    assert 1 <= ns <= 3 and offsets[0] == 0
+    assert xa.shape[1] == (b.shape[0] if dense else 1) * ns * rank, (xa.shape, b.shape)
     t, n = y.shape
     n_tiles = tiles.tile_slot.shape[0]
     if n_tiles == 0 or t == 0:
@@ -256,7 +286,8 @@ def lora_expand_add(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor,
     block_n = block_n or (128 if y.device.type != "cpu" else min(triton.next_power_of_2(n), 512))
     _expand_kernel[(n_tiles, triton.cdiv(n, block_n))](
         xa, b, y, tiles.rows, tiles.tile_slot, tiles.slot_rank, n, rank, bounds[0],
-        bounds[1], xa.stride(0), b.stride(0), b.stride(1), y.stride(0), NS=ns,
+        bounds[1], xa.stride(0), ns * rank if dense else 0, b.stride(0), b.stride(1),
+        y.stride(0), NS=ns,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         num_warps=num_warps, **_dot_args(b))
     return y

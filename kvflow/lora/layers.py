@@ -12,7 +12,8 @@ already does (the delta is linear in x).
 Steps without adapter rows go straight to the base method (its fused decode paths, the
 C++ step); steps with some, and CUDA graphs captured with LoRA, run the unfused path
 plus the delta. The delta:
-on CUDA two Triton launches per layer over all the step's rows (``kvflow.kernels.lora``:
+on CUDA two launches per layer over all the step's rows (the shrink a dense GEMM over
+every slot's A for steps of few rows, a segmented Triton kernel for long prompts) (``kvflow.kernels.lora``:
 ``LoRAStepMap.tiles``, which CUDA graphs replay too); on the CPU a grouped matmul per
 adapter (``LoRAStepMap.groups``), which is the CPU's vectorized path.
 """
@@ -79,8 +80,13 @@ def add_lora_delta(x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, step: LoRAS
     GEMM of one segment per adapter (the CPU's path). With ``step.tiles`` set, the
     Triton kernels do the same for every row in two launches."""
     if step.tiles is not None:
-        from kvflow.kernels.lora import lora_expand_add, lora_shrink
+        from kvflow.kernels.lora import (lora_expand_add, lora_shrink, lora_shrink_dense,
+                                         use_dense_shrink)
 
+        if use_dense_shrink(x, w.a.shape[0]):  # few rows: one GEMM over every slot's A
+            xa = lora_shrink_dense(x, w.a)  # [T, S * n_slices * R]
+            return lora_expand_add(y, xa, w.b_all, w.offsets, w.rank, step.tiles,
+                                   dense=True)
         xa = lora_shrink(x, w.a, step.tiles)  # [T, n_slices * R] fp32
         return lora_expand_add(y, xa, w.b_all, w.offsets, w.rank, step.tiles)
     ns = len(w.b)

@@ -12,7 +12,7 @@ import torch
 
 from kvflow.kernels.lora import (BLOCK_M_LARGE, BLOCK_M_SMALL, build_tiles,
                                  lora_expand_add, lora_expand_add_ref, lora_shrink,
-                                 lora_shrink_ref, lora_tiles, max_tiles)
+                                 lora_shrink_dense, lora_shrink_ref, lora_tiles, max_tiles)
 
 
 def test_tiles_group_rows_by_slot():
@@ -67,6 +67,38 @@ def test_shrink_expand_match_reference(device, dtype, t, outs, block_m, split_k,
     assert torch.equal(got[~has], y[~has])  # base rows untouched
     # the delta is really there (the test would pass on a no-op otherwise)
     assert (want[has] - y[has]).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,outs,block_n,seed", [
+    (13, [32, 16, 16], 16, 1),  # column blocks inside one slice each
+    (37, [40, 40], 16, 2),  # a block across the slice boundary (32..47)
+    (5, [24], None, 3),
+])
+def test_dense_shrink_and_slice_blocks_match_reference(device, dtype, t, outs, block_n, seed):
+    """The dense shrink (every slot's A in one GEMM; the expand reads each row's slot's
+    columns) and expand column blocks that meet one slice or straddle two."""
+    rank, ranks = 8, [8, 4, 2]
+    x, a, b, slot, slot_rank, y = _case(device, dtype, t, 80, outs, 3, rank, ranks, seed)
+    offsets = [sum(outs[:i]) for i in range(len(outs))]
+    tiles = lora_tiles(slot, slot_rank, 3, BLOCK_M_SMALL)
+    xa = lora_shrink_dense(x, a)  # [T, S * NS * R]
+    ref_xa = lora_shrink_ref(x, a, slot)
+    has = slot >= 0
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-2, rtol=2e-2)
+    per_slot = xa.view(t, 3, -1)[torch.arange(t, device=xa.device), slot.long().clamp(min=0)]
+    torch.testing.assert_close(per_slot[has].float(), ref_xa[has], **tol)
+    b_all = torch.cat(b, dim=1)
+    got = lora_expand_add(y.clone(), xa, b_all, offsets, rank, tiles, block_n=block_n,
+                          dense=True)
+    want = lora_expand_add_ref(y.clone(), ref_xa, b, offsets, slot, slot_rank)
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got[~has], y[~has])
+    assert (want[has] - y[has]).abs().max() > 0.05
+    if block_n is not None:  # the segmented xa through the same column blocks
+        got = lora_expand_add(y.clone(), ref_xa, b_all, offsets, rank, tiles,
+                              block_n=block_n)
+        torch.testing.assert_close(got, want, **tol)
 
 
 def test_no_adapter_rows_is_a_no_op(device):
