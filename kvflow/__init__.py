@@ -5,8 +5,7 @@ from kvflow.errors import (InvalidParameterError, KvflowError, ModelLoadError,
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling_params import OutputKind, SamplingParams
-
-__version__ = "0.1.0"
+from kvflow.version import __version__
 
 
 def __getattr__(name: str):
@@ -24,4 +23,5 @@ def __getattr__(name: str):
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "OutputKind", "RequestOutput",
            "CompletionOutput", "Logprob", "KvflowError", "InvalidParameterError",
-           "PromptTooLongError", "ModelNotFoundError", "ModelLoadError", "LoRARequest"]
+           "PromptTooLongError", "ModelNotFoundError", "ModelLoadError", "LoRARequest",
+           "__version__"]

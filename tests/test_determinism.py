@@ -191,7 +191,7 @@ def test_fingerprint_names_what_changes_outputs(tiny_gguf, tmp_path, monkeypatch
                fingerprint(config(other), INVARIANT),
                fingerprint(dataclasses.replace(base, device=dataclasses.replace(
                    base.device, device="cuda")), INVARIANT)]
-    monkeypatch.setattr(kvflow, "__version__", "0.0.0-test")
+    monkeypatch.setattr(kvflow.version, "__version__", "0.0.0-test")
     changed.append(fingerprint(base, INVARIANT))
     assert fp not in changed and len(set(changed)) == len(changed)
 

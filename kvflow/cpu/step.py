@@ -40,7 +40,7 @@ from kvflow.cpu.kernels import build
 from kvflow.cpu.kernels.build import find_compiler
 from kvflow.cpu.parts import StepParts
 from kvflow.errors import KvflowError
-from kvflow.layers.attention import Attention, AttentionMetadata
+from kvflow.layers.attention import Attention, AttentionMetadata, eager_reason
 from kvflow.layers.attention.metadata import TreeAttention
 from kvflow.layers.attention.kv_quant import keep_cache_values
 from kvflow.layers.linear import UnquantizedLinearMethod
@@ -567,8 +567,6 @@ def cpu_decode_step(parts: StepParts, label: str = ""):
     if cfg.device.enforce_eager:
         logger.info("compiled CPU decode step off (--enforce-eager): decoding eagerly")
         return None
-    from kvflow.layers.attention.windowed import eager_reason
-
     if (reason := eager_reason(parts.model)) is not None:  # no window mask in C++ yet
         logger.info("%scompiled CPU decode step off (%s): decoding eagerly", label, reason)
         return None

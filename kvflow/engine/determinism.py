@@ -13,6 +13,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 
+from kvflow import version
 from kvflow.config import EngineConfig
 from kvflow.errors import InvalidParameterError
 
@@ -108,8 +109,6 @@ def fingerprint(config: EngineConfig, mode: str) -> str:
     """``fp_`` and 12 hex digits of what can change a request's outputs: kvflow's
     version, the weights, their format and quantization, the dtypes, the KV cache's
     storage, the device kind, parallelism, speculation and the determinism mode."""
-    from kvflow import __version__
-
     m, c, p = config.model, config.cache, config.parallel
     device = config.device.device
     if config.device.is_cuda:
@@ -120,7 +119,7 @@ def fingerprint(config: EngineConfig, mode: str) -> str:
         except Exception:  # no driver in this process: the kind is still named
             pass
     fields = [
-        __version__, _model_identity(m.path or m.model), m.load_format, str(m.seed)
+        version.__version__, _model_identity(m.path or m.model), m.load_format, str(m.seed)
         if m.load_format == "dummy" else "", m.dtype, str(m.quantization),
         str(m.quantization_group_size), str(m.quantization_symmetric),
         str(m.lm_head_quantization), c.cache_dtype, device,

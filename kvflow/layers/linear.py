@@ -36,6 +36,14 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def set_param(layer: nn.Module, name: str, t: torch.Tensor) -> None:
+    """Register ``t`` as a frozen parameter (so weight memory counts it): how a method
+    replaces a layer's dense weight with its packed form after loading."""
+    if hasattr(layer, name):
+        delattr(layer, name)
+    layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
+
+
 class LinearMethod:
     """How a linear layer stores and applies its weight (the quantization hook)."""
 

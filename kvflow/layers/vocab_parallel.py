@@ -19,6 +19,7 @@ from torch import nn
 
 from kvflow.distributed.parallel_state import GroupCoordinator
 from kvflow.errors import ModelLoadError
+from kvflow.layers.embedding import LMHead, VocabEmbedding
 from kvflow.layers.linear import LinearBase, default_weight_loader, linear_method_for
 
 
@@ -146,3 +147,21 @@ class ParallelLMHead(LinearBase):
             return logits[:, :self.vocab_size] if logits.shape[1] != self.vocab_size \
                 else logits
         return self.tp.all_gather(logits, dim=-1)[:, :self.vocab_size]  # [N, vocab]
+
+
+def make_embedding(vocab_size: int, hidden_size: int, dtype, tp, config, prefix: str):
+    """The token embedding: vocabulary-parallel (dense, or stored as its method says when
+    split over several ranks), or on one rank the embedding whose storage its method
+    picks."""
+    if config is None or (tp is not None and tp.world_size > 1):
+        return VocabParallelEmbedding(vocab_size, hidden_size, dtype, tp, config, prefix)
+    return VocabEmbedding(vocab_size, hidden_size, dtype, config, prefix)
+
+
+def make_lm_head(vocab_size: int, hidden_size: int, dtype, tied_to, tp, config):
+    """The lm_head, tied to ``tied_to`` when given; quantized as the config says, and
+    vocabulary-parallel over several ranks."""
+    if config is None or (tp is not None and tp.world_size > 1):
+        return ParallelLMHead(vocab_size, hidden_size, dtype, tied_to=tied_to, tp=tp,
+                              quant_config=config)
+    return LMHead(vocab_size, hidden_size, dtype, tied_to=tied_to, quant_config=config)

@@ -23,8 +23,9 @@ from kvflow.layers.attention import Attention, AttentionBackend, AttentionMetada
 from kvflow.layers.parallel_linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
 from kvflow.layers.pipeline import make_layers
-from kvflow.layers.quantization import QuantizationConfig, make_embedding, make_lm_head
+from kvflow.layers.quantization import QuantizationConfig
 from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.layers.vocab_parallel import make_embedding, make_lm_head
 from kvflow.models.llama import LlamaForCausalLM, model_rotary
 
 

@@ -23,7 +23,8 @@ from kvflow.layers.parallel_linear import (MergedColumnParallelLinear, QKVParall
                                            RowParallelLinear)
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
-from kvflow.layers.quantization import QuantizationConfig, make_embedding, make_lm_head
+from kvflow.layers.vocab_parallel import make_embedding, make_lm_head
+from kvflow.layers.quantization import QuantizationConfig
 
 # (merged parameter, checkpoint name, shard) for the merged GEMMs.
 STACKED_PARAMS = [

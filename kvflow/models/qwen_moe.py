@@ -26,8 +26,9 @@ from kvflow.layers.linear import default_weight_loader
 from kvflow.layers.moe import FusedMoE
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.pipeline import make_layers
-from kvflow.layers.quantization import QuantizationConfig, make_embedding, make_lm_head
+from kvflow.layers.quantization import QuantizationConfig
 from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.layers.vocab_parallel import make_embedding, make_lm_head
 from kvflow.models.llama import STACKED_PARAMS, LlamaAttention, LlamaMLP, model_rotary
 
 # experts.{e}.<name>.weight -> the expert shard kind FusedMoE's loader takes

@@ -13,7 +13,8 @@ from kvflow import envs
 from kvflow.config import GiB, EngineConfig, torch_dtype
 from kvflow.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kvflow.distributed.parallel_state import ParallelState
-from kvflow.layers.attention import AttentionSpec, get_attention_backend, model_rotary
+from kvflow.layers.attention import (AttentionSpec, eager_reason, get_attention_backend,
+                                    model_rotary)
 from kvflow.layers.custom_op import use_kernels
 from kvflow.layers.sampler import Sampler, SamplerOutput, gather_logprobs
 from kvflow.layers.token_bitmask import apply_token_bitmask
@@ -217,8 +218,6 @@ class ModelRunner:
         if self.device.type != "cuda" or self.parallel.pp.world_size > 1:
             return  # graphs do not hold the stage-to-stage sends (pipeline parallel)
         cfg = self.config
-        from kvflow.layers.attention.windowed import eager_reason
-
         if (reason := eager_reason(self.model)) is not None:  # plans per request in Python
             logger.info("CUDA graphs off (%s)", reason)
             return

@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import Body, FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 
-from kvflow import __version__
+from kvflow.version import __version__
 from kvflow.config import GiB
 from kvflow.engine.async_client import AsyncEngine, CoreProcess, EngineState
 from kvflow.engine.smooth_steps import smooth_on_cpu

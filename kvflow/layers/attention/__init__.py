@@ -9,6 +9,7 @@ from kvflow.layers.attention.backend import (AttentionBackend, AttentionMetadata
                                             get_attention_backend)
 from kvflow.layers.attention.kv_quant import KVQuant
 from kvflow.layers.attention.metadata import AttentionMetadata, AttentionSpec
+from kvflow.layers.attention.windowed import windowed_attention
 from kvflow.layers.rotary import RotaryEmbedding
 
 
@@ -49,8 +50,6 @@ class Attention(nn.Module):
         t = q.shape[0]
         if (self.logits_soft_cap is not None or self.own_rotary or (
                 self.sliding_window is not None and meta.max_seq_len > self.sliding_window)):
-            from kvflow.layers.attention.windowed import windowed_attention
-
             out = windowed_attention(
                 positions, q.view(t, self.num_heads, self.head_dim),
                 k.view(t, self.num_kv_heads, self.head_dim),
@@ -76,5 +75,19 @@ def model_rotary(model: nn.Module) -> RotaryEmbedding:
     return next(iter(tables.values()))
 
 
+def eager_reason(model: nn.Module) -> str | None:
+    """Why ``model`` must run its attention eagerly (no C++ CPU step, no CUDA graphs):
+    some layer is windowed, soft-capped or rotates with its own table. None: none is."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            if m.sliding_window is not None:
+                return "sliding-window attention"
+            if m.logits_soft_cap is not None:
+                return "soft-capped attention scores"
+            if m.own_rotary:
+                return "a layer with its own rotary table"
+    return None
+
+
 __all__ = ["Attention", "AttentionBackend", "KVQuant", "AttentionMetadata", "AttentionMetadataBuilder",
-           "AttentionSpec", "get_attention_backend", "model_rotary"]
+           "AttentionSpec", "eager_reason", "get_attention_backend", "model_rotary"]

@@ -5,7 +5,8 @@ layer's own (Gemma 3's local layers rotate with a different base than the step's
 Backend-independent and plain torch (the cache layout is the same for every backend):
 rotary from the layer's table, the paged cache write, then per request attention over
 only the blocks its window reaches, in float32. Used on CPU and GPU alike; the C++ CPU
-step and CUDA graphs stay off for models with such layers (``eager_reason``).
+step and CUDA graphs stay off for models with such layers
+(``kvflow.layers.attention.eager_reason``).
 
 A window of W means a query at position p sees keys p - W + 1 .. p (W keys, itself
 included), as transformers' sliding_window_overlay does.
@@ -14,7 +15,6 @@ included), as transformers' sliding_window_overlay does.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from kvflow.layers.attention.kv_quant import KVQuant
 from kvflow.layers.attention.metadata import AttentionMetadata
@@ -77,18 +77,3 @@ def windowed_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         out[s:e] = o.reshape(n, h, d).to(q.dtype)
     return out
 
-
-def eager_reason(model: nn.Module) -> str | None:
-    """Why ``model`` must run its attention eagerly (no C++ CPU step, no CUDA graphs):
-    some layer is windowed, soft-capped or rotates with its own table. None: none is."""
-    from kvflow.layers.attention import Attention
-
-    for m in model.modules():
-        if isinstance(m, Attention):
-            if m.sliding_window is not None:
-                return "sliding-window attention"
-            if m.logits_soft_cap is not None:
-                return "soft-capped attention scores"
-            if m.own_rotary:
-                return "a layer with its own rotary table"
-    return None

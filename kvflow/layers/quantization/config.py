@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvflow.errors import ModelLoadError, require
+from kvflow.layers.quantization import registry
 
 # Pre-quantized checkpoint formats (config.json quant_method).
 PREQUANTIZED = ("gptq", "awq", "compressed-tensors")
@@ -96,16 +97,12 @@ class QuantizationConfig:
     def linear_method(self, prefix: str, tied_to=None):
         """The LinearMethod of the layer named ``prefix`` (``tied_to``: the embedding a
         tied lm_head shares). The layers ask their config, so ``layers/`` never imports
-        this package (the registry is ``kvflow.layers.quantization.linear_method``)."""
-        from kvflow.layers.quantization import linear_method
-
-        return linear_method(self, prefix, tied_to)
+        this package (the registry is ``registry.linear_method``)."""
+        return registry.linear_method(self, prefix, tied_to)
 
     def embedding_method(self, prefix: str):
         """The embedding method of the table named ``prefix``."""
-        from kvflow.layers.quantization import embedding_method
-
-        return embedding_method(self, prefix)
+        return registry.embedding_method(self, prefix)
 
     def method_for(self, prefix: str) -> str:
         """The method of the linear layer (or embedding) named ``prefix``: none, int8,

@@ -35,9 +35,9 @@ from torch import nn
 
 from kvflow import envs
 from kvflow.errors import ModelLoadError
-from kvflow.layers.linear import LinearBase, LinearMethod
+from kvflow.layers.linear import LinearBase, LinearMethod, set_param
 from kvflow.layers.quantization.packed import flatten_tokens
-from kvflow.layers.quantization.rtn import _QuantizeAfterLoad, set_param
+from kvflow.layers.quantization.rtn import _QuantizeAfterLoad
 from kvflow.logger import init_logger
 
 logger = init_logger(__name__)

@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 from kvflow.errors import ModelLoadError
-from kvflow.layers.linear import LinearBase, LinearMethod
+from kvflow.layers.linear import LinearBase, LinearMethod, set_param
 from kvflow.layers.quantization.fp8 import (FP8_MAX, _check_device, load_fp8_weight,
                                             log_emulated, shard_rows, use_fp8_kernels)
 from kvflow.layers.quantization.packed import flatten_tokens
-from kvflow.layers.quantization.rtn import _QuantizeAfterLoad, set_param
+from kvflow.layers.quantization.rtn import _QuantizeAfterLoad
 
 DEFAULT_BLOCK = (128, 128)
 BLOCK_INPUTS = (32, 64, 128, 256)  # G: the kernel's K step (a power of two, >= the dot's 32)

@@ -19,13 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.errors import ModelLoadError
-from kvflow.layers.linear import LinearBase, LinearMethod
+from kvflow.layers.linear import LinearBase, LinearMethod, set_param
 from kvflow.layers.quantization import ggml_blocks as gb
 from kvflow.layers.quantization import gpu, layout_cache
 from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, flatten_tokens,
                                                gemv_layout, int4_mm, q8_layout,
                                                refine_top_logits)
-from kvflow.layers.quantization.rtn import set_param
 
 
 GEMV_ROWS = 16  # rows the C++ step's float32-activation GEMV takes (kMaxGemvRows)

@@ -26,6 +26,7 @@ import torch
 
 from kvflow import envs
 from kvflow.errors import ModelLoadError
+from kvflow.layers.linear import set_param
 from kvflow.layers.quantization.packed import Int4Groups, flatten_tokens
 
 MAX_GROUP = 1024  # merged groups stay powers of two up to this (the kernels' tiles nest)
@@ -59,8 +60,6 @@ class TritonWeight:
 
 
 def _set(layer: torch.nn.Module, name: str, t: torch.Tensor | None) -> None:
-    from kvflow.layers.quantization.rtn import set_param
-
     if t is None:
         if hasattr(layer, name):
             delattr(layer, name)

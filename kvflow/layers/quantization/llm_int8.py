@@ -25,11 +25,11 @@ import threading
 
 import torch
 
-from kvflow.layers.linear import LinearBase
+from kvflow.layers.linear import LinearBase, set_param
 from kvflow.layers.quantization.int8_gemm import Int8Weight, int8_mm, prepare_weight
 from kvflow.layers.quantization.int8_gemm import quantize_int8_rows
 from kvflow.layers.quantization.packed import flatten_tokens
-from kvflow.layers.quantization.rtn import _QuantizeAfterLoad, set_param
+from kvflow.layers.quantization.rtn import _QuantizeAfterLoad
 from kvflow.logger import init_logger
 
 logger = init_logger(__name__)

@@ -16,11 +16,10 @@ import torch
 from torch import nn
 
 from kvflow.errors import ModelLoadError
-from kvflow.layers.linear import LinearBase, LinearMethod
+from kvflow.layers.linear import LinearBase, LinearMethod, set_param
 from kvflow.layers.quantization import gpu
 from kvflow.layers.quantization.packed import (Int4Groups, PackedInt4, flatten_tokens,
                                                int4_mm)
-from kvflow.layers.quantization.rtn import set_param
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i]
 

@@ -9,21 +9,13 @@ quantizes it once and replaces it with the packed form the kernels read: the CPU
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from kvflow.errors import ModelLoadError
-from kvflow.layers.linear import LinearBase, UnquantizedLinearMethod
+from kvflow.layers.linear import LinearBase, UnquantizedLinearMethod, set_param
 from kvflow.layers.quantization import gpu
 from kvflow.layers.quantization.packed import (CPU_ACT_DTYPE, PackedInt4, flatten_tokens,
                                                int4_mm, int8_mm, quantize_int4,
                                                quantize_int8, refine_top_logits)
-
-
-def set_param(layer: nn.Module, name: str, t: torch.Tensor) -> None:
-    """Register ``t`` as a frozen parameter (so weight memory counts it)."""
-    if hasattr(layer, name):
-        delattr(layer, name)
-    layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
 
 
 class _QuantizeAfterLoad(UnquantizedLinearMethod):

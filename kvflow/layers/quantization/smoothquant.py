@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from kvflow.errors import ModelLoadError
-from kvflow.layers.linear import LinearBase, LinearMethod
+from kvflow.layers.linear import LinearBase, LinearMethod, set_param
 from kvflow.layers.quantization.int8_gemm import Int8Weight, prepare_weight, w8a8_apply
 from kvflow.layers.quantization.packed import flatten_tokens
-from kvflow.layers.quantization.rtn import _QuantizeAfterLoad, set_param
+from kvflow.layers.quantization.rtn import _QuantizeAfterLoad
 from kvflow.layers.quantization.int8_gemm import quantize_int8_rows
 
 
