@@ -34,6 +34,13 @@ def disable_triton() -> bool:
     return os.environ.get("KVFLOW_DISABLE_TRITON", "0") == "1"
 
 
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1: Triton runs its kernels in its interpreter on the CPU (the
+    kernel tests set it); Triton itself reads it when a kernel is decorated, kvflow reads
+    it to let CPU tensors take a Triton-only path (kvflow/kernels/fused_moe.py)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def gemv_mode() -> str:
     """KVFLOW_GEMV: which decode linears (M <= 8 rows, dense bf16/fp16 on CUDA) take the
     Triton GEMV instead of cuBLAS: ``auto`` (default: where the GPU's measured table in

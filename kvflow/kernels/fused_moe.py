@@ -39,12 +39,12 @@ elsewhere.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kvflow import envs
 
 
 # The one-launch align kernel serves steps of at most this many (token, slot) pairs and
@@ -175,7 +175,7 @@ def fast_align_fits(num_pairs: int, num_experts: int, device: torch.device) -> b
     """Whether ``moe_align_fast`` serves this step: small enough, and a device its
     kernel runs on (CUDA, or the CPU under TRITON_INTERPRET=1 in tests)."""
     return (num_pairs <= FAST_ALIGN_MAX_PAIRS and num_experts <= FAST_ALIGN_MAX_EXPERTS
-            and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+            and (device.type == "cuda" or envs.triton_interpret()))
 
 
 def moe_align_fast(topk_ids: torch.Tensor, num_experts: int, block_m: int
