@@ -10,8 +10,8 @@ Each step, for the sample rows of constrained requests only:
 1. the matcher catches up with the request's known output tokens (with overlapped steps
    the previous step's token may still be in flight: the model runner resolves that
    step first, and only when a constrained request needs it);
-2. the bitmask row of every sampled position is filled (``fill``) while the forward runs:
-   a thread on CPU, the host while the GPU works on CUDA;
+2. the bitmask row of every sampled position is filled (``fill``): on CUDA on a thread
+   while the GPU runs the forward; on CPU before the forward, which then has the cores;
 3. the model runner applies it to the logits before sampling (or verification).
 Draft tokens are walked through the matcher: position i is masked with the state after
 drafts[:i], a draft the grammar forbids ends the walk (it and everything after it can
@@ -88,12 +88,17 @@ class StepMask:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int],
-                 *, fill_threads: int = 1, pin_memory: bool = False) -> None:
+                 *, fill_threads: int = 1, pin_memory: bool = False,
+                 inline_fill: bool = False) -> None:
         """``fill_threads``: threads xgrammar fills one step's rows with (1 on a CPU
         engine, whose cores run the forward meanwhile); ``pin_memory``: the bitmask in
         page-locked memory, so that its copy to a GPU is asynchronous (a copy from
         pageable memory first waits for the queued forward, and the host then stays
-        idle instead of preparing the next step)."""
+        idle instead of preparing the next step); ``inline_fill``: fill in the caller's
+        thread before the step runs (a CPU engine: a fill thread beside the forward
+        preempts the step's own threads; batch 1 on the embedded model cost +9.3%
+        with the thread and +4.5% inline, three alternated runs each)."""
+        self._inline = inline_fill
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.mask_vocab_size = vocab_size  # the grammar's token ids (set with the compiler)
@@ -180,7 +185,12 @@ class StructuredOutputManager:
         return plans or None
 
     def start(self, plans: list[_RowPlan]) -> Future:
-        """Fill the step's mask on the mask thread; the future gives a StepMask."""
+        """Fill the step's mask on the mask thread (or here, ``inline_fill``); the future
+        gives a StepMask."""
+        if self._inline:
+            done: Future = Future()
+            done.set_result(self._fill(plans))
+            return done
         return self._fill_pool.submit(self._fill, plans)
 
     def _fill(self, plans: list[_RowPlan]) -> StepMask:

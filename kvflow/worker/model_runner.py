@@ -299,8 +299,8 @@ class ModelRunner:
                 and hasattr(self.step_builder.attn_builder, "inner"):
             # the C++ step's builder left the plan to C++: build the eager one
             self.step_builder.attn_builder.inner.build(inputs.meta, inputs.positions)
-        # The grammar mask fills while the forward runs: on the CPU on the mask thread
-        # (started first), on CUDA on the host once the forward is queued.
+        # The grammar mask: on the CPU filled first (the forward then has the cores), on
+        # CUDA on the host once the forward is queued (it fills while the forward runs).
         mask = self._start_mask(inputs) if self.device.type == "cpu" else None
         if self.graphs is not None and not eager and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
@@ -448,12 +448,13 @@ def _structured_manager(config: EngineConfig, parallel: ParallelState):
     from kvflow.structured_output.manager import StructuredOutputManager
 
     # On a GPU the host idles while the forward runs: several threads fill a large step's
-    # rows. On CPU one (the forward has the cores), and no pinned memory to copy from.
+    # rows. On CPU the caller fills before the step (the forward has the cores), and no
+    # pinned memory to copy from.
     cuda = config.device.is_cuda
     return StructuredOutputManager(config.model.tokenizer, config.model.arch.vocab_size,
                                    list(config.model.arch.eos_token_ids),
                                    fill_threads=min(8, (os.cpu_count() or 2) // 2)
-                                   if cuda else 1, pin_memory=cuda)
+                                   if cuda else 1, pin_memory=cuda, inline_fill=not cuda)
 
 
 def _kernels_available() -> bool:
