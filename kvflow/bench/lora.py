@@ -1,7 +1,8 @@
 """``kvflow bench lora``: throughput of a LoRA mix over 1, 4, 16 ... adapters against
-the base model alone, in one run on one engine (rounds alternate, so a contended machine
-hits all of them alike), and the cost of an adapter swap (host cache -> device slot, and
-disk -> slot).
+the base requests, in one run on one engine (rounds alternate, so a contended machine
+hits all of them alike), and against the base model alone on a second engine without
+LoRA (``--plain-baseline``, after the first stops); and the cost of an adapter swap
+(host cache -> device slot, and disk -> slot).
 
 Adapters are PEFT directories of random weights (rank ``--lora-rank`` on every decoder
 linear) written for the model's shapes; the base stays as loaded (the embedded model's
@@ -32,6 +33,10 @@ def add_lora_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2,
                    help="times each configuration runs (alternating); the best counts")
     p.add_argument("--swap-iters", type=int, default=3, help="adapter swaps timed")
+    p.add_argument("--plain-baseline", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the base requests on a second engine without "
+                        "--enable-lora (the base model alone: its fused paths, graphs "
+                        "without LoRA launches), after the LoRA engine stops")
 
 
 def write_random_adapter(folder: str, arch, rank: int, seed: int,
@@ -146,6 +151,24 @@ def run_lora_bench(ns: argparse.Namespace) -> int:
     swap = _swap_cost(runner, loras, ns.swap_iters, device)
     print(f"ratios over base: {ratios}; swap: {swap}")
     llm.shutdown()
+    plain = None
+    ratios_plain = None
+    if ns.plain_baseline:  # the base model alone, on an engine without LoRA
+        plain_args = dataclasses.replace(args, enable_lora=False)
+        llm = LLM(**{f.name: getattr(plain_args, f.name) for f in dataclasses.fields(args)})
+        llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)
+        runs["plain_engine"] = []
+        for r in range(ns.rounds):
+            res = _run(llm, prompts, params, None, device)
+            runs["plain_engine"].append(res)
+            print(f"round {r} plain engine: {res['output_tokens_per_s']} output tok/s "
+                  f"({res['seconds']} s)")
+        llm.shutdown()
+        plain = max(runs["plain_engine"], key=lambda x: x["output_tokens_per_s"])
+        best["plain_engine"] = plain
+        ratios_plain = {k: round(v["output_tokens_per_s"] / plain["output_tokens_per_s"], 3)
+                        for k, v in best.items()}
+        print(f"ratios over the plain engine: {ratios_plain}")
     save_result(ns.save_result, {
         "benchmark": "lora-mix",
         "workload": {"num_prompts": ns.num_prompts, "input_len": ns.input_len,
@@ -154,9 +177,12 @@ def run_lora_bench(ns: argparse.Namespace) -> int:
                      "max_loras": cfg.lora.max_loras,
                      "targets": TARGETS},
         "engine_config": _config_summary(cfg),
-        "best": best, "ratio_vs_base": ratios, "runs": runs, "swap": swap,
+        "best": best, "ratio_vs_base": ratios, "ratio_vs_plain_engine": ratios_plain,
+        "runs": runs, "swap": swap,
         "notes": "one engine with --enable-lora; base = requests without an adapter on it "
                  "(CPU: the C++ step, adapter steps eager; CUDA: the same graphs, which "
                  "hold the LoRA kernels and find no tiles); rounds alternate base and "
-                 "mixes; the best round counts; mixes assign adapters round-robin"})
+                 "mixes; the best round counts; mixes assign adapters round-robin; "
+                 "plain_engine = the base requests on a second engine without "
+                 "--enable-lora, run after the first stops (not alternated with it)"})
     return 0
