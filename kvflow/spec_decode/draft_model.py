@@ -128,19 +128,20 @@ class DraftModelProposer(Proposer):
         logger.info("draft KV cache: %d blocks, %.2f GiB", total,
                     self.kv_caches.numel() * self.kv_caches.element_size() / GiB)
 
-    def warmup(self, runner) -> None:
-        """On CPU, give the draft the C++ step the target runs (same switches: none when
-        the target decodes eagerly), checked against its eager forward like the
+    def warmup(self, target_step) -> None:
+        """On CPU, give the draft the C++ step the target runs (``target_step``; same
+        switches: none when the target decodes eagerly), built from the draft's own
+        parts and the engine config, and checked against its eager forward like the
         target's; its forwards of up to 64 new tokens per request then run in C++."""
         from kvflow.cpu.parts import StepParts
         from kvflow.cpu.step import CppDecodeStep, cpu_decode_step
 
         if self.device.type != "cpu" or self.kv_caches is None or \
-                not isinstance(runner.graphs, CppDecodeStep):
+                not isinstance(target_step, CppDecodeStep):
             return
         self.cpp_step = cpu_decode_step(StepParts(
             self.model, self.attn_builder, self.kv_caches, None, self.attn_spec,
-            runner.config), label="draft model: ")
+            self.config), label="draft model: ")
         if self.cpp_step is not None:  # its builder marks the steps it takes
             self.attn_builder = self.cpp_step.attn_builder
 

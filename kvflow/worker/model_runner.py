@@ -213,7 +213,7 @@ class ModelRunner:
             if self.graphs is not None:  # it marks the steps it takes
                 self.step_builder.attn_builder = self.graphs.attn_builder
             if self.spec is not None:  # a draft model builds a C++ step of its own
-                self.spec.warmup(self)
+                self.spec.warmup(self.graphs)
             return
         if self.device.type != "cuda" or self.parallel.pp.world_size > 1:
             return  # graphs do not hold the stage-to-stage sends (pipeline parallel)
