@@ -16,7 +16,7 @@ from kvflow.distributed.parallel_state import ParallelState
 from kvflow.layers.attention import (AttentionSpec, eager_reason, get_attention_backend,
                                     model_rotary)
 from kvflow.layers.custom_op import use_kernels
-from kvflow.layers.sampler import Sampler, SamplerOutput, gather_logprobs
+from kvflow.layers.sampler import Sampler, SamplerOutput
 from kvflow.layers.token_bitmask import apply_token_bitmask
 from kvflow.logger import init_logger
 from kvflow.models.loader import load_model
@@ -25,6 +25,7 @@ from kvflow.worker import kv_cache
 from kvflow.worker.block_table import DeviceBlockTable
 from kvflow.cpu.threads import StepThreadPolicy
 from kvflow.worker.input_batch import InputBatch
+from kvflow.worker.sampling_meta import prompt_logprobs_tensors
 from kvflow.worker.step_builder import StepBuilder
 from kvflow.worker.step_inputs import StepHostOutputs, StepInputs
 from kvflow.worker.transfer import to_device, to_host_async
@@ -80,13 +81,10 @@ class ModelRunner:
                                 expert_parallel=config.parallel.enable_expert_parallel)
         # The forward pass: the whole model, or this rank's pipeline stage of it.
         self.forward_model = self.model
-        self.pipeline_results = None  # how a stage's step results reach the other ranks
         if self.parallel.pp.world_size > 1:
-            from kvflow.worker.pipeline_stage import PipelineResults, PipelineStage
+            from kvflow.worker.pipeline_stage import PipelineStage
 
             self.forward_model = PipelineStage(self.model, self.parallel.pp)
-            self.pipeline_results = PipelineResults(
-                self.parallel, defer=config.parallel.batches_in_flight > 1)
         use_kernels(self.model, self.use_kernels)
         # --deterministic (GPU): batch-invariant linears, fixed split-KV attention
         self.deterministic = config.device.deterministic and self.use_kernels
@@ -128,6 +126,13 @@ class ModelRunner:
             self.block_size, self.device, backend.metadata_builder(self.attn_spec),
             config.model.arch.vocab_size, device_block_table, spec=self.spec,
             deterministic=self.deterministic)
+        self.pipeline_results = None  # how a stage's step results reach the other ranks
+        if self.parallel.pp.world_size > 1:
+            from kvflow.worker.pipeline_stage import PipelineResults
+
+            self.pipeline_results = PipelineResults(
+                self.parallel, config.parallel.batches_in_flight > 1, self.step_builder,
+                self.model, self.sampler)
         self.kv_caches: torch.Tensor | None = None  # [L, 2, NB, BS, KVH, D]
         self.host_cache: torch.Tensor | None = None  # [NH, L, 2, BS, KVH, D] swap space
         # An int8 cache's scales: [L, 2, NB, BS, KVH] and [NH, L, 2, BS, KVH] in swap.
@@ -356,7 +361,7 @@ class ModelRunner:
         if self.spec is not None and self.spec.wants_hidden and hidden is not None:
             host.sample_hidden = hidden[inputs.sample.logits_indices]  # [N, H] (Medusa)
         if self.pipeline_results is not None:  # speculative decoding is one-rank only
-            collect = self.pipeline_results.launch(self, inputs, hidden, host)
+            collect = self.pipeline_results.launch(inputs, hidden, host)
         elif inputs.sample.num_draft is not None and self.spec.tree is not None:
             self._verify_tree(inputs, hidden, host)
         elif inputs.sample.num_draft is not None:
@@ -385,8 +390,9 @@ class ModelRunner:
             host.pooled = self.step_builder.pooling.run(inputs.pooling, hidden,
                                                         self.model.compute_logits)
         if inputs.prompt_logprobs.indices and self.pipeline_results is None:
-            host.prompt_logprobs = (inputs.prompt_logprobs.spans, tuple(
-                to_host_async(t) for t in self.prompt_logprobs_tensors(inputs, hidden)))
+            plan = inputs.prompt_logprobs
+            host.prompt_logprobs = (plan.spans, tuple(to_host_async(t) for t in (
+                prompt_logprobs_tensors(plan, hidden, self.model.compute_logits))))
         event = None
         if self.device.type == "cuda":
             if self.idle_meter is not None:
@@ -428,14 +434,6 @@ class ModelRunner:
             return out
         sampled = torch.empty(inputs.sample.num_reqs, dtype=torch.int64, device=self.device)
         return SamplerOutput(sampled=p.world.broadcast(sampled, src=sampler))
-
-    def prompt_logprobs_tensors(self, inputs: StepInputs, hidden: torch.Tensor):
-        """(ids [P, 1 + k], logprobs [P, 1 + k], ranks [P]) of the plan's prompt rows."""
-        dev, plan = self.device, inputs.prompt_logprobs
-        logits = self.model.compute_logits(hidden[to_device(plan.indices, dev, torch.int64)])
-        k_max = max(span.num_logprobs for span in plan.spans)
-        return gather_logprobs(logits.log_softmax(dim=-1),
-                               to_device(plan.targets, dev, torch.int64), k_max)
 
 
 def _structured_manager(config: EngineConfig, parallel: ParallelState):
