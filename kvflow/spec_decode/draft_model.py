@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kvflow.config import EngineConfig, GiB, torch_dtype
+from kvflow.cpu.memory import zeroed_host_tensor
 from kvflow.layers.attention import AttentionMetadata, AttentionSpec, model_rotary
 from kvflow.layers.custom_op import use_kernels
 from kvflow.layers.sampler import (SamplingMetadata, apply_top_k_top_p_min_p, greedy_argmax,
@@ -120,7 +121,7 @@ class DraftModelProposer(Proposer):
                  arch.head_dim)
         dtype = torch_dtype(draft.dtype)
         if self.device.type == "cpu":
-            self.kv_caches = kvc.zeroed_host_tensor(shape, dtype)
+            self.kv_caches = zeroed_host_tensor(shape, dtype)
         else:
             self.kv_caches = torch.zeros(shape, dtype=dtype, device=self.device)
         kvc.bind_kv_cache(self.model, self.kv_caches)

@@ -12,6 +12,8 @@ import torch
 from kvflow import envs
 from kvflow.config import GiB, EngineConfig, torch_dtype
 from kvflow.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvflow.cpu.memory import cpu_kv_budget
+from kvflow.cpu.threads import StepThreadPolicy
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.layers.attention import (AttentionSpec, eager_reason, get_attention_backend,
                                     model_rotary)
@@ -23,7 +25,6 @@ from kvflow.models.loader import load_model
 from kvflow.utils import cdiv
 from kvflow.worker import kv_cache
 from kvflow.worker.block_table import DeviceBlockTable
-from kvflow.cpu.threads import StepThreadPolicy
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.sampling_meta import prompt_logprobs_tensors
 from kvflow.worker.step_builder import StepBuilder
@@ -167,8 +168,7 @@ class ModelRunner:
         if cfg.cache.num_blocks_override is not None:
             return cfg.cache.num_blocks_override
         if self.device.type == "cpu":
-            return kv_cache.num_blocks_for_budget(
-                cfg, kv_cache.cpu_kv_budget(cfg.cache.kv_cache_memory))
+            return kv_cache.num_blocks_for_budget(cfg, cpu_kv_budget(cfg.cache.kv_cache_memory))
         if cfg.cache.kv_cache_memory is not None:
             return kv_cache.num_blocks_for_budget(cfg, cfg.cache.kv_cache_memory)
         from kvflow.worker.profiler import profile_kv_budget
