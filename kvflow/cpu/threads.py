@@ -1,4 +1,6 @@
-"""How many torch threads a CPU step runs on, chosen by measuring.
+"""How many torch threads a CPU step runs on: each rank of a parallel engine its share
+of the node's cores (``set_rank_threads``); a one-rank engine's steps a count chosen by
+measuring (``StepThreadPolicy``).
 
 A decode step of a small batch is thousands of tiny ops. With two or more intra-op
 threads each op that goes parallel ends in a barrier, and on a shared machine the other
@@ -16,10 +18,15 @@ one again now and then (the load changes), the more rarely the longer it takes.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvflow.config import EngineConfig
 
 # Steps of more scheduled tokens than this share the top size class.
 TOP_CLASS_TOKENS = 4096
@@ -39,6 +46,16 @@ SMALL_CLASSES = 4
 CLEAR_FACTOR = 2.0
 # Weight of the newest measurement in a thread count's running estimate.
 ALPHA = 0.3
+
+
+def set_rank_threads(config: EngineConfig) -> None:
+    """On CPU the ranks of a node share its cores; oversubscribing them is far slower.
+    (Ranks keep this count: the measuring policy below runs one-rank engines only.)"""
+    if config.device.device != "cpu":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // config.parallel.ranks_per_node))
 
 
 class _SizeClass:
