@@ -58,6 +58,16 @@ def set_rank_threads(config: EngineConfig) -> None:
     torch.set_num_threads(max(1, cores // config.parallel.ranks_per_node))
 
 
+def step_thread_policy(config: EngineConfig, world_size: int) -> StepThreadPolicy | None:
+    """The policy a CPU engine's steps run under (``--cpu-step-threads adaptive``, its
+    thread count read at the first step), or None: on a GPU, with all threads, or with
+    several ranks (they keep the share ``set_rank_threads`` gave them)."""
+    if torch.device(config.device.device).type != "cpu" or world_size != 1 or \
+            config.device.cpu_step_threads != "adaptive":
+        return None
+    return StepThreadPolicy(None)
+
+
 class _SizeClass:
     """Running step-time estimates (seconds) of one size class, per thread count."""
 
@@ -71,13 +81,22 @@ class StepThreadPolicy:
     """``choose(num_tokens)`` picks a step's thread count, ``record`` learns from its
     time; ``run(num_tokens, fn)`` does both around ``fn`` and restores the count."""
 
-    def __init__(self, max_threads: int, clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, max_threads: int | None,
+                 clock: Callable[[], float] = time.perf_counter,
                  set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
-        self.max_threads = max_threads
-        self.candidates = (1, max_threads) if max_threads > 1 else (1,)
+        """``max_threads``: the count outside the policy's steps; None: torch's count at
+        the first ``run`` (the engine's setting by then)."""
         self.clock = clock
         self.set_threads = set_threads
         self.classes: dict[int, _SizeClass] = {}
+        self.max_threads: int | None = None
+        self.candidates: tuple[int, ...] = ()
+        if max_threads is not None:
+            self._set_max(max_threads)
+
+    def _set_max(self, max_threads: int) -> None:
+        self.max_threads = max_threads
+        self.candidates = (1, max_threads) if max_threads > 1 else (1,)
 
     @staticmethod
     def size_class(num_tokens: int) -> int:
@@ -120,6 +139,8 @@ class StepThreadPolicy:
         cls.last_tried[threads] = self.clock()
 
     def run(self, num_tokens: int, fn: Callable[[], object]):
+        if self.max_threads is None:
+            self._set_max(torch.get_num_threads())
         threads = self.choose(num_tokens)
         if len(self.candidates) == 1:
             return fn()

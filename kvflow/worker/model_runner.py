@@ -13,7 +13,7 @@ from kvflow import envs
 from kvflow.config import GiB, EngineConfig, torch_dtype
 from kvflow.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kvflow.cpu.memory import cpu_kv_budget
-from kvflow.cpu.threads import StepThreadPolicy
+from kvflow.cpu.threads import step_thread_policy
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.layers.attention import (AttentionSpec, eager_reason, get_attention_backend,
                                     model_rotary)
@@ -143,15 +143,11 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | CpuCompiledStep | CppDecodeStep | None = None
         self.idle_meter = None  # a GpuIdleMeter while a benchmark measures GPU idle time
         # CPU: small steps run on one thread or all of them, whichever measures faster
-        # (cpu/threads.py); made at the first step, when the thread count is set.
-        self.thread_policy: StepThreadPolicy | None = None
-        # Ranks of a parallel group keep the thread count set_rank_threads gave them.
+        # (cpu/threads.py; None elsewhere).
+        self.thread_policy = step_thread_policy(config, self.parallel.world.world_size)
         # Constrained decoding: the rank that samples keeps the matchers; None elsewhere.
         self.structured = _structured_manager(config, self.parallel)
         self._last_handle: StepHandle | None = None  # resolves a constrained row's token
-        self._adaptive_threads = (self.device.type == "cpu"
-                                  and config.device.cpu_step_threads == "adaptive"
-                                  and self.parallel.world.world_size == 1)
 
     # --- KV cache ---------------------------------------------------------------
     def initialize(self) -> int:
@@ -263,9 +259,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
         """Queue a step's GPU work and return at once (CPU: runs it)."""
-        if self._adaptive_threads and so.total_num_scheduled_tokens:
-            if self.thread_policy is None:
-                self.thread_policy = StepThreadPolicy(torch.get_num_threads())
+        if self.thread_policy is not None and so.total_num_scheduled_tokens:
             return self.thread_policy.run(so.total_num_scheduled_tokens,
                                           lambda: self._execute(so))
         return self._execute(so)
