@@ -200,11 +200,6 @@ class ModelRunner:
 
     def _warmup(self) -> None:
         if self.device.type == "cpu":
-            if self.parallel.world.world_size > 1:
-                # The compiled step would have to trace the collectives; ranks run eager.
-                logger.info("compiled CPU decode step off with %d ranks",
-                            self.parallel.world.world_size)
-                return
             from kvflow.cpu.parts import StepParts
             from kvflow.cpu.step import cpu_decode_step
 
@@ -291,13 +286,10 @@ class ModelRunner:
         if self.idle_meter is not None:
             self.idle_meter.step_start()
         inputs = self.step_builder.build(so)
-        # Steps with adapter rows run eager unless the CUDA graphs hold the LoRA kernels.
+        # Steps with adapter rows run eager unless the CUDA graphs hold the LoRA kernels
+        # (graphs.run_eager: a CPU step gives one it would take the eager plan first).
         eager = self.lora is not None and self.lora.prepare(
             inputs.req_ids, inputs.meta.query_start_loc_cpu)
-        if eager and self.graphs is not None and self.graphs.can_run(inputs) \
-                and hasattr(self.step_builder.attn_builder, "inner"):
-            # the C++ step's builder left the plan to C++: build the eager one
-            self.step_builder.attn_builder.inner.build(inputs.meta, inputs.positions)
         # The grammar mask: on the CPU filled first (the forward then has the cores), on
         # CUDA on the host once the forward is queued (it fills while the forward runs).
         mask = self._start_mask(inputs) if self.device.type == "cpu" else None
