@@ -224,17 +224,17 @@ def test_cpu_kv_budget_against_available_memory(monkeypatch):
     """A budget the machine cannot hold is refused at start, with the numbers; the default
     shrinks to half of what is available on a small machine."""
     from kvflow.errors import OutOfMemoryError
-    from kvflow.worker import kv_cache
+    from kvflow.cpu import memory
 
     GiB = 1 << 30
-    monkeypatch.setattr(kv_cache, "available_host_memory", lambda: 3 * GiB)
-    assert kv_cache.cpu_kv_budget(None) == 3 * GiB // 2
-    assert kv_cache.cpu_kv_budget(2 * GiB) == 2 * GiB
+    monkeypatch.setattr(memory, "available_host_memory", lambda: 3 * GiB)
+    assert memory.cpu_kv_budget(None) == 3 * GiB // 2
+    assert memory.cpu_kv_budget(2 * GiB) == 2 * GiB
     with pytest.raises(OutOfMemoryError, match=r"asks for 8.00 GiB but only 3.00 GiB"):
         LLM("tiny-llama", load_format="dummy", max_model_len=64, kv_cache_memory="8GiB")
-    monkeypatch.setattr(kv_cache, "available_host_memory", lambda: None)  # not Linux
-    assert kv_cache.cpu_kv_budget(None) == kv_cache.CPU_DEFAULT_KV_BYTES
-    assert kv_cache.cpu_kv_budget(64 * GiB) == 64 * GiB
+    monkeypatch.setattr(memory, "available_host_memory", lambda: None)  # not Linux
+    assert memory.cpu_kv_budget(None) == memory.CPU_DEFAULT_KV_BYTES
+    assert memory.cpu_kv_budget(64 * GiB) == 64 * GiB
 
 
 def test_min_tokens_bans_every_eos_id_the_scheduler_stops_on():

@@ -10,6 +10,7 @@
   metadata builder and the KV caches like the CUDA graph runner; ``verdict.py`` keeps
   its self-check between starts. ``compiled.py``: the opt-in inductor-compiled step;
   ``parts.py``: what both are built from (``StepParts``); ``threads.py``: the thread
-  count per step. Floor: the worker's (the model runner
+  count per step; ``memory.py``: the KV cache budget from the host memory available,
+  zero-filled host mappings. Floor: the worker's (the model runner
   installs them at warm-up).
 """

@@ -109,7 +109,11 @@ class CpuCompiledStep:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     def run_eager(self, inputs: StepInputs) -> torch.Tensor:
-        """Any other step, eagerly: compiled layers would trace the general plan."""
+        """Any other step, eagerly: compiled layers would trace the general plan. A step
+        ``run`` would take (its owner runs it eager: adapter rows, LoRA) first gets the
+        eager builder's plan in place of the padded decode plan."""
+        if self.can_run(inputs):
+            self._eager_builder.build(inputs.meta, inputs.positions)
         with torch.compiler.set_stance("force_eager"):
             return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 

@@ -342,6 +342,10 @@ class CppDecodeStep:
                                  meta.block_tables, bits, start, prompt)
 
     def run_eager(self, inputs: StepInputs) -> torch.Tensor:
+        """Any step eagerly; one this step would take (its owner runs it eager: adapter
+        rows, LoRA) first gets the Python plan its builder left to C++."""
+        if inputs.meta.backend is CPP_PLAN:
+            self._eager_builder.build(inputs.meta, inputs.positions)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     @torch.inference_mode()
@@ -564,6 +568,11 @@ def cpu_decode_step(parts: StepParts, label: str = ""):
     (starting with ``label``: a draft model passes "draft model: "). The caller installs
     a step's ``attn_builder`` in its step builder."""
     cfg = parts.config
+    if cfg.parallel.world_size > 1:
+        # The compiled step would have to trace the collectives; ranks run eager.
+        logger.info("%scompiled CPU decode step off with %d ranks", label,
+                    cfg.parallel.world_size)
+        return None
     if cfg.device.enforce_eager:
         logger.info("compiled CPU decode step off (--enforce-eager): decoding eagerly")
         return None

@@ -1,4 +1,6 @@
-"""How many torch threads a CPU step runs on, chosen by measuring.
+"""How many torch threads a CPU step runs on: each rank of a parallel engine its share
+of the node's cores (``set_rank_threads``); a one-rank engine's steps a count chosen by
+measuring (``StepThreadPolicy``).
 
 A decode step of a small batch is thousands of tiny ops. With two or more intra-op
 threads each op that goes parallel ends in a barrier, and on a shared machine the other
@@ -16,10 +18,15 @@ one again now and then (the load changes), the more rarely the longer it takes.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvflow.config import EngineConfig
 
 # Steps of more scheduled tokens than this share the top size class.
 TOP_CLASS_TOKENS = 4096
@@ -41,6 +48,26 @@ CLEAR_FACTOR = 2.0
 ALPHA = 0.3
 
 
+def set_rank_threads(config: EngineConfig) -> None:
+    """On CPU the ranks of a node share its cores; oversubscribing them is far slower.
+    (Ranks keep this count: the measuring policy below runs one-rank engines only.)"""
+    if config.device.device != "cpu":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // config.parallel.ranks_per_node))
+
+
+def step_thread_policy(config: EngineConfig, world_size: int) -> StepThreadPolicy | None:
+    """The policy a CPU engine's steps run under (``--cpu-step-threads adaptive``, its
+    thread count read at the first step), or None: on a GPU, with all threads, or with
+    several ranks (they keep the share ``set_rank_threads`` gave them)."""
+    if torch.device(config.device.device).type != "cpu" or world_size != 1 or \
+            config.device.cpu_step_threads != "adaptive":
+        return None
+    return StepThreadPolicy(None)
+
+
 class _SizeClass:
     """Running step-time estimates (seconds) of one size class, per thread count."""
 
@@ -54,13 +81,22 @@ class StepThreadPolicy:
     """``choose(num_tokens)`` picks a step's thread count, ``record`` learns from its
     time; ``run(num_tokens, fn)`` does both around ``fn`` and restores the count."""
 
-    def __init__(self, max_threads: int, clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, max_threads: int | None,
+                 clock: Callable[[], float] = time.perf_counter,
                  set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
-        self.max_threads = max_threads
-        self.candidates = (1, max_threads) if max_threads > 1 else (1,)
+        """``max_threads``: the count outside the policy's steps; None: torch's count at
+        the first ``run`` (the engine's setting by then)."""
         self.clock = clock
         self.set_threads = set_threads
         self.classes: dict[int, _SizeClass] = {}
+        self.max_threads: int | None = None
+        self.candidates: tuple[int, ...] = ()
+        if max_threads is not None:
+            self._set_max(max_threads)
+
+    def _set_max(self, max_threads: int) -> None:
+        self.max_threads = max_threads
+        self.candidates = (1, max_threads) if max_threads > 1 else (1,)
 
     @staticmethod
     def size_class(num_tokens: int) -> int:
@@ -103,6 +139,8 @@ class StepThreadPolicy:
         cls.last_tried[threads] = self.clock()
 
     def run(self, num_tokens: int, fn: Callable[[], object]):
+        if self.max_threads is None:
+            self._set_max(torch.get_num_threads())
         threads = self.choose(num_tokens)
         if len(self.candidates) == 1:
             return fn()

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kvflow.config import EngineConfig, GiB, torch_dtype
+from kvflow.cpu.memory import zeroed_host_tensor
 from kvflow.layers.attention import AttentionMetadata, AttentionSpec, model_rotary
 from kvflow.layers.custom_op import use_kernels
 from kvflow.layers.sampler import (SamplingMetadata, apply_top_k_top_p_min_p, greedy_argmax,
@@ -120,7 +121,7 @@ class DraftModelProposer(Proposer):
                  arch.head_dim)
         dtype = torch_dtype(draft.dtype)
         if self.device.type == "cpu":
-            self.kv_caches = kvc.zeroed_host_tensor(shape, dtype)
+            self.kv_caches = zeroed_host_tensor(shape, dtype)
         else:
             self.kv_caches = torch.zeros(shape, dtype=dtype, device=self.device)
         kvc.bind_kv_cache(self.model, self.kv_caches)
@@ -128,19 +129,20 @@ class DraftModelProposer(Proposer):
         logger.info("draft KV cache: %d blocks, %.2f GiB", total,
                     self.kv_caches.numel() * self.kv_caches.element_size() / GiB)
 
-    def warmup(self, runner) -> None:
-        """On CPU, give the draft the C++ step the target runs (same switches: none when
-        the target decodes eagerly), checked against its eager forward like the
+    def warmup(self, target_step) -> None:
+        """On CPU, give the draft the C++ step the target runs (``target_step``; same
+        switches: none when the target decodes eagerly), built from the draft's own
+        parts and the engine config, and checked against its eager forward like the
         target's; its forwards of up to 64 new tokens per request then run in C++."""
         from kvflow.cpu.parts import StepParts
         from kvflow.cpu.step import CppDecodeStep, cpu_decode_step
 
         if self.device.type != "cpu" or self.kv_caches is None or \
-                not isinstance(runner.graphs, CppDecodeStep):
+                not isinstance(target_step, CppDecodeStep):
             return
         self.cpp_step = cpu_decode_step(StepParts(
             self.model, self.attn_builder, self.kv_caches, None, self.attn_spec,
-            runner.config), label="draft model: ")
+            self.config), label="draft model: ")
         if self.cpp_step is not None:  # its builder marks the steps it takes
             self.attn_builder = self.cpp_step.attn_builder
 

@@ -49,6 +49,7 @@ class Proposer:
     def release(self, req_id: str) -> None:
         """The request left the batch (finished or preempted)."""
 
-    def warmup(self, runner) -> None:
-        """The target's runner has warmed up (on CPU: built its C++ step, ``runner.graphs``);
-        a proposer running a model of its own may build the same for it."""
+    def warmup(self, target_step) -> None:
+        """The target has warmed up; ``target_step`` is what runs its steps (the model
+        runner's ``graphs``: on CPU its C++ or compiled step, None when it decodes
+        eagerly). A proposer running a model of its own may build the same for it."""

@@ -61,8 +61,9 @@ class SpecDecoder:
     def init_cache(self, num_blocks: int) -> None:
         self.proposer.init_cache(num_blocks)
 
-    def warmup(self, runner) -> None:
-        self.proposer.warmup(runner)
+    def warmup(self, target_step) -> None:
+        """The target's step is built (``graphs``, or None): the proposer's turn."""
+        self.proposer.warmup(target_step)
 
     def release(self, req_id: str) -> None:
         """A request left the batch: the proposer's state for it (a draft model's blocks)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import time
 import weakref
 
@@ -22,6 +21,7 @@ import torch
 
 from kvflow.config import EngineConfig
 from kvflow.core.sched_output import SchedulerOutput
+from kvflow.cpu.threads import set_rank_threads
 from kvflow.errors import DistributedError, InvalidParameterError, KvflowError
 from kvflow.logger import init_logger
 from kvflow.worker.model_runner import ModelRunner, StepHandle
@@ -43,15 +43,6 @@ def rank_config(config: EngineConfig, rank: int, local_rank: int) -> EngineConfi
     stage = rank // config.parallel.tensor_parallel_size
     return dataclasses.replace(config, device=dataclasses.replace(config.device, device=dev),
                                parallel=dataclasses.replace(config.parallel, stage=stage))
-
-
-def set_rank_threads(config: EngineConfig) -> None:
-    """On CPU the ranks of a node share its cores; oversubscribing them is far slower."""
-    if config.device.device != "cpu":
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores // config.parallel.ranks_per_node))
 
 
 def _check_torchrun_rank0() -> None:

@@ -1,14 +1,15 @@
-"""KV cache tensors: how many blocks fit, allocation, and binding to attention layers."""
+"""KV cache tensors: how many blocks fit, allocation, and binding to attention layers.
+
+(A CPU engine's budget and its zero-filled host mappings are the CPU wing's:
+``cpu/memory.py``.)"""
 
 from __future__ import annotations
-
-import math
-import mmap
 
 import torch
 from torch import nn
 
 from kvflow.config import DTYPE_BYTES, GiB, EngineConfig, torch_dtype
+from kvflow.cpu.memory import zeroed_host_tensor
 from kvflow.errors import InvalidParameterError, OutOfMemoryError
 from kvflow.layers.attention import Attention, KVQuant
 from kvflow.layers.attention.kv_quant import check_fp8_device, storage_dtype
@@ -17,7 +18,6 @@ from kvflow.utils import cdiv
 
 logger = init_logger(__name__)
 
-CPU_DEFAULT_KV_BYTES = 4 * GiB
 INT8_SCALE_BYTES = 4  # an int8 cache's float32 scale per token, KV head, K and V
 
 
@@ -91,48 +91,6 @@ def allocate_host_cache(config: EngineConfig, num_blocks: int,
     except (RuntimeError, OSError) as e:
         raise OutOfMemoryError(f"cannot allocate {num_blocks} blocks of swap space "
                                f"(--swap-space): {e}") from None
-
-
-def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor in its own anonymous mapping: no memset at startup and no
-    resident memory until used, and zero whatever allocator the process runs with."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes)  # the tensor keeps a reference to the mapping
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
-
-
-def available_host_memory() -> int | None:
-    """Bytes of memory the OS can still give without swapping (Linux MemAvailable), or
-    None where that is not known."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def cpu_kv_budget(requested: int | None) -> int:
-    """The CPU KV cache budget: ``requested`` (--kv-cache-memory) if the machine has that
-    much memory available, else an error; by default 4 GiB, or half of what is available
-    when that is less (the cache is committed as it fills, and an over-committed cache
-    would get the process killed mid-run instead of refused at start)."""
-    available = available_host_memory()
-    if requested is None:
-        if available is not None and available // 2 < CPU_DEFAULT_KV_BYTES:
-            logger.warning("only %.2f GiB of memory available: the KV cache gets half of it "
-                           "(set --kv-cache-memory to choose)", available / GiB)
-            return available // 2
-        return CPU_DEFAULT_KV_BYTES
-    if available is not None and requested > available:
-        raise OutOfMemoryError(
-            f"--kv-cache-memory asks for {requested / GiB:.2f} GiB but only "
-            f"{available / GiB:.2f} GiB of memory is available; lower --kv-cache-memory")
-    return requested
 
 
 def check_capacity(config: EngineConfig, num_blocks: int) -> None:

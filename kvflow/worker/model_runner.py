@@ -12,19 +12,21 @@ import torch
 from kvflow import envs
 from kvflow.config import GiB, EngineConfig, torch_dtype
 from kvflow.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvflow.cpu.memory import cpu_kv_budget
+from kvflow.cpu.threads import step_thread_policy
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.layers.attention import (AttentionSpec, eager_reason, get_attention_backend,
                                     model_rotary)
 from kvflow.layers.custom_op import use_kernels
-from kvflow.layers.sampler import Sampler, SamplerOutput, gather_logprobs
+from kvflow.layers.sampler import Sampler, SamplerOutput
 from kvflow.layers.token_bitmask import apply_token_bitmask
 from kvflow.logger import init_logger
 from kvflow.models.loader import load_model
 from kvflow.utils import cdiv
 from kvflow.worker import kv_cache
 from kvflow.worker.block_table import DeviceBlockTable
-from kvflow.cpu.threads import StepThreadPolicy
 from kvflow.worker.input_batch import InputBatch
+from kvflow.worker.sampling_meta import prompt_logprobs_tensors
 from kvflow.worker.step_builder import StepBuilder
 from kvflow.worker.step_inputs import StepHostOutputs, StepInputs
 from kvflow.worker.transfer import to_device, to_host_async
@@ -80,13 +82,10 @@ class ModelRunner:
                                 expert_parallel=config.parallel.enable_expert_parallel)
         # The forward pass: the whole model, or this rank's pipeline stage of it.
         self.forward_model = self.model
-        self.pipeline_results = None  # how a stage's step results reach the other ranks
         if self.parallel.pp.world_size > 1:
-            from kvflow.worker.pipeline_stage import PipelineResults, PipelineStage
+            from kvflow.worker.pipeline_stage import PipelineStage
 
             self.forward_model = PipelineStage(self.model, self.parallel.pp)
-            self.pipeline_results = PipelineResults(
-                self.parallel, defer=config.parallel.batches_in_flight > 1)
         use_kernels(self.model, self.use_kernels)
         # --deterministic (GPU): batch-invariant linears, fixed split-KV attention
         self.deterministic = config.device.deterministic and self.use_kernels
@@ -128,6 +127,13 @@ class ModelRunner:
             self.block_size, self.device, backend.metadata_builder(self.attn_spec),
             config.model.arch.vocab_size, device_block_table, spec=self.spec,
             deterministic=self.deterministic)
+        self.pipeline_results = None  # how a stage's step results reach the other ranks
+        if self.parallel.pp.world_size > 1:
+            from kvflow.worker.pipeline_stage import PipelineResults
+
+            self.pipeline_results = PipelineResults(
+                self.parallel, config.parallel.batches_in_flight > 1, self.step_builder,
+                self.model, self.sampler)
         self.kv_caches: torch.Tensor | None = None  # [L, 2, NB, BS, KVH, D]
         self.host_cache: torch.Tensor | None = None  # [NH, L, 2, BS, KVH, D] swap space
         # An int8 cache's scales: [L, 2, NB, BS, KVH] and [NH, L, 2, BS, KVH] in swap.
@@ -137,15 +143,11 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | CpuCompiledStep | CppDecodeStep | None = None
         self.idle_meter = None  # a GpuIdleMeter while a benchmark measures GPU idle time
         # CPU: small steps run on one thread or all of them, whichever measures faster
-        # (cpu/threads.py); made at the first step, when the thread count is set.
-        self.thread_policy: StepThreadPolicy | None = None
-        # Ranks of a parallel group keep the thread count set_rank_threads gave them.
+        # (cpu/threads.py; None elsewhere).
+        self.thread_policy = step_thread_policy(config, self.parallel.world.world_size)
         # Constrained decoding: the rank that samples keeps the matchers; None elsewhere.
         self.structured = _structured_manager(config, self.parallel)
         self._last_handle: StepHandle | None = None  # resolves a constrained row's token
-        self._adaptive_threads = (self.device.type == "cpu"
-                                  and config.device.cpu_step_threads == "adaptive"
-                                  and self.parallel.world.world_size == 1)
 
     # --- KV cache ---------------------------------------------------------------
     def initialize(self) -> int:
@@ -162,8 +164,7 @@ class ModelRunner:
         if cfg.cache.num_blocks_override is not None:
             return cfg.cache.num_blocks_override
         if self.device.type == "cpu":
-            return kv_cache.num_blocks_for_budget(
-                cfg, kv_cache.cpu_kv_budget(cfg.cache.kv_cache_memory))
+            return kv_cache.num_blocks_for_budget(cfg, cpu_kv_budget(cfg.cache.kv_cache_memory))
         if cfg.cache.kv_cache_memory is not None:
             return kv_cache.num_blocks_for_budget(cfg, cfg.cache.kv_cache_memory)
         from kvflow.worker.profiler import profile_kv_budget
@@ -199,11 +200,6 @@ class ModelRunner:
 
     def _warmup(self) -> None:
         if self.device.type == "cpu":
-            if self.parallel.world.world_size > 1:
-                # The compiled step would have to trace the collectives; ranks run eager.
-                logger.info("compiled CPU decode step off with %d ranks",
-                            self.parallel.world.world_size)
-                return
             from kvflow.cpu.parts import StepParts
             from kvflow.cpu.step import cpu_decode_step
 
@@ -213,7 +209,7 @@ class ModelRunner:
             if self.graphs is not None:  # it marks the steps it takes
                 self.step_builder.attn_builder = self.graphs.attn_builder
             if self.spec is not None:  # a draft model builds a C++ step of its own
-                self.spec.warmup(self)
+                self.spec.warmup(self.graphs)
             return
         if self.device.type != "cuda" or self.parallel.pp.world_size > 1:
             return  # graphs do not hold the stage-to-stage sends (pipeline parallel)
@@ -258,9 +254,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
         """Queue a step's GPU work and return at once (CPU: runs it)."""
-        if self._adaptive_threads and so.total_num_scheduled_tokens:
-            if self.thread_policy is None:
-                self.thread_policy = StepThreadPolicy(torch.get_num_threads())
+        if self.thread_policy is not None and so.total_num_scheduled_tokens:
             return self.thread_policy.run(so.total_num_scheduled_tokens,
                                           lambda: self._execute(so))
         return self._execute(so)
@@ -292,13 +286,10 @@ class ModelRunner:
         if self.idle_meter is not None:
             self.idle_meter.step_start()
         inputs = self.step_builder.build(so)
-        # Steps with adapter rows run eager unless the CUDA graphs hold the LoRA kernels.
+        # Steps with adapter rows run eager unless the CUDA graphs hold the LoRA kernels
+        # (graphs.run_eager: a CPU step gives one it would take the eager plan first).
         eager = self.lora is not None and self.lora.prepare(
             inputs.req_ids, inputs.meta.query_start_loc_cpu)
-        if eager and self.graphs is not None and self.graphs.can_run(inputs) \
-                and hasattr(self.step_builder.attn_builder, "inner"):
-            # the C++ step's builder left the plan to C++: build the eager one
-            self.step_builder.attn_builder.inner.build(inputs.meta, inputs.positions)
         # The grammar mask: on the CPU filled first (the forward then has the cores), on
         # CUDA on the host once the forward is queued (it fills while the forward runs).
         mask = self._start_mask(inputs) if self.device.type == "cpu" else None
@@ -356,7 +347,7 @@ class ModelRunner:
         if self.spec is not None and self.spec.wants_hidden and hidden is not None:
             host.sample_hidden = hidden[inputs.sample.logits_indices]  # [N, H] (Medusa)
         if self.pipeline_results is not None:  # speculative decoding is one-rank only
-            collect = self.pipeline_results.launch(self, inputs, hidden, host)
+            collect = self.pipeline_results.launch(inputs, hidden, host)
         elif inputs.sample.num_draft is not None and self.spec.tree is not None:
             self._verify_tree(inputs, hidden, host)
         elif inputs.sample.num_draft is not None:
@@ -385,8 +376,9 @@ class ModelRunner:
             host.pooled = self.step_builder.pooling.run(inputs.pooling, hidden,
                                                         self.model.compute_logits)
         if inputs.prompt_logprobs.indices and self.pipeline_results is None:
-            host.prompt_logprobs = (inputs.prompt_logprobs.spans, tuple(
-                to_host_async(t) for t in self.prompt_logprobs_tensors(inputs, hidden)))
+            plan = inputs.prompt_logprobs
+            host.prompt_logprobs = (plan.spans, tuple(to_host_async(t) for t in (
+                prompt_logprobs_tensors(plan, hidden, self.model.compute_logits))))
         event = None
         if self.device.type == "cuda":
             if self.idle_meter is not None:
@@ -428,14 +420,6 @@ class ModelRunner:
             return out
         sampled = torch.empty(inputs.sample.num_reqs, dtype=torch.int64, device=self.device)
         return SamplerOutput(sampled=p.world.broadcast(sampled, src=sampler))
-
-    def prompt_logprobs_tensors(self, inputs: StepInputs, hidden: torch.Tensor):
-        """(ids [P, 1 + k], logprobs [P, 1 + k], ranks [P]) of the plan's prompt rows."""
-        dev, plan = self.device, inputs.prompt_logprobs
-        logits = self.model.compute_logits(hidden[to_device(plan.indices, dev, torch.int64)])
-        k_max = max(span.num_logprobs for span in plan.spans)
-        return gather_logprobs(logits.log_softmax(dim=-1),
-                               to_device(plan.targets, dev, torch.int64), k_max)
 
 
 def _structured_manager(config: EngineConfig, parallel: ParallelState):

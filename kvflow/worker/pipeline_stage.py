@@ -12,14 +12,20 @@ model in kvflow has.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvflow.distributed.parallel_state import GroupCoordinator, ParallelState
 from kvflow.layers.attention import AttentionMetadata
+from kvflow.worker.sampling_meta import prompt_logprobs_tensors
 from kvflow.worker.step_inputs import StepHostOutputs, StepInputs
 from kvflow.worker.transfer import to_host_async
+
+if TYPE_CHECKING:
+    from kvflow.layers.sampler import Sampler
+    from kvflow.worker.step_builder import StepBuilder
 
 
 class PipelineStage:
@@ -65,30 +71,38 @@ class PipelineResults:
     own stage of it) while the later stages still run this one: that is what keeps
     several batches in flight. With ``defer`` off (one batch at a time) they wait at
     once, as overlapped steps need the tokens before the next step is built.
+
+    Built from what it reads, as the CUDA graph runner is: the rank's process groups,
+    the step builder (sampling metadata, the persistent batch, placeholders), the model
+    (its logits) and the sampler.
     """
 
-    def __init__(self, parallel: ParallelState, defer: bool) -> None:
+    def __init__(self, parallel: ParallelState, defer: bool, builder: StepBuilder,
+                 model: nn.Module, sampler: Sampler) -> None:
         self.parallel = parallel
         self.defer = defer
+        self.builder = builder
+        self.model = model
+        self.sampler = sampler
         # The first rank of the last stage (global rank; the world group's rank too).
-        self.sampler = parallel.world.world_size - parallel.tp.world_size
+        self.sampler_rank = parallel.world.world_size - parallel.tp.world_size
 
-    def launch(self, runner, inputs: StepInputs, hidden: torch.Tensor | None,
+    def launch(self, inputs: StepInputs, hidden: torch.Tensor | None,
                host: StepHostOutputs) -> Callable[[], None] | None:
         """Sample (on the sampling rank) or post the receives (elsewhere); fills ``host``
         now, or returns what fills it when the step is collected."""
-        p, builder = self.parallel, runner.step_builder
+        p, builder = self.parallel, self.builder
         sample, plan = inputs.sample, inputs.prompt_logprobs
         logits = prompt = None
         if hidden is not None:  # the last stage: every TP rank joins the logits gather
             if sample.num_reqs:
-                logits = runner.model.compute_logits(hidden[sample.logits_indices])  # [N, V]
+                logits = self.model.compute_logits(hidden[sample.logits_indices])  # [N, V]
             if plan.indices:
-                prompt = runner.prompt_logprobs_tensors(inputs, hidden)
-        if p.rank == self.sampler:
+                prompt = prompt_logprobs_tensors(plan, hidden, self.model.compute_logits)
+        if p.rank == self.sampler_rank:
             if sample.num_reqs:
-                out = runner.sampler(logits, builder.sampling_metadata(inputs))
-                p.world.broadcast(out.sampled, src=self.sampler)
+                out = self.sampler(logits, builder.sampling_metadata(inputs))
+                p.world.broadcast(out.sampled, src=self.sampler_rank)
                 host.sampled = to_host_async(out.sampled)
                 if out.logprobs is not None:
                     lp = (out.logprob_token_ids, out.logprobs, out.sampled_ranks)
@@ -101,8 +115,8 @@ class PipelineResults:
             return None
         works, sampled, lp_bufs, plp_bufs = [], None, None, None
         if sample.num_reqs:
-            sampled = torch.empty(sample.num_reqs, dtype=torch.int64, device=runner.device)
-            works.append(p.world.broadcast_async(sampled, src=self.sampler))
+            sampled = torch.empty(sample.num_reqs, dtype=torch.int64, device=builder.device)
+            works.append(p.world.broadcast_async(sampled, src=self.sampler_rank))
             if p.is_driver:
                 k = _num_logprobs(builder, inputs)
                 if k is not None:
@@ -140,8 +154,8 @@ class PipelineResults:
         dev = self.parallel.world.device
         ints = torch.empty(n, k + 2, dtype=torch.int64, device=dev)
         lps = torch.empty(n, k + 1, dtype=torch.float32, device=dev)
-        works.append(self.parallel.world.recv_async(ints, self.sampler, tag))
-        works.append(self.parallel.world.recv_async(lps, self.sampler, tag))
+        works.append(self.parallel.world.recv_async(ints, self.sampler_rank, tag))
+        works.append(self.parallel.world.recv_async(lps, self.sampler_rank, tag))
         return ints, lps
 
 

@@ -37,7 +37,8 @@ def run_torchrun_rank(config, tr) -> int:
 def run_rank(config, rank: int, local_rank: int, port: int) -> int:
     from kvflow.distributed import destroy_parallel_state, init_parallel_state
     from kvflow.distributed.messages import ExecuteStep, Setup, broadcast_message
-    from kvflow.worker.executor import rank_config, set_rank_threads
+    from kvflow.cpu.threads import set_rank_threads
+    from kvflow.worker.executor import rank_config
     from kvflow.worker.model_runner import ModelRunner
 
     set_rank_threads(config)

@@ -1,13 +1,16 @@
-"""Per-step SamplingMetadata from the persistent batch's sampling parameters."""
+"""Per-step SamplingMetadata from the persistent batch's sampling parameters, and the
+prompt-logprobs tensors of a step's prompt rows (the runner's and a pipeline stage's)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from kvflow.layers.sampler import SamplingMetadata
+from kvflow.layers.sampler import SamplingMetadata, gather_logprobs
 from kvflow.worker.input_batch import InputBatch
-from kvflow.worker.step_inputs import PLACEHOLDER, PendingTokens
+from kvflow.worker.step_inputs import PLACEHOLDER, PendingTokens, PromptLogprobsPlan
 from kvflow.worker.transfer import to_device
 
 
@@ -147,3 +150,14 @@ def token_counts(seqs: list[np.ndarray], vocab: int, device: torch.device) -> to
                           torch.ones(len(flat), dtype=torch.int32, device=device),
                           accumulate=True)
     return counts
+
+
+def prompt_logprobs_tensors(plan: PromptLogprobsPlan, hidden: torch.Tensor,
+                            compute_logits: Callable[[torch.Tensor], torch.Tensor]):
+    """(ids [P, 1 + k], logprobs [P, 1 + k], ranks [P]) of the plan's prompt rows, from
+    the step's final hidden states [T, hidden] through the model's ``compute_logits``."""
+    dev = hidden.device
+    logits = compute_logits(hidden[to_device(plan.indices, dev, torch.int64)])
+    k_max = max(span.num_logprobs for span in plan.spans)
+    return gather_logprobs(logits.log_softmax(dim=-1),
+                           to_device(plan.targets, dev, torch.int64), k_max)
