@@ -84,9 +84,10 @@
 #             M = 1 against each shape's table (woq-rows-bench.json, fp8-rows-bench.json)
 #   profile-mixed  per-kernel profile of GPU-B's typical step: 224 decodes at ~1k context beside two
 #             fresh 1024-token prompts (profile-mixed.json), against its floor
-#   structured  constrained decoding at Llama-3.1-8B shape (dummy weights, SmolLM2's
-#             tokenizer padded to the 128k vocabulary, or SO_TOKENIZER's; needs xgrammar from
-#             the wheelhouse,
+#   structured  constrained decoding at Llama-3.1-8B shape (dummy weights; SO_TOKENIZER's
+#             tokenizer, by default .gpu-carry/tok128k where make_bench_tokenizer.py wrote a
+#             real 128k vocabulary, else SmolLM2's 49k one on the 128k logits; needs xgrammar
+#             from the wheelhouse,
 #             <= 6 min): ms per output token with and without a JSON-schema constraint at
 #             batch 1 and 32, grammar compile p50/p99 (so-overhead-gpu.json)
 #   prefill-graphs  one-request prefill graphs: GPU test vs eager, TTFT of 16..512-token prompts on
@@ -122,7 +123,7 @@ for stage in "$@"; do
     engine) python -m pytest tests/test_gpu_parity.py -q -x -k "agree or async" 2>&1 | tail -15; [ ${PIPESTATUS[0]} = 0 ] || exit 1;;
     parity) KVFLOW_TEST_REPORT="$OUT/parity.json" python -m pytest tests/test_gpu_parity.py -q -x -s -k "llama31" 2>&1 | tail -40;;
     gpu-a) $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --backend ${GPU_A_BACKEND:-both} --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a.json" 2>&1 | grep -v "^INFO" | tail -8;;
-    structured) timeout ${SO_STAGE_S:-360} $KV bench structured --mode overhead --model llama-3.1-8b --load-format dummy --tokenizer "${SO_TOKENIZER:-$(python -c 'from kvflow.models.registry import embedded_model_path as p; print(p("smollm2-135m"))')}" --max-model-len 4096 --batch-sizes 1,32 --output-len 128 --repeats 3 --save-result "$OUT/so-overhead-gpu.json" 2>&1 | grep -v "^INFO" | tail -8;;
+    structured) timeout ${SO_STAGE_S:-360} $KV bench structured --mode overhead --model llama-3.1-8b --load-format dummy --tokenizer "${SO_TOKENIZER:-$([ -d .gpu-carry/tok128k ] && echo .gpu-carry/tok128k || python -c 'from kvflow.models.registry import embedded_model_path as p; print(p("smollm2-135m"))')}" --max-model-len 4096 --batch-sizes 1,32 --output-len 128 --repeats 3 --save-result "$OUT/so-overhead-gpu.json" 2>&1 | grep -v "^INFO" | tail -8;;
     gpu-a-sync) $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --backend kvflow --max-model-len 4096 --no-async-scheduling --measure-gpu-idle --save-result "$OUT/gpu-a-sync.json" 2>&1 | grep -v "^INFO" | tail -8;;
     gpu-b) $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${GPU_B_PROMPTS:-1000} --input-len 1024 --output-len 128 --max-model-len 4096 --measure-gpu-idle ${GPU_B_ARGS:-} --save-result "$OUT/gpu-b${GPU_B_TAG:-}.json" 2>&1 | tail -12;;
     # Mixtures of experts (Qwen3-30B-A3B shape, bf16, random weights: 57 GiB, one card).
