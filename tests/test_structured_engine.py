@@ -47,6 +47,13 @@ def nested(depth: int) -> dict:
     return schema
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[M, W] int32 -> [M, vocab_size] bool (True: allowed), to read a filled mask."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [M, W, 32]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
 def chat(llm, text: str) -> str:
     return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text}])
 
@@ -172,7 +179,6 @@ def test_draft_walk_masks_every_position_and_rolls_back():
     """The verifier's mask rows: position i allows what the grammar allows after drafts[:i];
     the walk stops at a forbidden draft; the matcher ends where it began."""
     from kvflow.engine.tokenizer import Tokenizer
-    from kvflow.layers.token_bitmask import unpack_bitmask
     from kvflow.models.registry import embedded_model_path
     from kvflow.structured_output.manager import StructuredOutputManager, _Req, _RowPlan
 
@@ -233,7 +239,6 @@ def test_start_after_leaves_the_reasoning_free():
 
 
 def unpack_rows(mask):
-    from kvflow.layers.token_bitmask import unpack_bitmask
 
     return unpack_bitmask(mask.bitmask, 49152)
 

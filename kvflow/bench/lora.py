@@ -151,7 +151,6 @@ def run_lora_bench(ns: argparse.Namespace) -> int:
     swap = _swap_cost(runner, loras, ns.swap_iters, device)
     print(f"ratios over base: {ratios}; swap: {swap}")
     llm.shutdown()
-    plain = None
     ratios_plain = None
     if ns.plain_baseline:  # the base model alone, on an engine without LoRA
         plain_args = dataclasses.replace(args, enable_lora=False)

@@ -125,8 +125,8 @@ def _timed(llm, prompts, params) -> tuple[float, int]:
 
 @contextlib.contextmanager
 def _probe(llm):
-    """Where a run's time went: mask fill per masked step (the mask thread) and, on a
-    GPU, the idle gap the host left between steps (CUDA events)."""
+    """Where a run's time went: mask fill per masked step and, on a GPU, the idle gap
+    the host left between steps (CUDA events)."""
     import torch
 
     runner = llm.engine.core.executor.runner

@@ -253,14 +253,14 @@ def lora_shrink_dense(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return x @ a.view(-1, a.shape[-1]).T
 
 
+DENSE_ROW_SLOTS = 8192
+
+
 def use_dense_shrink(x: torch.Tensor, num_slots: int) -> bool:
     """Whether a step's shrink runs dense: CUDA steps of at most DENSE_ROW_SLOTS rows x
     slots (every decode graph of 256 rows over up to 32 slots; long prompts keep the
     segmented kernel, whose work does not grow with the slots)."""
     return x.is_cuda and x.shape[0] * num_slots <= DENSE_ROW_SLOTS
-
-
-DENSE_ROW_SLOTS = 8192
 
 
 def lora_expand_add(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor,

@@ -14,17 +14,6 @@ import functools
 import torch
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[M, W] int32 -> [M, vocab_size] bool (True: allowed; False past 32 W)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [M, W, 32]
-    allowed = bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
-    if allowed.shape[1] < vocab_size:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]),
-                                          value=False)
-    return allowed
-
-
 @functools.cache
 def _byte_bias(dtype: torch.dtype) -> torch.Tensor:
     """[256, 8]: for each byte, 0 where its bit i is set, -inf where not."""

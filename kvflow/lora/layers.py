@@ -12,10 +12,11 @@ already does (the delta is linear in x).
 Steps without adapter rows go straight to the base method (its fused decode paths, the
 C++ step); steps with some, and CUDA graphs captured with LoRA, run the unfused path
 plus the delta. The delta:
-on CUDA two launches per layer over all the step's rows (the shrink a dense GEMM over
-every slot's A for steps of few rows, a segmented Triton kernel for long prompts) (``kvflow.kernels.lora``:
-``LoRAStepMap.tiles``, which CUDA graphs replay too); on the CPU a grouped matmul per
-adapter (``LoRAStepMap.groups``), which is the CPU's vectorized path.
+on CUDA two launches per layer over all the step's rows (``kvflow.kernels.lora``:
+``LoRAStepMap.tiles``, which CUDA graphs replay too): the shrink a dense GEMM over every
+slot's A for steps of few rows, a segmented Triton kernel for long prompts, then a
+Triton expand; on the CPU a grouped matmul per adapter (``LoRAStepMap.groups``), which
+is the CPU's vectorized path.
 """
 
 from __future__ import annotations

@@ -10,24 +10,20 @@ from __future__ import annotations
 from functools import lru_cache
 
 
-def grammar_vocab_size(backend, vocab_size: int) -> int:
-    """Token ids the grammar engine sees: the model's ``vocab_size`` logits, cut at the
-    tokenizer's own size where the model pads past it. Padded ids spell nothing, so a
-    constrained row never allows them; leaving them out of the grammar's vocabulary
-    keeps the bitmask (and its fill) the tokenizer's width: SmolLM2's 49k tokenizer
-    padded to 128k logits filled 32 JSON-schema rows in 4.9 ms with the padding in and
-    0.74 ms without (one thread of this project's 2-core dev machine)."""
-    return min(vocab_size, max(backend.get_vocab(with_added_tokens=True).values()) + 1)
-
-
 def tokenizer_info(backend, vocab_size: int, eos_token_ids: list[int]):
     """xgrammar TokenizerInfo for a ``tokenizers.Tokenizer`` whose model has
-    ``vocab_size`` logits (it may pad past the tokenizer's own size: the info then
-    covers the tokenizer's ids only, ``grammar_vocab_size``)."""
+    ``vocab_size`` logits (it may pad past the tokenizer's own size).
+
+    The grammar sees the logits' ids cut at the tokenizer's own size. Padded ids spell
+    nothing, so a constrained row never allows them (``apply_token_bitmask`` forbids
+    what the bitmask does not cover); leaving them out keeps the bitmask, and its fill,
+    the tokenizer's width: SmolLM2's 49k tokenizer padded to 128k logits filled 32
+    JSON-schema rows in 4.9 ms with the padding in and 0.74 ms without (one thread of
+    this project's 2-core dev machine)."""
     import xgrammar as xgr
 
     vocab = backend.get_vocab(with_added_tokens=True)  # token text -> id
-    size = grammar_vocab_size(backend, vocab_size)
+    size = min(vocab_size, max(vocab.values()) + 1)
     encoded = [""] * size
     for text, idx in vocab.items():
         if idx < size:
