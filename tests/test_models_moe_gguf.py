@@ -28,6 +28,7 @@ gguf = pytest.importorskip("gguf")
 from kvflow import LLM, SamplingParams  # noqa: E402
 from kvflow.errors import ModelLoadError  # noqa: E402
 from kvflow.models.registry import PRESETS  # noqa: E402
+from kvflow.plan.cli import stored_bytes_per_param  # noqa: E402
 
 from test_models_dense import check  # noqa: E402
 from test_models_moe import save_hf_model  # noqa: E402
@@ -195,6 +196,7 @@ def test_q8_0_gguf_matches_dequantized_transformers(tmp_path, preset):
     moe = layer.block_sparse_moe if preset == "tiny-mixtral" else layer.mlp
     assert hasattr(layer.self_attn.qkv_proj, "qweight")  # the file's blocks
     assert moe.experts.w13_weight.dtype == torch.float32  # dequantized experts
+    assert stored_bytes_per_param(path) is None  # so kvflow plan takes the dtype's bytes
     got = blocks.generate(ps, PARAMS, use_tqdm=False)
     for a, b in zip(outs, got):  # bf16 activations: about 1% of logprobs near -8
         ref = [next(iter(d.values())).logprob for d in a.prompt_logprobs[1:]]
