@@ -219,3 +219,32 @@ def test_unsupported_moe_metadata_refused(tmp_path, extra, tensors, field):
     write_gguf(hf, cfg, path, extra=extra, extra_tensors=tensors)
     with pytest.raises(ModelLoadError, match=field):
         llm(path)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+def test_stacked_k_quant_experts_dequantize_one_at_a_time(tmp_path, qtype):
+    """K-quant rows are 256 wide, too wide for the tiny models: a stacked [E, rows, 256]
+    expert tensor of random blocks, each expert read alone equals its slice of the whole."""
+    from kvflow.models.gguf_file import _dequantize, _file_bytes
+    from kvflow.models.gguf_header import read_gguf_header
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(0).integers(0, 256, (3, 4, 256 // block * size), np.uint8)
+    blocks = raw.reshape(-1, size)  # finite fp16 super-block scales (no NaN to compare)
+    if qtype == Q.Q4_K:  # d and dmin lead the block
+        blocks[:, :4] = np.frombuffer(np.float16([0.01, 0.02]).tobytes(), np.uint8)
+    else:  # Q6_K: d ends it
+        blocks[:, -2:] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    path = str(tmp_path / "k.gguf")
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_tensor("blk.0.ffn_up_exps.weight", raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (t,) = read_gguf_header(path).tensors
+    whole = gguf.quants.dequantize(raw, qtype)  # [3, 4, 256]
+    for e in range(3):
+        got = _dequantize(path, _file_bytes(path), t, e)
+        assert got.shape == (4, 256) and np.isfinite(got).all()
+        np.testing.assert_array_equal(got, whole[e])
