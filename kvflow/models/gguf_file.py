@@ -1,5 +1,6 @@
 """Reading GGUF files: architecture from metadata, weights dequantized to Hugging Face
-names and layouts (llama.cpp permutes q/k rows for its interleaved rotary; we undo it)."""
+names and layouts (llama.cpp permutes q/k rows for its interleaved rotary; we undo it).
+Mixtures of experts: ``gguf_moe.py``."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import torch
 
 from kvflow.config import ModelArchConfig
 from kvflow.errors import ModelLoadError
+from kvflow.models import gguf_moe
 from kvflow.models.gguf_header import GGUFTensor, cached_gguf_header
 
 _ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
           "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-          "phi3": "Phi3ForCausalLM"}
+          "phi3": "Phi3ForCausalLM", **gguf_moe.MOE_ARCHS}
 # Where an architecture's layer tensors differ from _LAYER_NAMES: Gemma's four norms,
 # Phi-3's fused qkv and gate_up (split by models/phi3.py).
 _ARCH_LAYER_NAMES = {
@@ -103,8 +105,9 @@ def read_gguf_arch(path: str) -> tuple[ModelArchConfig, dict]:
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
     tokens = h.field("tokenizer.ggml.tokens") or []
+    moe = gguf_moe.is_moe(h, a)
     cfg = dict(
-        architectures=[_ARCHS[a]],
+        architectures=[gguf_moe.moe_architecture(a) if moe else _ARCHS[a]],
         vocab_size=int(h.field(f"{a}.vocab_size", len(tokens))),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
@@ -135,6 +138,8 @@ def read_gguf_arch(path: str) -> tuple[ModelArchConfig, dict]:
     elif scaling not in (None, "none"):
         raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported")
     cfg.update(_dense_fields(path, h, a, names, cfg))
+    if moe:
+        cfg.update(gguf_moe.moe_config(path, h, a, cfg))
     return ModelArchConfig.from_hf_config(cfg), gguf_sampling_defaults(h)
 
 
@@ -193,8 +198,11 @@ def gguf_sampling_defaults(h) -> dict:
     return out
 
 
-def _dequantize(path: str, file: np.memmap, t: GGUFTensor) -> np.ndarray:
-    """A tensor as a writable float32 array in numpy (Hugging Face) shape."""
+def _dequantize(path: str, file: np.memmap, t: GGUFTensor, expert: int | None = None
+                ) -> np.ndarray:
+    """A tensor as a writable float32 array in numpy (Hugging Face) shape; ``expert``:
+    only that expert of a stacked [E, rows, cols] expert tensor (one at a time, so a big
+    model's layer is never all float32 at once)."""
     import gguf
 
     try:
@@ -202,15 +210,37 @@ def _dequantize(path: str, file: np.memmap, t: GGUFTensor) -> np.ndarray:
     except ValueError:
         raise ModelLoadError(f"{path}: tensor {t.name} has unknown GGML type "
                              f"{t.ggml_type}") from None
+    data, shape = _tensor_data(path, file, t, qtype), t.numpy_shape
+    if expert is not None:
+        data, shape = data[expert], shape[1:]
     try:
-        data = gguf.quants.dequantize(_tensor_data(path, file, t, qtype), qtype)
+        data = gguf.quants.dequantize(data, qtype)
     except ModelLoadError:
         raise
     except Exception as e:
         raise ModelLoadError(f"{path}: tensor {t.name} cannot be dequantized "
                              f"({type(e).__name__}: {e})") from None
     # A copy: unquantized tensors come back as read-only views of the memory map.
-    return np.array(data, dtype=np.float32).reshape(t.numpy_shape)
+    return np.array(data, dtype=np.float32).reshape(shape)
+
+
+def _expert_weights(path: str, file: np.memmap, t: GGUFTensor
+                    ) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """A llama.cpp expert tensor as per-expert Hugging Face tensors (``FusedMoE``'s loader
+    stacks them), dequantized to float32: kvflow has no GGUF method for the experts, so
+    they run in the model dtype (or are re-quantized by --quantization int8/int4).
+    None: ``t`` is not an expert tensor."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
+    if m and m.group(2) in gguf_moe.STACKED_EXPERTS:  # [E, rows, cols]
+        layer, proj = m.group(1), gguf_moe.STACKED_EXPERTS[m.group(2)]
+        return ((f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight",
+                 torch.from_numpy(_dequantize(path, file, t, e)))
+                for e in range(t.numpy_shape[0]))
+    if m := gguf_moe.PER_EXPERT.fullmatch(t.name):  # older Mixtral files
+        layer, proj, e = m.groups()
+        return iter([(f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight",
+                      torch.from_numpy(_dequantize(path, file, t)))])
+    return None
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -227,16 +257,22 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig, keep_quantized: bool = F
     ``keep_quantized``: every matrix (linear layers, embedding, output) comes instead as
     ``<module>.qweight_type`` (0-d int64, its GGML type) then ``<module>.qweight`` (its
     raw block bytes, uint8 [rows, row_bytes], rows in Hugging Face order), for the GGUF
-    quantization method to repack; vectors (norms, biases) stay float32."""
+    quantization method to repack; vectors (norms, biases) stay float32. A mixture of
+    experts' experts and routers always come dequantized (no GGUF method for them)."""
     import gguf
 
     h = cached_gguf_header(path)
     a = h.field("general.architecture")
     permute = a in ("llama", "mistral")
     gemma = a in ("gemma2", "gemma3")
-    layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get("gemma" if gemma else a, {})}
+    moe = gguf_moe.is_moe(h, a)
+    layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get("gemma" if gemma else a, {}),
+                   **(gguf_moe.MOE_LAYER_NAMES if moe else {})}
     file = _file_bytes(path)
     for t in h.tensors:
+        if moe and (experts := _expert_weights(path, file, t)) is not None:
+            yield from experts
+            continue
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
         if m:
             layer, part, kind = m.groups()
@@ -248,7 +284,8 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig, keep_quantized: bool = F
             if base not in _GLOBAL_NAMES:
                 continue  # e.g. rope_freqs, read with the architecture
             name = f"{_GLOBAL_NAMES[base]}.{kind}"
-        if keep_quantized and kind == "weight" and len(t.numpy_shape) == 2:
+        router = m is not None and part in gguf_moe.ROUTERS
+        if keep_quantized and kind == "weight" and len(t.numpy_shape) == 2 and not router:
             try:
                 qtype = gguf.GGMLQuantizationType(t.ggml_type)
             except ValueError:
@@ -270,4 +307,6 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig, keep_quantized: bool = F
         if permute and m and part in ("attn_q", "attn_k"):
             heads = arch.num_attention_heads if part == "attn_q" else arch.num_key_value_heads
             data = _unpermute(data, heads)
+        if router:
+            data = data.reshape(-1, arch.hidden_size)  # the shared gate: [H] or [1, H]
         yield name, torch.from_numpy(data)

@@ -110,7 +110,9 @@ class QuantizationConfig:
         if self.is_skipped(prefix):
             return "none"
         if self.method == "gguf":
-            return "gguf"
+            # A mixture of experts' experts (FusedMoE, named "<block>.experts") have no
+            # GGUF method: the loader dequantizes them and they run dense.
+            return "none" if prefix.endswith(".experts") else "gguf"
         if self.method in PREQUANTIZED or self.prequantized:  # decoder layers only
             return "none" if prefix == "lm_head" or prefix.endswith("embed_tokens") else (
                 self.method)

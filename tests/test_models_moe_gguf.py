@@ -1,0 +1,250 @@
+"""Mixtral, Qwen2-MoE and Qwen3-MoE from GGUF files, against transformers on the same weights.
+
+The files are written here the way llama.cpp's convert_hf_to_gguf.py writes them: Mixtral
+as architecture ``llama`` (q/k rows permuted, ``llama.expert_count`` /
+``expert_used_count``), Qwen as ``qwen2moe`` / ``qwen3moe`` with
+``expert_feed_forward_length`` (and ``expert_shared_feed_forward_length``); experts stacked
+[E, rows, cols] as ``ffn_{gate,up,down}_exps``, the router as ``ffn_gate_inp``, Qwen2-MoE's
+shared expert as ``ffn_*_shexp`` behind ``ffn_gate_inp_shexp``. Mixtral is also written
+the older way, one tensor per expert (``ffn_gate.E``). Quantized files hold Q8_0 blocks
+where a row fits them (routers, norms and the 48-wide shared expert's down stay F32, as
+llama.cpp leaves them); their reference is transformers with every quantized weight
+replaced by its dequantized value.
+
+The Qwen2-MoE preset keeps a dense first layer (``mlp_only_layers=[0]``), which llama.cpp's
+qwen2moe cannot hold but kvflow reads from the tensors present; Qwen3-MoE is written with
+every layer routed, as llama.cpp's qwen3moe has it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from kvflow import LLM, SamplingParams  # noqa: E402
+from kvflow.errors import ModelLoadError  # noqa: E402
+from kvflow.models.registry import PRESETS  # noqa: E402
+from kvflow.plan.cli import stored_bytes_per_param  # noqa: E402
+
+from test_models_dense import check  # noqa: E402
+from test_models_moe import save_hf_model  # noqa: E402
+from tiny_gguf import _permute  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+ARCH = {"MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
+        "Qwen3MoeForCausalLM": "qwen3moe"}
+LAYER = {"input_layernorm.weight": "attn_norm.weight",
+         "post_attention_layernorm.weight": "ffn_norm.weight",
+         "self_attn.q_norm.weight": "attn_q_norm.weight",
+         "self_attn.k_norm.weight": "attn_k_norm.weight",
+         "mlp.gate.weight": "ffn_gate_inp.weight",
+         "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+         "mlp.experts.down_proj": "ffn_down_exps.weight"}
+for _p, _g in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+    LAYER[f"self_attn.{_p}_proj.weight"] = f"{_g}.weight"
+    LAYER[f"self_attn.{_p}_proj.bias"] = f"{_g}.bias"
+for _p in ("gate", "up", "down"):
+    LAYER[f"mlp.{_p}_proj.weight"] = f"ffn_{_p}.weight"
+    LAYER[f"mlp.shared_expert.{_p}_proj.weight"] = f"ffn_{_p}_shexp.weight"
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
+          "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+
+
+def quantizable(gguf_name: str, x: np.ndarray) -> bool:
+    """Q8_0 where llama.cpp's quantizer would put it: matrices whose rows are whole
+    32-blocks, never a router."""
+    return x.ndim >= 2 and x.shape[-1] % 32 == 0 and "ffn_gate_inp" not in gguf_name
+
+
+def llama_cpp_tensors(hf, cfg: dict, per_expert: bool) -> dict[str, tuple[str, np.ndarray]]:
+    """llama.cpp name -> (Hugging Face name, float32 data in llama.cpp's row order)."""
+    mixtral = ARCH[cfg["architectures"][0]] == "llama"
+    out = {}
+    for name, t in hf.state_dict().items():
+        x = t.float().numpy().copy()
+        if name in GLOBAL:
+            out[GLOBAL[name]] = name, x
+            continue
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        blk = f"blk.{layer}."
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+            gate, up = np.split(x, 2, axis=1)
+            for kind, part in (("gate", gate), ("up", up)):
+                out[blk + f"ffn_{kind}_exps.weight"] = name, np.ascontiguousarray(part)
+            continue
+        if rest == "mlp.shared_expert_gate.weight":
+            x = x.reshape(-1)  # llama.cpp's {n_embd}
+        if mixtral and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+            heads = cfg["num_attention_heads" if ".q_proj" in rest else "num_key_value_heads"]
+            x = _permute(x, heads)
+        out[blk + LAYER[rest]] = name, x
+    if per_expert:  # Mixtral files converted before llama.cpp stacked the experts
+        for key in [k for k in out if k.endswith("_exps.weight")]:
+            name, x = out.pop(key)
+            for e in range(x.shape[0]):
+                out[key.replace("_exps.weight", f".{e}.weight")] = name, x[e]
+    return out
+
+
+def write_gguf(hf, cfg: dict, path: str, qtype=Q.F32, per_expert: bool = False,
+               extra: dict | None = None, extra_tensors: dict | None = None) -> None:
+    """Write ``hf`` as llama.cpp would; with a quantized ``qtype``, replace each quantized
+    weight of ``hf`` by its dequantized value (the reference for the file)."""
+    a = ARCH[cfg["architectures"][0]]
+    w = gguf.GGUFWriter(path, a)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if a != "llama":
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if a == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    for key, value in (extra or {}).items():
+        add = (w.add_bool if isinstance(value, bool) else
+               w.add_float32 if isinstance(value, float) else w.add_uint32)
+        add(f"{a}.{key}", value)
+    dequantized: dict[str, list] = {}
+    for gname, (hf_name, x) in llama_cpp_tensors(hf, cfg, per_expert).items():
+        if qtype == Q.F32 or not quantizable(gname, x):
+            w.add_tensor(gname, x)
+            continue
+        w.add_tensor(gname, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+        dequantized.setdefault(hf_name, []).append(gname)
+    for gname, x in (extra_tensors or {}).items():
+        w.add_tensor(gname, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with torch.no_grad():  # blocks run along rows, so HF's layout rounds the same values
+        params = dict(hf.named_parameters())
+        for hf_name in dequantized:
+            x = params[hf_name].numpy()
+            params[hf_name].copy_(torch.from_numpy(
+                gguf.quants.dequantize(gguf.quants.quantize(x, qtype), qtype)))
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in (6, 27)]
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0,
+                        prompt_logprobs=0)
+QWEN3_ALL_MOE = dict(decoder_sparse_step=1)
+
+
+def make(tmp_path, preset: str, **kw):
+    extra = QWEN3_ALL_MOE if preset == "tiny-qwen3-moe" else {}
+    hf = save_hf_model(preset, tmp_path / "hf", **extra)
+    cfg = {**PRESETS[preset], **extra}
+    path = str(tmp_path / "model.gguf")
+    write_gguf(hf, cfg, path, **kw)
+    return hf, cfg, path
+
+
+def llm(path: str, **kw) -> LLM:
+    return LLM(path, max_model_len=64, block_size=4, max_num_batched_tokens=16,
+               kv_cache_memory="16MiB", device="cpu", skip_tokenizer_init=True, **kw)
+
+
+@pytest.mark.parametrize("preset,per_expert", [
+    ("tiny-mixtral", False), ("tiny-mixtral", True), ("tiny-qwen2-moe", False),
+    ("tiny-qwen3-moe", False)], ids=["mixtral", "mixtral-per-expert", "qwen2-moe", "qwen3-moe"])
+def test_f32_gguf_matches_transformers(tmp_path, preset, per_expert):
+    hf, cfg, path = make(tmp_path, preset, per_expert=per_expert)
+    engine = llm(path)
+    arch = engine.engine.config.model.arch
+    assert arch.architecture == cfg["architectures"][0]
+    assert arch.num_experts == 8 and arch.num_experts_per_tok == cfg["num_experts_per_tok"]
+    assert arch.norm_topk_prob == (preset != "tiny-qwen2-moe")
+    if preset == "tiny-qwen2-moe":
+        assert arch.mlp_only_layers == (0,) and arch.shared_expert_intermediate_size == 48
+    ps = prompts()
+    check(hf, ps, engine.generate(ps, PARAMS, use_tqdm=False))
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe"])
+def test_q8_0_gguf_matches_dequantized_transformers(tmp_path, preset):
+    """Dense (--quantization none): the file's values exactly. The default on CPU keeps
+    the attention's and shared expert's blocks (bf16 activations) and runs the experts
+    dequantized: the prompt logprobs close to the dense ones."""
+    hf, _, path = make(tmp_path, preset, qtype=Q.Q8_0)
+    ps = prompts()
+    dense = llm(path, quantization="none")
+    outs = dense.generate(ps, PARAMS, use_tqdm=False)
+    check(hf, ps, outs)
+    del dense
+    blocks = llm(path)
+    model = blocks.engine.core.executor.runner.model
+    layer = model.model.layers[1]
+    moe = layer.block_sparse_moe if preset == "tiny-mixtral" else layer.mlp
+    assert hasattr(layer.self_attn.qkv_proj, "qweight")  # the file's blocks
+    assert moe.experts.w13_weight.dtype == torch.float32  # dequantized experts
+    assert stored_bytes_per_param(path) is None  # so kvflow plan takes the dtype's bytes
+    got = blocks.generate(ps, PARAMS, use_tqdm=False)
+    for a, b in zip(outs, got):  # bf16 activations: about 1% of logprobs near -8
+        ref = [next(iter(d.values())).logprob for d in a.prompt_logprobs[1:]]
+        new = [next(iter(d.values())).logprob for d in b.prompt_logprobs[1:]]
+        torch.testing.assert_close(torch.tensor(new), torch.tensor(ref), atol=0.05,
+                                   rtol=0.02)
+
+
+@pytest.mark.parametrize("extra,tensors,field", [
+    ({"expert_gating_func": 2}, {}, "expert_gating_func"),
+    ({"expert_weights_scale": 2.5}, {}, "expert_weights_scale"),
+    ({"expert_weights_norm": False}, {}, "expert_weights_norm"),
+    ({}, {"blk.0.exp_probs_b.bias": np.zeros(8, np.float32)}, "exp_probs_b"),
+], ids=["gating-sigmoid", "weights-scale", "weights-norm", "expert-bias"])
+def test_unsupported_moe_metadata_refused(tmp_path, extra, tensors, field):
+    cfg = {**PRESETS["tiny-qwen3-moe"], **QWEN3_ALL_MOE}
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        "qwen3_moe", **cfg), dtype=torch.float32)
+    path = str(tmp_path / "bad.gguf")
+    write_gguf(hf, cfg, path, extra=extra, extra_tensors=tensors)
+    with pytest.raises(ModelLoadError, match=field):
+        llm(path)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+def test_stacked_k_quant_experts_dequantize_one_at_a_time(tmp_path, qtype):
+    """K-quant rows are 256 wide, too wide for the tiny models: a stacked [E, rows, 256]
+    expert tensor of random blocks, each expert read alone equals its slice of the whole."""
+    from kvflow.models.gguf_file import _dequantize, _file_bytes
+    from kvflow.models.gguf_header import read_gguf_header
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(0).integers(0, 256, (3, 4, 256 // block * size), np.uint8)
+    blocks = raw.reshape(-1, size)  # finite fp16 super-block scales (no NaN to compare)
+    if qtype == Q.Q4_K:  # d and dmin lead the block
+        blocks[:, :4] = np.frombuffer(np.float16([0.01, 0.02]).tobytes(), np.uint8)
+    else:  # Q6_K: d ends it
+        blocks[:, -2:] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    path = str(tmp_path / "k.gguf")
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_tensor("blk.0.ffn_up_exps.weight", raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (t,) = read_gguf_header(path).tensors
+    whole = gguf.quants.dequantize(raw, qtype)  # [3, 4, 256]
+    for e in range(3):
+        got = _dequantize(path, _file_bytes(path), t, e)
+        assert got.shape == (4, 256) and np.isfinite(got).all()
+        np.testing.assert_array_equal(got, whole[e])
