@@ -63,6 +63,15 @@ Expected traffic and work (elem = bytes per value, 2 for bf16):
           one 8192-token causal chunk, H=32, D=128: 4*32*128*8192*8193/2 = 550 GFLOP
           -> ~0.70 ms at 790 TFLOP/s.
 
+Per-layer options (constexprs, so a captured CUDA graph holds each layer's own):
+``window`` W: a query at position p sees keys p - W + 1 .. p. A program's key loop
+starts at the first key its first row's window reaches (so decode reads at most W keys
+and never a block-table entry before the window: the cache manager may have freed those
+blocks); tiles that some row's window cuts (a prefill q-block's first tiles) run masked,
+the rest as usual. Split-KV divides [window start, seq_len) instead of [0, seq_len).
+``softcap``: scores become softcap * tanh(score / softcap) after the scale, before the
+masks (computed in log2 units with the cap scaled by log2 e).
+
 Candidate trees (Medusa verification, ``tree``): a request's last tree tokens see the
 keys before its tree root and, past it, only the keys whose bit is set in the query
 row's 64-bit ``tree.bits``; tiles past the root run masked (prefill launch only).
