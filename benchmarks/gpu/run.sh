@@ -106,6 +106,12 @@
 #             memory floor, 128/256/8192 rows (lora-kernels.json)
 #   lora-profile  where LoRA's time goes: 128 x 512 in / 64 out on one LoRA engine, base vs 4
 #             adapters, kernels by name under the torch profiler (profile-lora.json)
+#   window    sliding-window / soft-capped / own-rotary attention in the Triton kernels (issue 31,
+#             <= ~3 min, each part under its own timeout): the window kernel and backend tests
+#             and tests/test_window_gpu.py (tiny Mistral-window, Gemma 2/3, Phi-3: CUDA graphs
+#             vs eager vs transformers), then batch-1 decode latency of gemma-3-12b (dummy
+#             weights, 5 of 6 layers with a 1024 window, CUDA graphs on) at 4k context
+#             (gpu-a-window.json)
 #   deterministic  --deterministic (docs/determinism.md), <= ~400 s, each part under its own
 #             timeout: its GPU tests (batch-invariant matmul and attention kernels, the tiny
 #             engine's request alone vs in batches); GPU-A batch 1 (3 iters) default vs
@@ -283,6 +289,11 @@ PY
     lora) timeout ${LORA_TIMEOUT:-540} $KV bench lora --model llama-3.1-8b --load-format dummy --max-model-len 4096 --max-loras ${LORA_SLOTS:-4} --max-cpu-loras 16 --lora-rank 16 --adapter-counts 1,4,16 --num-prompts ${LORA_PROMPTS:-256} --input-len 512 --output-len 128 --rounds 2 --save-result "$OUT/lora-mix.json" 2>&1 | grep -v "^INFO" | tail -12;;
     lora-kernels) timeout ${LORA_KERNELS_TIMEOUT:-200} python benchmarks/gpu/bench_lora_kernels.py --out "$OUT/lora-kernels.json" ${LORA_KERNELS_ARGS:-} 2>&1 | grep -v "^INFO" | tail -16;;
     lora-profile) timeout ${LORA_PROFILE_TIMEOUT:-240} python benchmarks/gpu/profile_lora.py --out "$OUT/profile-lora.json" ${LORA_PROFILE_ARGS:-} 2>&1 | grep -v "^INFO" | tail -32;;
+    window)
+      timeout ${WINDOW_TEST_TIMEOUT:-100} python -m pytest -q -x tests/kernels/test_paged_attention_window.py tests/kernels/test_attention_backend_window.py tests/test_window_gpu.py 2>&1 | tail -8
+      echo "window tests exit ${PIPESTATUS[0]}"
+      timeout ${WINDOW_A_TIMEOUT:-100} $KV bench latency --model gemma-3-12b --load-format dummy --batch-size 1 --input-len 4096 --output-len 128 --num-iters 3 --backend kvflow --max-model-len 8192 --save-result "$OUT/gpu-a-window.json" 2>&1 | grep -E "captured|CUDA graphs|tokens/s|ms/tok|rror|Traceback" | tail -6
+      echo "gpu-a-window exit ${PIPESTATUS[0]}";;
     spec-graphs) timeout ${SPEC_GRAPHS_TIMEOUT:-150} python -m pytest tests/test_spec_graphs_gpu.py -q -x 2>&1 | tail -15;;
     deterministic)
       timeout ${DET_TEST_TIMEOUT:-75} python -m pytest -q tests/test_batch_invariant_gpu.py tests/kernels/test_batch_invariant_kernel.py 2>&1 | tail -6

@@ -63,6 +63,15 @@ Expected traffic and work (elem = bytes per value, 2 for bf16):
           one 8192-token causal chunk, H=32, D=128: 4*32*128*8192*8193/2 = 550 GFLOP
           -> ~0.70 ms at 790 TFLOP/s.
 
+Per-layer options (constexprs, so a captured CUDA graph holds each layer's own):
+``window`` W: a query at position p sees keys p - W + 1 .. p. A program's key loop
+starts at the first key its first row's window reaches (so decode reads at most W keys
+and never a block-table entry before the window: the cache manager may have freed those
+blocks); tiles that some row's window cuts (a prefill q-block's first tiles) run masked,
+the rest as usual. Split-KV divides [window start, seq_len) instead of [0, seq_len).
+``softcap``: scores become softcap * tanh(score / softcap) after the scale, before the
+masks (computed in log2 units with the cap scaled by log2 e).
+
 Candidate trees (Medusa verification, ``tree``): a request's last tree tokens see the
 keys before its tree root and, past it, only the keys whose bit is set in the query
 row's 64-bit ``tree.bits``; tiles past the root run masked (prefill launch only).
@@ -89,12 +98,21 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
+def _soft_cap(s, CAP: tl.constexpr):
+    """CAP * tanh(s / CAP) (any units: the caller passes the cap in the scores' own),
+    as 1 - 2 / (e^2x + 1), which saturates to +-1 without overflow."""
+    e2x = tl.exp2(s * (2.0 * 1.4426950408889634 / CAP))
+    return CAP * (1.0 - 2.0 / (e2x + 1.0))
+
+
+@triton.jit
 def _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos, offs_n, offs_d,
                stride_kb, stride_kt, qk_scale, q_ptr, ks_base, vs_base, stride_sb, stride_st,
                tree_bits, tree_start,
                BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                MASKED: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-               QUANT: tl.constexpr, TREE: tl.constexpr):
+               QUANT: tl.constexpr, TREE: tl.constexpr, WINDOW: tl.constexpr,
+               SOFTCAP: tl.constexpr):
     """One BLOCK_N tile of keys [start, start + BLOCK_N): online-softmax update.
 
     QUANT 1 (int8 cache): K/V tiles are widened to the model dtype (exact) and their
@@ -104,7 +122,11 @@ def _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos, offs_n,
 
     TREE (a candidate tree in the batch): key n >= tree_start (the request's tree root)
     is visible to a row only if bit n - tree_start of its ``tree_bits`` [BLOCK_M] is
-    set; the caller runs every tile that reaches past the root MASKED."""
+    set; the caller runs every tile that reaches past the root MASKED.
+
+    WINDOW > 0: a row at position p sees keys p - WINDOW + 1 .. p (applied in MASKED
+    tiles; the caller runs unmasked only tiles inside every row's window). SOFTCAP > 0:
+    scores (log2 units) become SOFTCAP * tanh(s / SOFTCAP), before the masks."""
     n = start + offs_n  # [BLOCK_N] key positions
     if MASKED:
         n_ok = n < hi
@@ -148,8 +170,12 @@ def _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos, offs_n,
             ks = tl.load(ks_base + s_off)
             vs = tl.load(vs_base + s_off)
         s = s * ks[None, :]
+    if SOFTCAP > 0:
+        s = _soft_cap(s, SOFTCAP)
     if MASKED:
         visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (n[None, :] > pos[:, None] - WINDOW)
         if TREE:
             rel = n - tree_start  # [BLOCK_N] key index within the tree (< 0: before it)
             shift = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)
@@ -216,11 +242,13 @@ def _new_kv(kn_ptr, vn_ptr, kc_ptr, vc_ptr, slot_ptr, n_slots, token, kvh, strid
 
 
 @triton.jit
-def _add_key(acc, l_i, m_i, q, k, v, qk_scale, rows):
+def _add_key(acc, l_i, m_i, q, k, v, qk_scale, rows, SOFTCAP: tl.constexpr):
     """Online-softmax update with one key held in registers (k, v [D_PAD]) for ``rows``:
     the score in float32 as the tiles' dot computes it, P rounded to the value dtype
     before P @ V as in ``_attn_tile``."""
     s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * qk_scale
+    if SOFTCAP > 0:
+        s = _soft_cap(s, SOFTCAP)
     s = tl.where(rows, s, float("-inf"))
     m_new = tl.maximum(m_i, s)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -244,7 +272,8 @@ def _paged_attn_kernel(
         D_PAD: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr, QUANT: tl.constexpr, TREE: tl.constexpr,
         ROPE: tl.constexpr = False, FIXED_SPLIT: tl.constexpr = False,
-        ALL_MASKED: tl.constexpr = False):
+        ALL_MASKED: tl.constexpr = False, WINDOW: tl.constexpr = 0,
+        SOFTCAP: tl.constexpr = 0.0):
     num_qb = tl.num_programs(0)
     qb = num_qb - 1 - tl.program_id(0)  # longest causal range first
     req = tl.program_id(1) + req_offset
@@ -282,17 +311,25 @@ def _paged_attn_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Keys this q-block needs: [0, hi); split s of S takes [lo, hi) of it.
+    # Keys this q-block needs: [lo, hi), lo 0 without a window, else the first key its
+    # first row's window reaches (keys before it, and their block-table entries, are
+    # never read: the cache manager may have freed those blocks). Split s of S takes a
+    # part of [lo, hi).
     hi = tl.minimum(seq_len, ctx + (qb + 1) * BLOCK_Q)
     lo = 0
+    win_all = 0  # keys from here on are inside every row's window
+    if WINDOW > 0:
+        lo = tl.maximum(ctx + qb * BLOCK_Q - WINDOW + 1, 0)
+        win_all = tl.maximum(hi - WINDOW, 0)
     if FIXED_SPLIT:  # --deterministic: split s is keys [s * T, (s + 1) * T), any batch
-        lo = split * split_tokens
-        if lo >= hi:  # past this request's context: the merge never reads this split
+        s_lo = split * split_tokens
+        hi = tl.minimum(hi, s_lo + split_tokens)
+        lo = tl.maximum(lo, s_lo)
+        if lo >= hi:  # past the context or before the window: the merge skips it
             return
-        hi = tl.minimum(hi, lo + split_tokens)
     elif SPLIT:
-        chunk = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        chunk = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+        lo = lo + split * chunk
         hi = tl.minimum(hi, lo + chunk)
     if ROPE:
         # The new token's key (position seq_len - 1) arrives unrotated and not yet cached:
@@ -313,13 +350,18 @@ def _paged_attn_kernel(
         tree_start = tl.load(tree_start_ptr + req)
         tree_bits = tl.load(tree_bits_ptr + row, mask=row_ok, other=-1)
         full_hi = tl.minimum(full_hi, tree_start + 1)
-    full_end = lo + tl.maximum(full_hi - lo, 0) // BLOCK_N * BLOCK_N
+    # Tiles [lo, front_end) reach keys some row's window leaves out: masked.
+    front_end = lo
+    if WINDOW > 0:
+        front = tl.minimum(tl.maximum(win_all - lo, 0), tl.maximum(hi - lo, 0))
+        front_end = lo + tl.cdiv(front, BLOCK_N) * BLOCK_N
+    full_end = front_end + tl.maximum(full_hi - front_end, 0) // BLOCK_N * BLOCK_N
     if ALL_MASKED:
         # --deterministic prefill: which tiles a row sees unmasked depends on where its
         # q-block starts (on how the prompt was chunked), and the two tile variants
         # compile to different roundings (the unmasked one may fuse the scale and the
         # max subtraction into one FMA): every tile takes the masked one.
-        full_end = lo
+        full_end = front_end
 
     m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
@@ -329,20 +371,28 @@ def _paged_attn_kernel(
     v_base = v_ptr + kvh * stride_kh
     ks_base = ks_ptr + kvh * stride_sh
     vs_base = vs_ptr + kvh * stride_sh
-    for start in range(lo, full_end, BLOCK_N):
+    if WINDOW > 0:
+        for start in range(lo, front_end, BLOCK_N):
+            acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi,
+                                       pos, offs_n, offs_d, stride_kb, stride_kt, qk_scale,
+                                       q_ptr, ks_base, vs_base, stride_sb, stride_st,
+                                       tree_bits, tree_start, BLOCK_SIZE, HEAD_DIM, D_PAD,
+                                       True, DOT_PREC, UPCAST, QUANT, TREE, WINDOW, SOFTCAP)
+    for start in range(front_end, full_end, BLOCK_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos,
                                    offs_n, offs_d, stride_kb, stride_kt, qk_scale, q_ptr,
                                    ks_base, vs_base, stride_sb, stride_st, tree_bits, tree_start,
                                    BLOCK_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, UPCAST, QUANT,
-                                   TREE)
+                                   TREE, WINDOW, SOFTCAP)
     for start in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, k_base, v_base, bt_row, start, hi, pos,
                                    offs_n, offs_d, stride_kb, stride_kt, qk_scale, q_ptr,
                                    ks_base, vs_base, stride_sb, stride_st, tree_bits, tree_start,
                                    BLOCK_SIZE, HEAD_DIM, D_PAD, True, DOT_PREC, UPCAST, QUANT,
-                                   TREE)
+                                   TREE, WINDOW, SOFTCAP)
     if ROPE:
-        acc, l_i, m_i = _add_key(acc, l_i, m_i, q, k_new, v_new, qk_scale, own & row_ok)
+        acc, l_i, m_i = _add_key(acc, l_i, m_i, q, k_new, v_new, qk_scale, own & row_ok,
+                                 SOFTCAP)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty split or empty context -> zeros
     o = acc * (out_scale / l_safe)[:, None]  # out_scale: fp8's V scale, else 1
@@ -363,13 +413,14 @@ def _paged_attn_kernel(
 def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits,
                          stride_ot, stride_oh, seq_lens_ptr, split_tokens,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                         FIXED_SPLIT: tl.constexpr = False):
+                         FIXED_SPLIT: tl.constexpr = False, WINDOW: tl.constexpr = 0):
     """out[req, h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M).
 
     FIXED_SPLIT (--deterministic): the request's own cdiv(seq_len, split_tokens) splits,
     folded one at a time from split 0 (a running max, weight sum and weighted sum), so
     neither the grid's split count nor a reduction tree's shape enters the result; one
-    split gives its partial back exactly (o * 1 / 1)."""
+    split gives its partial back exactly (o * 1 / 1). With a WINDOW, the splits wholly
+    before the decode's window (which wrote nothing) are skipped."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + req)
@@ -379,11 +430,15 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits,
     offs_d = tl.arange(0, D_PAD)
     base = (req.to(tl.int64) * tl.num_programs(1) + head) * num_splits
     if FIXED_SPLIT:
-        n_own = tl.cdiv(tl.load(seq_lens_ptr + req), split_tokens)
+        seq_len = tl.load(seq_lens_ptr + req)
+        n_own = tl.cdiv(seq_len, split_tokens)
+        first = 0
+        if WINDOW > 0:
+            first = tl.maximum(seq_len - WINDOW, 0) // split_tokens
         m_run = float("-inf")
         w_sum = 0.0
         acc = tl.zeros([D_PAD], tl.float32)
-        for s in range(0, n_own):  # every one of these splits holds keys: lse finite
+        for s in range(first, n_own):  # every one of these splits holds keys: lse finite
             lse_s = tl.load(part_lse_ptr + base + s)
             o_s = tl.load(part_o_ptr + (base + s) * D_PAD + offs_d)
             m_new = tl.maximum(m_run, lse_s)
@@ -513,7 +568,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     decode_config: TileConfig | None = None,
                     prefill_config: TileConfig | None = None, kv_quant=None,
                     tree=None, rope: "DecodeRope | None" = None,
-                    split_tokens: int = 0) -> torch.Tensor:
+                    split_tokens: int = 0, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each request's paged context -> [T, H, D].
 
     R = seq_lens.shape[0] requests; requests [0, num_decodes) have exactly one query
@@ -534,6 +590,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     batch, and each request's partials merge in split order; ``num_kv_splits`` is then
     only the grid's split count and must reach cdiv(seq_len, split_tokens) for every
     decode request (more is fine: those programs exit).
+    ``window`` (a sliding window of W keys): a query at position p sees keys
+    p - W + 1 .. p; the launches start each program's key loop at its window, so the
+    block-table entries of blocks wholly before it are never read (they may be freed),
+    and the decode launch splits only the window (at most W / 256 splits).
+    ``softcap``: scores (after the scale) become softcap * tanh(score / softcap).
     """
     t, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -546,6 +607,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         out = torch.empty((t, num_heads, head_dim), dtype=q.dtype, device=q.device)
     assert out.shape == q.shape and out.stride(-1) == 1
     del max_seq_len
+    assert window is None or window >= 1, window
+    win = {} if window is None else {"WINDOW": int(window)}
+    if softcap is not None:  # capped in the kernel's log2 units: cap * log2(e)
+        assert softcap > 0, softcap
+        win["SOFTCAP"] = float(softcap) * _LOG2E
 
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
@@ -592,6 +658,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                      rope.slot_mapping.shape[0])
     if num_decodes > 0:
         splits = max(1, int(num_kv_splits))
+        if window is not None and not split_tokens:
+            # a decode reads at most `window` keys: no split below 256 of them
+            cap = max(1, window // _MIN_TOKENS_PER_SPLIT)
+            splits = min(splits, 1 << (cap.bit_length() - 1))
         if split_tokens:
             assert split_tokens % dec_cfg.block_n == 0, (split_tokens, dec_cfg.block_n)
         if splits > 1:
@@ -608,9 +678,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             BLOCK_N=dec_cfg.block_n, SPLIT=splits > 1, num_warps=dec_cfg.num_warps,
             num_stages=dec_cfg.num_stages, TREE=False,
             **({"ROPE": True} if rope is not None else {}),
-            **({"FIXED_SPLIT": True} if split_tokens and splits > 1 else {}), **consts)
+            **({"FIXED_SPLIT": True} if split_tokens and splits > 1 else {}), **win,
+            **consts)
         if splits > 1:
             fixed = {"FIXED_SPLIT": True} if split_tokens else {}
+            if split_tokens and window is not None:
+                fixed["WINDOW"] = int(window)
             _merge_splits_kernel[(num_decodes, num_heads)](
                 part_o, part_lse, out, query_start_loc, splits, out.stride(0), out.stride(1),
                 seq_lens, split_tokens, HEAD_DIM=head_dim, D_PAD=d_pad,
@@ -627,7 +700,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=pre_cfg.block_n, SPLIT=False,
             num_warps=pre_cfg.num_warps, num_stages=pre_cfg.num_stages,
             TREE=tree is not None, **({"ALL_MASKED": True} if split_tokens else {}),
-            **consts)
+            **win, **consts)
     return out
 
 

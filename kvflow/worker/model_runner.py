@@ -15,7 +15,7 @@ from kvflow.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kvflow.cpu.memory import cpu_kv_budget
 from kvflow.cpu.threads import step_thread_policy
 from kvflow.distributed.parallel_state import ParallelState
-from kvflow.layers.attention import (AttentionSpec, eager_reason, get_attention_backend,
+from kvflow.layers.attention import (AttentionSpec, get_attention_backend,
                                     model_rotary)
 from kvflow.layers.custom_op import use_kernels
 from kvflow.layers.sampler import Sampler, SamplerOutput
@@ -214,9 +214,6 @@ class ModelRunner:
         if self.device.type != "cuda" or self.parallel.pp.world_size > 1:
             return  # graphs do not hold the stage-to-stage sends (pipeline parallel)
         cfg = self.config
-        if (reason := eager_reason(self.model)) is not None:  # plans per request in Python
-            logger.info("CUDA graphs off (%s)", reason)
-            return
         if cfg.device.enforce_eager or not self.use_kernels:
             logger.info("CUDA graphs off (%s)", "--enforce-eager" if cfg.device.enforce_eager
                         else "no Triton kernels")

@@ -9,7 +9,6 @@ from kvflow.layers.attention.backend import (AttentionBackend, AttentionMetadata
                                             get_attention_backend)
 from kvflow.layers.attention.kv_quant import KVQuant
 from kvflow.layers.attention.metadata import AttentionMetadata, AttentionSpec
-from kvflow.layers.attention.windowed import windowed_attention
 from kvflow.layers.rotary import RotaryEmbedding
 
 
@@ -25,8 +24,9 @@ class Attention(nn.Module):
                  scale: float | None = None, own_rotary: bool = False) -> None:
         """``sliding_window``: keys a query sees, itself included (None: all);
         ``logits_soft_cap``: scores become cap * tanh(score / cap); ``own_rotary``: this
-        layer's table is not the one the step's plan was built from (such layers, and
-        windowed or capped ones, run ``windowed.windowed_attention``)."""
+        layer's table is not the one the step's plan was built from (the backends rotate
+        with the table they are given: ``rotary``). All three go to the backend, per
+        layer (Python constants: the Triton kernels take them as constexprs)."""
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -48,19 +48,16 @@ class Attention(nn.Module):
                 v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H*D], k and v [T, KVH*D] -> [T, H*D]."""
         t = q.shape[0]
-        if (self.logits_soft_cap is not None or self.own_rotary or (
-                self.sliding_window is not None and meta.max_seq_len > self.sliding_window)):
-            out = windowed_attention(
-                positions, q.view(t, self.num_heads, self.head_dim),
-                k.view(t, self.num_kv_heads, self.head_dim),
-                v.view(t, self.num_kv_heads, self.head_dim), self.kv_cache, self.rotary,
-                self.scale, meta, self.sliding_window, self.logits_soft_cap, self.kv_quant)
-            return out.reshape(t, self.num_heads * self.head_dim)
+        extra = {}  # only where set: a backend without windows still serves the rest
+        if self.sliding_window is not None:
+            extra["window"] = self.sliding_window
+        if self.logits_soft_cap is not None:
+            extra["softcap"] = self.logits_soft_cap
         out = self.backend.forward(
             positions, q.view(t, self.num_heads, self.head_dim),
             k.view(t, self.num_kv_heads, self.head_dim),
             v.view(t, self.num_kv_heads, self.head_dim),
-            self.kv_cache, self.rotary, self.scale, meta, kv_quant=self.kv_quant)
+            self.kv_cache, self.rotary, self.scale, meta, kv_quant=self.kv_quant, **extra)
         return out.reshape(t, self.num_heads * self.head_dim)
 
 
@@ -76,8 +73,10 @@ def model_rotary(model: nn.Module) -> RotaryEmbedding:
 
 
 def eager_reason(model: nn.Module) -> str | None:
-    """Why ``model`` must run its attention eagerly (no C++ CPU step, no CUDA graphs):
-    some layer is windowed, soft-capped or rotates with its own table. None: none is."""
+    """Why ``model``'s decodes cannot take the C++ or compiled CPU decode step
+    (``kvflow/cpu/step.py``): some layer is windowed, soft-capped or rotates with its
+    own table, which that step does not plan. None: none is. (The attention backends,
+    torch and Triton, take all three per layer: CUDA graphs stay on for such models.)"""
     for m in model.modules():
         if isinstance(m, Attention):
             if m.sliding_window is not None:

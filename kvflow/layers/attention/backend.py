@@ -36,11 +36,18 @@ class AttentionBackend(Protocol):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, kv_cache: torch.Tensor, rotary: RotaryEmbedding,
                 scale: float, meta: AttentionMetadata, *,
-                kv_quant: KVQuant | None = None) -> torch.Tensor:
+                kv_quant: KVQuant | None = None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """Apply rotary to q and k, store k and v at ``meta.slot_mapping`` in
         ``kv_cache`` [2, num_blocks, block_size, KVH, D], and return attention output.
         With ``kv_quant`` the cache is int8/fp8: values are quantized as they are stored
         and dequantized as attention reads them (``kv_quant.py``).
+
+        Per layer: ``rotary`` is the layer's table (it may differ from the spec's, e.g.
+        Gemma 3's local layers); ``window`` W: a query at position p sees keys
+        p - W + 1 .. p, and block-table entries of blocks wholly before every query's
+        window are never read (the cache manager may have freed them); ``softcap``:
+        scores (after the scale) become softcap * tanh(score / softcap), before masking.
 
         q [T, H, D], k and v [T, KVH, D] -> [T, H, D]. ``meta.backend`` was built by
         this backend's metadata builder.

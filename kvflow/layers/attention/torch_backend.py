@@ -5,11 +5,16 @@
 batched call over their gathered contexts, then one SDPA call per prefill chunk. On CPU
 (float32 models) the decodes instead run the C++ kernel ``cpu/kernels/paged_attention``,
 which reads the float32/int8/fp8 blocks in place; the gather path is its fallback.
+
+Per layer: a sliding window (reads start at the block the window starts in, its own
+read plan built once per step and window), soft-capped scores (the same batched calls
+with the attention math written out: SDPA has no cap) and a rotary table of the
+layer's own (its cos/sin rows built once per step and table).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -80,36 +85,59 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int):
     return kv[0], kv[1]
 
 
+def window_start(seq_len: int, num_queries: int, window: int | None) -> int:
+    """The first sequence position any of a request's last ``num_queries`` queries sees
+    (0 without a window): a window of W means a query at position p sees keys
+    p - W + 1 .. p (W keys, itself included), as transformers' sliding window does.
+    Blocks wholly before it are never read (the cache manager may have freed them)."""
+    if window is None:
+        return 0
+    return max(0, seq_len - num_queries - window + 1)
+
+
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: list[int], seq_lens: list[int],
-                        scale: float, tree_visible: list | None = None) -> torch.Tensor:
+                        scale: float, tree_visible: list | None = None,
+                        window: int | None = None, softcap: float | None = None
+                        ) -> torch.Tensor:
     """Reference paged attention (float32 math), one request at a time.
 
     q [T, H, D]; request i's queries are rows query_start_loc[i]:query_start_loc[i+1]
     at the last positions of its seq_lens[i]-long context. ``tree_visible[i]`` (a
     [size, size] bool array or None): request i's last ``size`` queries are a candidate
-    tree, tree token a seeing tree token b only where it is True. Returns [T, H, D].
+    tree, tree token a seeing tree token b only where it is True. ``window``: a query at
+    position p sees keys p - window + 1 .. p (block-table entries of blocks wholly
+    before every query's window are not read); ``softcap``: scores (after the scale)
+    become softcap * tanh(score / softcap), before the masks. Returns [T, H, D].
     """
     out = torch.zeros_like(q)
     h = q.shape[1]
+    bs = kv_cache.shape[2]
     for i, seq_len in enumerate(seq_lens):
         s, e = query_start_loc[i], query_start_loc[i + 1]
         n = e - s
         if n == 0:
             continue
-        k, v = gather_kv(kv_cache, block_tables[i], seq_len)
+        first = window_start(seq_len, n, window) // bs  # first block any query sees
+        offset = first * bs
+        k, v = gather_kv(kv_cache, block_tables[i, first:], seq_len - offset)
         group = h // k.shape[1]
         k = k.float().repeat_interleave(group, dim=1)  # [L, H, D]
         v = v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * scale  # [H, n, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        k_pos = torch.arange(offset, seq_len, device=q.device)[None, :]
         hidden = k_pos > q_pos  # [n, L]
+        if window is not None:
+            hidden = hidden | (k_pos <= q_pos - window)
         vis = tree_visible[i] if tree_visible is not None else None
         if vis is not None:
             size = vis.shape[0]
             hidden = hidden.clone()
-            hidden[n - size:, seq_len - size:] |= ~torch.as_tensor(vis, device=q.device)
+            hidden[n - size:, seq_len - size - offset:] |= ~torch.as_tensor(
+                vis, device=q.device)
         scores = scores.masked_fill(hidden, float("-inf"))
         probs = scores.softmax(dim=-1)
         out[s:e] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
@@ -169,6 +197,32 @@ class TorchAttentionPlan:
     # The decodes go through the C++ CPU kernel (cpu/kernels/paged_attention.cpp),
     # which reads the cache blocks in place; then decode_order/decodes are unused.
     decode_kernel: bool = False
+    # Layers other than the plain causal one, planned on first use in the step:
+    # reads(window, grouped) -> (decode_order, decodes, prefills) for a window (None:
+    # none) with decode groups (the C++ kernel has no window or cap), and the cos/sin
+    # rows of a rotary table other than ``rotary`` (Gemma 3's local layers).
+    plan_reads: object = None  # callable (window, grouped) -> the three fields above
+    rotary: RotaryEmbedding | None = None
+    positions: torch.Tensor | None = None
+    _reads: dict = field(default_factory=dict)
+    _rots: dict = field(default_factory=dict)
+
+    def reads(self, window: int | None, grouped: bool):
+        """(decode_order, decodes, prefills) for layers with this window."""
+        if window is None and grouped != self.decode_kernel:  # the step's own plan
+            return self.decode_order, self.decodes, self.prefills
+        key = (window, grouped)
+        if key not in self._reads:
+            self._reads[key] = self.plan_reads(window, grouped)
+        return self._reads[key]
+
+    def rot_of(self, rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's cos/sin rows for ``rotary`` (the planned ones for the model's)."""
+        if rotary is self.rotary:
+            return self.rot
+        if id(rotary) not in self._rots:
+            self._rots[id(rotary)] = (rotary, rotary_tables(*rotary.cos_sin(self.positions)))
+        return self._rots[id(rotary)][1]
 
 
 @dataclass
@@ -228,30 +282,62 @@ class TorchMetadataBuilder:
         rot = rotary_tables(*self.spec.rotary.cos_sin(positions[:t]))
         write = kv_write_index(meta.slot_mapping)
         tables = meta.block_tables.tolist()
+
+        def plan_reads(window: int | None, grouped: bool):
+            return self._plan_reads(meta, tables, dev, window, grouped)
+
+        # The C++ kernel reads every decode's blocks through the block table itself:
+        # no groups to plan for the plain layers.
+        decode_order, decodes, prefills = plan_reads(None, not self.decode_kernel)
+        meta.backend = TorchAttentionPlan(rot=rot, write=write,
+                                          decode_order=decode_order, decodes=decodes,
+                                          prefills=prefills,
+                                          decode_kernel=self.decode_kernel,
+                                          plan_reads=plan_reads, rotary=self.spec.rotary,
+                                          positions=positions[:t])
+        return meta
+
+    def _plan_reads(self, meta: AttentionMetadata, tables: list[list[int]], dev,
+                    window: int | None, grouped: bool):
+        """How each request's context is read: (decode_order, decode groups, prefill
+        chunks); with ``window``, from the block its window starts in (the entries of
+        blocks wholly before it are never read), the rest of the window masked."""
+        bs, dtype = self.spec.block_size, self.spec.dtype
         lens, qsl = meta.seq_lens_cpu, meta.query_start_loc_cpu
         # Decodes run in groups of similar length, sorted; the forward permutes q into
-        # that order once per layer and the outputs back once. (The C++ kernel reads
-        # every decode's blocks through the block table itself: no groups to plan.)
+        # that order once per layer and the outputs back once.
         decodes = []
-        order = [] if self.decode_kernel else sorted(range(meta.num_decodes),
-                                                    key=lens.__getitem__)
+        order = sorted(range(meta.num_decodes), key=lens.__getitem__) if grouped else []
         decode_order = None if order == sorted(order) else torch.tensor(order, device=dev)
         for g in range(0, len(order), self.DECODE_GROUP):
             idx = order[g: g + self.DECODE_GROUP]
             rows = slice(g, g + len(idx))
-            max_len = lens[idx[-1]]
-            nblk = cdiv(max_len, bs)
+            starts = [window_start(lens[i], 1, window) for i in idx]  # first key seen
+            firsts = [w // bs for w in starts]  # first block read
+            nblk = max(cdiv(lens[i], bs) - f for i, f in zip(idx, firsts))
             if len(idx) == 1:
-                how = _context(bs, tables[idx[0]][:nblk], max_len, dev)
-                decodes.append((rows, how, None))
+                i, f = idx[0], firsts[0]
+                how = _context(bs, tables[i][f: f + nblk], lens[i] - f * bs, dev)
+                mask = None
+                if starts[0] > f * bs:  # the window starts inside its first block
+                    mask = torch.zeros(1, 1, 1, lens[i] - f * bs, dtype=dtype, device=dev)
+                    mask[..., : starts[0] - f * bs] = float("-inf")
+                decodes.append((rows, how, mask))
                 continue
-            gather = torch.tensor([b for i in idx for b in tables[i][:nblk]], device=dev)
+            blocks = []
+            for i, f in zip(idx, firsts):
+                row = tables[i][f: min(f + nblk, cdiv(lens[i], bs))]
+                blocks += row + [row[-1]] * (nblk - len(row))  # padding: masked below
+            gather = torch.tensor(blocks, device=dev)
             length = nblk * bs
-            seq = torch.tensor([lens[i] for i in idx], device=dev)
+            hi = torch.tensor([lens[i] - f * bs for i, f in zip(idx, firsts)], device=dev)
+            lo = torch.tensor([w - f * bs for w, f in zip(starts, firsts)], device=dev)
+            j = torch.arange(length, device=dev)[None, :]
+            hidden = (j >= hi[:, None]) | (j < lo[:, None])  # [b, L]
             # An additive float mask: SDPA would convert a boolean one in every layer.
-            pad = torch.arange(length, device=dev)[None, :] >= seq[:, None]  # [b, L]
             mask = torch.zeros(len(idx), 1, 1, length, dtype=dtype,
-                               device=dev).masked_fill_(pad[:, None, None, :], float("-inf"))
+                               device=dev).masked_fill_(hidden[:, None, None, :],
+                                                        float("-inf"))
             decodes.append((rows, ("batch", gather, length), mask))
         prefills = []
         tree = meta.tree
@@ -259,23 +345,28 @@ class TorchMetadataBuilder:
             s, e, seq_len = qsl[i], qsl[i + 1], lens[i]
             n = e - s
             size = tree.sizes_cpu[i] if tree is not None else 0
-            if n == seq_len and not size:
+            if size and window is not None:
+                raise RuntimeError("candidate trees (Medusa) are not supported on "
+                                   "windowed attention layers")
+            if n == seq_len and not size and (window is None or window >= n):
                 prefills.append((s, e, None, None, True))
                 continue
-            how = _context(bs, tables[i][: cdiv(seq_len, bs)], seq_len, dev)
+            first = window_start(seq_len, n, window) // bs
+            offset = first * bs
+            how = None if n == seq_len and not size else _context(
+                bs, tables[i][first: cdiv(seq_len, bs)], seq_len - offset, dev)
             q_pos = torch.arange(seq_len - n, seq_len, device=dev)[:, None]
-            future = torch.arange(seq_len, device=dev)[None, :] > q_pos  # [n, L]
+            k_pos = torch.arange(offset, seq_len, device=dev)[None, :]
+            hidden = k_pos > q_pos  # [n, L]
+            if window is not None:
+                hidden |= k_pos <= q_pos - window
             if size:  # a candidate tree: its tokens see only their own ancestors
-                hidden = torch.from_numpy(~tree.visible_cpu[i]).to(dev)  # [size, size]
-                future[n - size:, seq_len - size:] |= hidden
-            mask = torch.zeros(n, seq_len, dtype=dtype, device=dev).masked_fill_(
-                future, float("-inf"))
+                tree_hidden = torch.from_numpy(~tree.visible_cpu[i]).to(dev)  # [size, size]
+                hidden[n - size:, seq_len - size:] |= tree_hidden
+            mask = torch.zeros(n, seq_len - offset, dtype=dtype, device=dev).masked_fill_(
+                hidden, float("-inf"))
             prefills.append((s, e, how, mask, False))
-        meta.backend = TorchAttentionPlan(rot=rot, write=write,
-                                          decode_order=decode_order, decodes=decodes,
-                                          prefills=prefills,
-                                          decode_kernel=self.decode_kernel)
-        return meta
+        return decode_order, decodes, prefills
 
 
 class TorchAttentionBackend:
@@ -290,42 +381,58 @@ class TorchAttentionBackend:
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, kv_cache: torch.Tensor, rotary: RotaryEmbedding,
                 scale: float, meta: AttentionMetadata, *,
-                kv_quant: KVQuant | None = None) -> torch.Tensor:
+                kv_quant: KVQuant | None = None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         plan = meta.backend
+        if window is not None and window >= meta.max_seq_len:
+            window = None  # every query sees its whole context
         if isinstance(plan, PaddedDecodePlan):
+            if window is not None or softcap is not None:
+                raise RuntimeError("the padded decode plan (compiled CPU step) has no "
+                                   "sliding window or soft cap")
             return self._padded_decode(q, k, v, kv_cache, plan, scale, kv_quant)
         if not isinstance(plan, TorchAttentionPlan):
             raise RuntimeError("attention metadata was not built by the torch backend's "
                                "metadata builder")
-        q, k = apply_rotary(q, plan.rot), apply_rotary(k, plan.rot)
+        rot = plan.rot_of(rotary)
+        q, k = apply_rotary(q, rot), apply_rotary(k, rot)
         if kv_quant is None:
             write_kv_ref(k, v, kv_cache, meta.slot_mapping, plan.write)
         else:
             k, v = self._write_quant(k, v, kv_cache, kv_quant, meta.slot_mapping, plan.write)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd and plan.decode_kernel:
+        # the C++ decode kernel has neither a window nor a cap: such layers read groups
+        use_kernel = plan.decode_kernel and window is None and softcap is None
+        decode_order, decodes, prefills = plan.reads(window, grouped=not use_kernel)
+        if nd and use_kernel:
             out[:nd] = self._decode_kernel(q[:nd], kv_cache, meta, scale, kv_quant)
         elif nd:
-            order = plan.decode_order
+            order = decode_order
             qd = q[:nd] if order is None else q[:nd].index_select(0, order)
             od = torch.empty_like(qd)
-            for g, how, mask in plan.decodes:
-                od[g] = self._decode(qd[g], kv_cache, how, mask, scale, kv_quant)
+            for g, how, mask in decodes:
+                od[g] = self._decode(qd[g], kv_cache, how, mask, scale, kv_quant, softcap)
             if order is None:
                 out[:nd] = od
             else:
                 out[:nd].index_copy_(0, order, od)
-        for s, e, how, mask, causal in plan.prefills:
+        for s, e, how, mask, causal in prefills:
             if how is None:  # nothing cached before this chunk: attend to it directly
                 ki, vi = k[s:e], v[s:e]
             else:
                 ki, vi = _read(kv_cache, how, kv_quant, q.dtype)
             # 4-D [1, heads, len, D]: with 3-D inputs the CPU takes SDPA's slow math path.
-            o = F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1)[None], ki.transpose(0, 1)[None],
-                vi.transpose(0, 1)[None], attn_mask=mask, is_causal=causal, scale=scale,
-                enable_gqa=True)
+            qi, ki, vi = (x.transpose(0, 1)[None] for x in (q[s:e], ki, vi))
+            if softcap is None:
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,
+                                                   is_causal=causal, scale=scale,
+                                                   enable_gqa=True)
+            else:  # query heads grouped by KV head: [1, KVH, G, n, D]
+                kvh, n = ki.shape[1], qi.shape[2]
+                o = _capped_attention(qi.reshape(1, kvh, -1, n, qi.shape[-1]),
+                                      ki[:, :, None], vi[:, :, None], mask, causal, scale,
+                                      softcap).reshape(qi.shape)
             out[s:e] = o[0].transpose(0, 1)
         return out
 
@@ -398,7 +505,8 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, how, mask,
-                scale: float, quant: KVQuant | None = None) -> torch.Tensor:
+                scale: float, quant: KVQuant | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """One new token per request, the group in one SDPA call. q [B, H, D] -> [B, H, D].
 
         The query heads that share a KV head become that head's query rows
@@ -416,7 +524,28 @@ class TorchAttentionBackend:
             v = kv_cache[1].view(nb, -1).index_select(0, gather).view(b, length, kvh, d)
         else:
             k, v = (x.unsqueeze(0) for x in _read(kv_cache, how, quant, q.dtype))
+        if softcap is not None:
+            o = _capped_attention(q.reshape(b, kvh, h // kvh, d), k.transpose(1, 2),
+                                  v.transpose(1, 2), mask, False, scale, softcap)
+            return o.reshape(b, h, d)
         o = F.scaled_dot_product_attention(
             q.reshape(b, kvh, h // kvh, d), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=mask, scale=scale)  # [B, KVH, H / KVH, D]
         return o.reshape(b, h, d)
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None, causal: bool, scale: float,
+                      softcap: float) -> torch.Tensor:
+    """SDPA with soft-capped scores (softcap * tanh(score / softcap), after the scale,
+    before the mask), in float32: q [..., M, D], k and v [..., L, D] (broadcast), an
+    additive mask broadcast to [..., M, L]; ``causal``: M == L, no mask."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
+    if causal:
+        m, n = scores.shape[-2], scores.shape[-1]
+        future = torch.ones(m, n, dtype=torch.bool, device=q.device).triu(n - m + 1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)

@@ -73,7 +73,10 @@ class TritonAttentionBackend:
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, kv_cache: torch.Tensor, rotary: RotaryEmbedding,
                 scale: float, meta: AttentionMetadata, *,
-                kv_quant: KVQuant | None = None) -> torch.Tensor:
+                kv_quant: KVQuant | None = None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        # window and softcap are the layer's constants (constexprs of the launches, so
+        # a captured CUDA graph holds each layer's own); rotary is the layer's table
         split_tokens = meta.backend.split_tokens
         if (meta.num_decodes and not meta.num_prefills and meta.tree is None
                 and kv_quant is None and not split_tokens and rope_in_attention(q.device)):
@@ -82,14 +85,16 @@ class TritonAttentionBackend:
                 q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
                 num_decodes=meta.num_decodes, max_query_len=meta.max_query_len,
                 max_seq_len=meta.max_seq_len, num_kv_splits=meta.backend.num_kv_splits,
-                rope=DecodeRope(rotary.cos_sin_cache, k, v, meta.slot_mapping))
+                rope=DecodeRope(rotary.cos_sin_cache, k, v, meta.slot_mapping),
+                window=window, softcap=softcap)
         q, _ = rotary_and_cache_write(positions, q, k, v, rotary.cos_sin_cache, kv_cache,
                                       meta.slot_mapping, kv_quant=kv_quant)
         return paged_attention(
             q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
             num_decodes=meta.num_decodes, max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len, num_kv_splits=meta.backend.num_kv_splits,
-            kv_quant=kv_quant, tree=meta.tree, split_tokens=split_tokens)
+            kv_quant=kv_quant, tree=meta.tree, split_tokens=split_tokens, window=window,
+            softcap=softcap)
 
 
 @functools.lru_cache(maxsize=8)
