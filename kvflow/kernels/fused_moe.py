@@ -33,8 +33,8 @@ dtype: int8 and float8 (e4m3) experts with per-output-channel scales (``w_scale`
 [E, N]) have the tile converted in registers and the channel scale applied to the
 accumulator; int4 experts (``pack_int4_experts``: two inputs a byte along K, scales and
 offsets per group of K inputs laid out [E, K / group, N] so a tile's row of them is
-contiguous) are dequantized per tile in registers (one group per tile: BLOCK_K is
-narrowed to the group) and multiplied in the activation dtype. Nothing reads back to
+contiguous) are dequantized per tile in registers (a tile of BLOCK_K inputs covers part of one
+group or whole groups) and multiplied in the activation dtype. Nothing reads back to
 the host, so all of them can be captured in a CUDA graph.
 Launch configurations (BLOCK_M/N/K, warps, stages by number of tokens) are measured data:
 the ``fused_moe`` rows of the GPU's file in ``kernels/tuning/`` (``fused_moe_config``),
@@ -220,14 +220,30 @@ def _load_w(ptrs, mask, a, W_FP8: tl.constexpr):
 
 
 @triton.jit
-def _dequant_w4(w, shift, s_ptrs, o_ptrs, col_ok, HAS_OFFSET: tl.constexpr):
-    """A [BK, BN] tile of packed bytes (each input's byte) -> its float32 weights, one
-    group's scales (and offsets) [BN] broadcast down the K rows."""
+def _dequant_w4(w, shift, s_ptrs, o_ptrs, col_ok, stride_sg, k_left,
+                HAS_OFFSET: tl.constexpr, BLOCK_K: tl.constexpr, W4_GROUP: tl.constexpr):
+    """A [BK, BN] tile of packed bytes (each input's byte) -> its float32 weights. One
+    group per tile (BLOCK_K <= W4_GROUP): one row of scales (and offsets) [BN] broadcast
+    down K; else BLOCK_K / W4_GROUP rows, each over its group of K rows (those past the
+    ``k_left`` inputs left are not read)."""
     v = ((w.to(tl.int32) >> shift) & 15).to(tl.float32)
-    s = tl.load(s_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if BLOCK_K <= W4_GROUP:
+        s = tl.load(s_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_OFFSET:
+            return v * s + tl.load(o_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        return (v - 8.0) * s
+    GROUPS: tl.constexpr = BLOCK_K // W4_GROUP
+    gi = tl.arange(0, GROUPS)[:, None]  # [G, 1]
+    g = gi * stride_sg
+    g_ok = (gi * W4_GROUP < k_left) & col_ok[None, :]
+    s = tl.load(s_ptrs[None, :] + g, mask=g_ok, other=0.0).to(tl.float32)
+    v3 = tl.reshape(v, (GROUPS, W4_GROUP, v.shape[1]))  # [G, group, BN]
     if HAS_OFFSET:
-        return v * s + tl.load(o_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    return (v - 8.0) * s
+        o = tl.load(o_ptrs[None, :] + g, mask=g_ok, other=0.0).to(tl.float32)
+        w3 = v3 * s[:, None, :] + o[:, None, :]
+    else:
+        w3 = (v3 - 8.0) * s[:, None, :]
+    return tl.reshape(w3, (BLOCK_K, v.shape[1]))
 
 
 # num_pairs (T*k) only bounds a mask: not specialized, so one compile serves every batch
@@ -251,8 +267,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, scale_ptr, offset_ptr, sorted_ids_pt
     W4_GROUP > 0, int4 packed along K (w [E, N, K / 2] uint8, input 2j in the low nibble
     of byte j, 2j + 1 in the high one) with per-group scales scale_ptr [E, K / W4_GROUP,
     N] and, HAS_OFFSET, offsets offset_ptr of the same layout: w = v * scale + offset
-    (without offsets, (v - 8) * scale), dequantized per tile before the dot. BLOCK_K
-    divides W4_GROUP, so a tile has one group: its scales are one [BLOCK_N] row."""
+    (without offsets, (v - 8) * scale), dequantized per tile before the dot. A tile
+    covers part of one group or whole groups (BLOCK_K and W4_GROUP powers of two)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
@@ -291,14 +307,16 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, scale_ptr, offset_ptr, sorted_ids_pt
         if W4_GROUP > 0:
             g_off = (k0 // W4_GROUP) * stride_sg
             w = _dequant_w4(tl.load(w_ptrs, mask=w_ok, other=0), shift, s_ptrs + g_off,
-                            o_ptrs + g_off, col_ok, HAS_OFFSET)
+                            o_ptrs + g_off, col_ok, stride_sg, K - k0, HAS_OFFSET, BLOCK_K,
+                            W4_GROUP)
         else:
             w = _load_w(w_ptrs, w_ok, a, W_FP8)
         acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION)
         if GATED:
             if W4_GROUP > 0:
                 u = _dequant_w4(tl.load(u_ptrs, mask=w_ok, other=0), shift,
-                                s_ptrs + g_off + N, o_ptrs + g_off + N, col_ok, HAS_OFFSET)
+                                s_ptrs + g_off + N, o_ptrs + g_off + N, col_ok, stride_sg,
+                                K - k0, HAS_OFFSET, BLOCK_K, W4_GROUP)
             else:
                 u = _load_w(u_ptrs, w_ok, a, W_FP8)
             acc_u += tl.dot(a, u.to(a.dtype), input_precision=DOT_PRECISION)
@@ -396,13 +414,13 @@ def moe_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """The two grouped-GEMM launches over an aligned routing (``moe_align``'s outputs
     for ``cfg``'s block_m) -> the weighted expert output of each pair [T*k, H]. The rows
     of dropped pairs are zero (``may_drop``) or, when there are none, never touched.
-    Int4 tiles (``w4_group``) are read BLOCK_K <= group inputs at a time."""
+    Int4 tiles (``w4_group``) cover part of a group or whole groups."""
     t, h = x.shape
     k = top_k
     inter = w13.shape[1] // 2
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    if w4_group:
-        bk = min(bk, w4_group)  # one scale row per tile
+    if w4_group and bk > w4_group and bk % w4_group:
+        bk = w4_group  # a tile holds whole groups
     launch = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     sorted_ids, block_expert, num_padded = align
     weights = topk_weights.reshape(-1)

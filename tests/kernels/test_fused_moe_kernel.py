@@ -78,13 +78,16 @@ def _int4_experts(w, group, symmetric, dtype):
 
 
 # (t, h, inter, e, k, drop, only, group, block_k, symmetric): decode, empty experts, top-k
-# > 1 with other ranks' pairs, tiles narrower than a group (several tiles per group) and
-# as wide as one, symmetric and asymmetric
+# > 1 with other ranks' pairs; tiles narrower than a group (several tiles per group), as
+# wide as one, and of several groups (the down GEMM's K = 32 or 64 below a 128-wide
+# tile: groups past K unread); symmetric and asymmetric
 INT4_CASES = [
     (1, 64, 32, 4, 1, 0.0, None, 32, 32, False),
     (3, 64, 64, 8, 2, 0.0, 3, 64, 32, True),
     (11, 96, 32, 6, 3, 0.3, None, 32, 16, False),
     (24, 128, 64, 16, 4, 0.0, None, 64, 64, True),
+    (6, 192, 32, 4, 2, 0.0, None, 32, 128, False),
+    (5, 128, 64, 4, 2, 0.2, None, 32, 64, True),
 ]
 
 
@@ -102,8 +105,8 @@ def test_int4_experts_in_the_kernel(device, t, h, inter, e, k, drop, only, group
 
 
 def test_int4_experts_bf16_in_the_kernel(device):
-    """bf16 activations (the GPU's case): scales and offsets in bf16, a block_k wider
-    than the group (the launcher narrows it to one group)."""
+    """bf16 activations (the GPU's case): scales and offsets in bf16, tiles of two
+    groups."""
     x, w13, w2, w, ids = _case(9, 64, 64, 4, 2, 11, torch.bfloat16, device)
     (p13, s13, o13), d13 = _int4_experts(w13, 32, False, x.dtype)
     (p2, s2, o2), d2 = _int4_experts(w2, 32, False, x.dtype)
