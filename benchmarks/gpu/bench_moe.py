@@ -27,7 +27,16 @@ fastest as the ``fused_moe`` launch rows: ``--table`` writes them as a tuning ov
 (try it with ``KVFLOW_TUNING_FILE=t.json``), ``--write-tuning`` merges them into the
 GPU's data file in kvflow/kernels/tuning/ (docs/decode-gemv.md describes the files).
 
+``--quant int4,fp8`` (any of int8, fp8, int4, int4-g64, int4-g128, int4-sym, ...:
+``int4`` is kvflow's default, group 32 asymmetric) adds weight-only quantized experts
+against bf16 on the ``--quant-shapes`` (default Qwen3-30B-A3B) at every M: rows with
+``quant`` set, each format graphed the same way (``graph_us``, ``gemm_us``), with
+``bytes`` the format's active expert bytes (scales and offsets included) and
+``vs_bf16`` the bf16 time over the format's. ``--quant-only`` skips the bf16-vs-loop
+rows (and --tune).
+
     python benchmarks/gpu/bench_moe.py --out moe-kernel-bench.json --tune --table t.json
+    python benchmarks/gpu/bench_moe.py --out moe-quant-bench.json --quant int4,fp8 --quant-only
 """
 
 from __future__ import annotations
@@ -48,8 +57,11 @@ from triton.testing import do_bench  # noqa: E402
 
 from kvflow.bench.machine import machine_info, save_result  # noqa: E402
 from kvflow.kernels import tuning  # noqa: E402
-from kvflow.kernels.fused_moe import (fast_align_fits, fused_moe, fused_moe_config,  # noqa: E402
-                                      fused_moe_ref, moe_align, moe_align_fast, moe_gemms)
+from kvflow.kernels.fused_moe import (dequantize_int4_experts, fast_align_fits,  # noqa: E402
+                                      fused_moe, fused_moe_config, fused_moe_ref, moe_align,
+                                      moe_align_fast, moe_gemms, pack_int4_experts)
+from kvflow.layers.quantization.fp8 import quantize_fp8_rows  # noqa: E402
+from kvflow.layers.quantization.packed import quantize_int4, quantize_int8  # noqa: E402
 from kvflow.layers.moe.methods import routed_experts  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
@@ -81,6 +93,68 @@ def make_routing(e, k, h, m, dev, dtype=torch.bfloat16):
     logits = torch.randn(m, e, device=dev, generator=g)
     w, ids = torch.topk(logits.softmax(-1), k, dim=-1)
     return x, w / w.sum(-1, keepdim=True), ids
+
+
+def quantize_layer(w13, w2, fmt):
+    """One layer's bf16 experts in ``fmt`` -> (w13, w2, fused_moe keyword arguments,
+    bytes per expert, the dequantized (w13, w2) for the error check)."""
+    if fmt == "bf16":
+        return w13, w2, {}, (w13.numel() + w2.numel()) * 2 // w13.shape[0], (w13, w2)
+    qs, kw, deq, nbytes = [], {}, [], 0
+    for name, w in (("w13", w13), ("w2", w2)):
+        e, n, k = w.shape
+        if fmt in ("int8", "fp8"):
+            q, sc = (quantize_int8 if fmt == "int8" else quantize_fp8_rows)(w.reshape(-1, k))
+            q, sc = q.view(e, n, k), sc.view(e, n).float()
+            kw[f"{name}_scale"] = sc
+            deq.append((q.float() * sc[..., None]).to(w.dtype))
+            nbytes += q.numel() + sc.numel() * 4
+        else:  # int4[-gG][-sym]
+            parts = fmt.split("-")
+            group = next((int(p[1:]) for p in parts if p.startswith("g")), 32)
+            sym = "sym" in parts
+            groups = [quantize_int4(w[i], group, sym) for i in range(e)]
+            q, sc, off = pack_int4_experts(
+                torch.stack([g.values for g in groups]), torch.stack([g.scale for g in groups]),
+                None if sym else torch.stack([g.zero for g in groups]), w.dtype)
+            kw[f"{name}_scale"], kw[f"{name}_offset"], kw["w4_group"] = sc, off, group
+            deq.append(dequantize_int4_experts(q, sc, off, group).to(w.dtype))
+            nbytes += q.numel() + (sc.numel() + (off.numel() if off is not None else 0)) * 2
+        qs.append(q)
+    return qs[0], qs[1], kw, nbytes // w13.shape[0], tuple(deq)
+
+
+def quant_rows(name, fmts, copies, dev):
+    """bf16 and each weight-only format at every M, graphed like ``measure``."""
+    e, k, h, inter = SHAPES[name]
+    base = make_weights(e, h, inter, copies, dev)
+    per_fmt = {f: [quantize_layer(a, b, f) for a, b in base] for f in ["bf16"] + fmts}
+    rows = []
+    for m in MS:
+        x, w, ids = make_routing(e, k, h, m, dev)
+        active = int(torch.unique(ids).numel())
+        cfg = fused_moe_config(m, dev)
+        align = (moe_align_fast if fast_align_fits(ids.numel(), e, dev) else moe_align)(
+            ids, e, cfg["block_m"])
+        bf16_us = None
+        for fmt, layers in per_fmt.items():
+            q13, q2, kw, per_expert, deq = layers[0]
+            err = (fused_moe(x, q13, q2, w, ids, **kw).float()
+                   - fused_moe_ref(x, *deq, w, ids).float()).abs().max().item()
+            g_us = graph_us(lambda: [fused_moe(x, a, b, w, ids, **kv)
+                                     for a, b, kv, _, _ in layers]) / len(layers)
+            gemm_us = graph_us(lambda: [moe_gemms(x, a, b, w, k, align, cfg, **kv)
+                                        for a, b, kv, _, _ in layers]) / len(layers)
+            bf16_us = g_us if fmt == "bf16" else bf16_us
+            nbytes = active * per_expert
+            row = dict(shape=name, m=m, quant=fmt, active_experts=active, bytes=nbytes,
+                       graph_us=g_us, graph_gbs=nbytes / g_us / 1e3, gemm_us=gemm_us,
+                       vs_bf16=bf16_us / g_us, max_abs_err=err, config=cfg, copies=copies)
+            rows.append(row)
+            print(f"{name:14s} M={m:4d} {fmt:10s} graph {g_us:7.1f} us ({row['graph_gbs']:5.0f}"
+                  f" GB/s) gemms {gemm_us:7.1f}  x{row['vs_bf16']:.2f} vs bf16  err {err:.1e}",
+                  flush=True)
+    return rows
 
 
 def _mlp(r, w13, w2):
@@ -174,6 +248,12 @@ def main() -> None:
                          "M's get twice the share of the others")
     ap.add_argument("--copies", type=int, default=4,
                     help="layers of expert weights run in turn inside the graph")
+    ap.add_argument("--quant", default="",
+                    help="weight-only expert formats timed against bf16, e.g. int4,fp8 "
+                         "(int8, fp8, int4, int4-g128, int4-sym, ...)")
+    ap.add_argument("--quant-shapes", default="qwen3-30b-a3b")
+    ap.add_argument("--quant-only", action="store_true",
+                    help="only the --quant rows (no bf16-vs-loop rows, no --tune)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows, tuned = [], {}
@@ -181,7 +261,7 @@ def main() -> None:
     shares = {m: (2.0 if m <= 8 else 1.0) for m in MS}
     tune_total = sum(shares.values()) * len(tune_shapes)
     budget_left, share_left = args.budget, tune_total
-    for name in args.shapes.split(","):
+    for name in ([] if args.quant_only else args.shapes.split(",")):
         e, k, h, inter = SHAPES[name]
         layers = make_weights(e, h, inter, args.copies, dev)
         w13, w2 = layers[0]
@@ -229,6 +309,9 @@ def main() -> None:
                   f"{row['loop_us']:8.1f}  err {err:.1e}"
                   + (f"  tuned {row['tuned_us']:.1f} us ({row['tuned_tried']} tried) "
                      f"{row['tuned_config']}" if "tuned_us" in row else ""), flush=True)
+    fmts = [f for f in args.quant.split(",") if f and f != "bf16"]
+    for name in (args.quant_shapes.split(",") if fmts else []):
+        rows += quant_rows(name, fmts, args.copies, dev)
     result = dict(command="python " + " ".join(sys.argv), machine=machine_info(),
                   device=torch.cuda.get_device_name(dev), rows=rows)
     save_result(args.out, result)

@@ -15,7 +15,13 @@
 #             and its GEMMs apart; MOE_TUNE=1 sweeps launch configs for MOE_TUNE_BUDGET s,
 #             default 80, and writes the launch rows as a tuning overlay
 #             fused_moe-table.json: KVFLOW_TUNING_FILE=... tries them, bench_moe.py
-#             --write-tuning merges them into kvflow/kernels/tuning/<gpu>.json)
+#             --write-tuning merges them into kvflow/kernels/tuning/<gpu>.json;
+#             MOE_QUANT=int4,fp8 (int8, int4-g128, int4-sym, ...) adds weight-only quantized
+#             experts against bf16 at M 1..256 on the Qwen3-30B-A3B layer (rows with "quant"
+#             and "vs_bf16"); the tests include tests/test_moe_quant.py's GPU ones)
+#   moe-quant Qwen3-30B-A3B shape batch-1 decode per format in MOE_QUANTS (default
+#             "none int4 fp8"; int4-g128: group 128), whole model quantized at load
+#             (gpu-a-moe-Q.json; MOE_QUANT_TIMEOUT per run, default 300 s)
 #   moe-a     Qwen3-30B-A3B shape bf16 batch-1 decode (gpu-a-moe.json) and its fraction of
 #             the active-parameter byte bound (moe-a-summary.json; target >= 75%)
 #   moe-b     Qwen3-30B-A3B shape 1000 x (1024 in, 128 out) throughput (gpu-b-moe.json)
@@ -133,8 +139,14 @@ for stage in "$@"; do
     gpu-a-sync) $KV bench latency --model llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --backend kvflow --max-model-len 4096 --no-async-scheduling --measure-gpu-idle --save-result "$OUT/gpu-a-sync.json" 2>&1 | grep -v "^INFO" | tail -8;;
     gpu-b) $KV bench throughput --model llama-3.1-8b --load-format dummy --num-prompts ${GPU_B_PROMPTS:-1000} --input-len 1024 --output-len 128 --max-model-len 4096 --measure-gpu-idle ${GPU_B_ARGS:-} --save-result "$OUT/gpu-b${GPU_B_TAG:-}.json" 2>&1 | tail -12;;
     # Mixtures of experts (Qwen3-30B-A3B shape, bf16, random weights: 57 GiB, one card).
-    moe-kernels) timeout ${MOE_TEST_TIMEOUT:-150} python -m pytest -q tests/kernels/test_fused_moe_kernel.py 2>&1 | tail -3
-      timeout ${MOE_BENCH_TIMEOUT:-300} python benchmarks/gpu/bench_moe.py --out "$OUT/moe-kernel-bench.json" ${MOE_TUNE:+--tune --budget ${MOE_TUNE_BUDGET:-80} --table "$OUT/fused_moe-table.json"} 2>&1 | grep -v "^INFO" | tail -24;;
+    moe-kernels) timeout ${MOE_TEST_TIMEOUT:-150} python -m pytest -q tests/kernels/test_fused_moe_kernel.py tests/test_moe_quant.py 2>&1 | tail -3
+      timeout ${MOE_BENCH_TIMEOUT:-300} python benchmarks/gpu/bench_moe.py --out "$OUT/moe-kernel-bench.json" ${MOE_TUNE:+--tune --budget ${MOE_TUNE_BUDGET:-80} --table "$OUT/fused_moe-table.json"} ${MOE_QUANT:+--quant $MOE_QUANT} 2>&1 | grep -v "^INFO" | tail -$(( ${MOE_QUANT:+27} + 24 ));;
+    moe-quant)
+      for q in ${MOE_QUANTS:-none int4 fp8}; do  # int4-g128: --quantization-group-size 128
+        group=$([[ $q == *-g* ]] && echo "--quantization-group-size ${q##*-g}")
+        timeout ${MOE_QUANT_TIMEOUT:-300} $KV bench latency --model qwen3-30b-a3b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --quantization ${q%%-g*} $group --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-moe-$q.json" 2>&1 | grep -E "weights:|captured|tokens/s|rror|Traceback" | tail -8
+        echo "gpu-a-moe-$q exit ${PIPESTATUS[0]}"
+      done;;
     moe-a) timeout ${MOE_A_TIMEOUT:-400} $KV bench latency --model qwen3-30b-a3b --load-format dummy --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --backend kvflow --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-a-moe.json" 2>&1 | grep -E "weights:|captured|tokens/s|rror|Traceback" | tail -8
       python benchmarks/gpu/moe_summary.py "$OUT/gpu-a-moe.json" --model qwen3-30b-a3b 2>&1 | tail -2;;
     moe-b) timeout ${MOE_B_TIMEOUT:-500} $KV bench throughput --model qwen3-30b-a3b --load-format dummy --num-prompts ${MOE_B_PROMPTS:-1000} --input-len 1024 --output-len 128 --max-model-len 4096 --measure-gpu-idle --save-result "$OUT/gpu-b-moe.json" 2>&1 | grep -v "^INFO" | tail -6;;

@@ -28,8 +28,14 @@ Algorithm:
 Each row block reads its expert's weight tile once, so a decode step of B tokens reads
 each active expert's weights once per row block: at B * k <= BLOCK_M per expert, once.
 Float32 operands multiply in IEEE precision (not TF32), 16-bit ones on the tensor cores.
-Int8 experts (per-output-channel scales, ``w_scale`` [E, N]) go through the same kernel:
-the tile is converted in registers and the channel scale applied to the accumulator.
+Weight-only quantized experts go through the same kernel, activations staying in their
+dtype: int8 and float8 (e4m3) experts with per-output-channel scales (``w_scale``
+[E, N]) have the tile converted in registers and the channel scale applied to the
+accumulator; int4 experts (``pack_int4_experts``: two inputs a byte along K, scales and
+offsets per group of K inputs laid out [E, K / group, N] so a tile's row of them is
+contiguous) are dequantized per tile in registers (a tile of BLOCK_K inputs covers part of one
+group or whole groups) and multiplied in the activation dtype. Nothing reads back to
+the host, so all of them can be captured in a CUDA graph.
 Launch configurations (BLOCK_M/N/K, warps, stages by number of tokens) are measured data:
 the ``fused_moe`` rows of the GPU's file in ``kernels/tuning/`` (``fused_moe_config``),
 written by ``benchmarks/gpu/bench_moe.py --tune --write-tuning``; ``DEFAULT_CONFIGS``
@@ -204,19 +210,65 @@ def moe_align_fast(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, block_expert, num_padded
 
 
+@triton.jit
+def _load_w(ptrs, mask, a, W_FP8: tl.constexpr):
+    """A [BK, BN] weight tile in a's dtype, zero where masked. Float8 tiles take no
+    ``other`` (a constant does not cast to float8): converted first, masked lanes zeroed."""
+    if W_FP8:
+        return tl.where(mask, tl.load(ptrs, mask=mask).to(a.dtype), 0.0).to(a.dtype)
+    return tl.load(ptrs, mask=mask, other=0).to(a.dtype)
+
+
+@triton.jit
+def _dequant_w4(w, shift, s_ptrs, o_ptrs, col_ok, stride_sg, k_left,
+                HAS_OFFSET: tl.constexpr, BLOCK_K: tl.constexpr, W4_GROUP: tl.constexpr):
+    """A [BK, BN] tile of packed bytes (each input's byte) -> its float32 weights. One
+    group per tile (BLOCK_K <= W4_GROUP): one row of scales (and offsets) [BN] broadcast
+    down K; else BLOCK_K / W4_GROUP rows, each over its group of K rows (those past the
+    ``k_left`` inputs left are not read)."""
+    v = ((w.to(tl.int32) >> shift) & 15).to(tl.float32)
+    if BLOCK_K <= W4_GROUP:
+        s = tl.load(s_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_OFFSET:
+            return v * s + tl.load(o_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        return (v - 8.0) * s
+    GROUPS: tl.constexpr = BLOCK_K // W4_GROUP
+    gi = tl.arange(0, GROUPS)[:, None]  # [G, 1]
+    g = gi * stride_sg
+    g_ok = (gi * W4_GROUP < k_left) & col_ok[None, :]
+    s = tl.load(s_ptrs[None, :] + g, mask=g_ok, other=0.0).to(tl.float32)
+    v3 = tl.reshape(v, (GROUPS, W4_GROUP, v.shape[1]))  # [G, group, BN]
+    if HAS_OFFSET:
+        o = tl.load(o_ptrs[None, :] + g, mask=g_ok, other=0.0).to(tl.float32)
+        w3 = v3 * s[:, None, :] + o[:, None, :]
+    else:
+        w3 = (v3 - 8.0) * s[:, None, :]
+    return tl.reshape(w3, (BLOCK_K, v.shape[1]))
+
+
 # num_pairs (T*k) only bounds a mask: not specialized, so one compile serves every batch
 @triton.jit(do_not_specialize=["num_pairs"])
-def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, scale_ptr, sorted_ids_ptr, block_expert_ptr,
-                     num_padded_ptr, topk_w_ptr, N, K, num_pairs, a_row_div,
-                     stride_am, stride_we, stride_wn, stride_om, stride_se,
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, scale_ptr, offset_ptr, sorted_ids_ptr,
+                     block_expert_ptr, num_padded_ptr, topk_w_ptr, N, K, num_pairs,
+                     a_row_div, stride_am, stride_we, stride_wn, stride_om, stride_se,
+                     stride_sg,
                      GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     W4_GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, W_FP8: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """out[pair, n] = sum_k a[pair // a_row_div, k] * w[e, n, k] for the pairs of one row
     block (all of expert e). GATED: w holds 2N rows (gate, up) and out gets
     silu(gate) * up. MUL_WEIGHT: out *= topk_w[pair]. DOT_PRECISION: "ieee" for float32
     operands (full-precision products; the default, TF32, keeps 10 mantissa bits),
-    "tf32" otherwise (no effect on 16-bit operands: they stay on the tensor cores)."""
+    "tf32" otherwise (no effect on 16-bit operands: they stay on the tensor cores).
+
+    Weight forms: float, int8 or float8 tiles converted to the activation dtype in
+    registers (HAS_SCALE: per-channel scales scale_ptr [E, N] on the accumulator); or,
+    W4_GROUP > 0, int4 packed along K (w [E, N, K / 2] uint8, input 2j in the low nibble
+    of byte j, 2j + 1 in the high one) with per-group scales scale_ptr [E, K / W4_GROUP,
+    N] and, HAS_OFFSET, offsets offset_ptr of the same layout: w = v * scale + offset
+    (without offsets, (v - 8) * scale), dequantized per tile before the dot. A tile
+    covers part of one group or whole groups (BLOCK_K and W4_GROUP powers of two)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
@@ -235,7 +287,13 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, scale_ptr, sorted_ids_ptr, block_exp
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]  # [BM, BK]
     w_base = w_ptr + e * stride_we
-    w_ptrs = w_base + cols[None, :] * stride_wn + ks[:, None]  # [BK, BN]
+    if W4_GROUP > 0:  # two inputs per byte: lanes 2j and 2j + 1 read byte j
+        w_ptrs = w_base + cols[None, :] * stride_wn + (ks // 2)[:, None]  # [BK, BN]
+        shift = ((ks % 2) * 4)[:, None]  # [BK, 1]
+        s_ptrs = scale_ptr + e * stride_se + cols  # [BN], group 0
+        o_ptrs = offset_ptr + e * stride_se + cols
+    else:
+        w_ptrs = w_base + cols[None, :] * stride_wn + ks[:, None]  # [BK, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GATED:
         u_ptrs = w_ptrs + N * stride_wn
@@ -243,16 +301,34 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, scale_ptr, sorted_ids_ptr, block_exp
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + ks) < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:  # CPU interpreter: its tl.dot multiplies bf16 as raw uint16
             a = a.to(tl.float32)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        if W4_GROUP > 0:
+            g_off = (k0 // W4_GROUP) * stride_sg
+            w = _dequant_w4(tl.load(w_ptrs, mask=w_ok, other=0), shift, s_ptrs + g_off,
+                            o_ptrs + g_off, col_ok, stride_sg, K - k0, HAS_OFFSET, BLOCK_K,
+                            W4_GROUP)
+        else:
+            w = _load_w(w_ptrs, w_ok, a, W_FP8)
         acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION)
         if GATED:
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if W4_GROUP > 0:
+                u = _dequant_w4(tl.load(u_ptrs, mask=w_ok, other=0), shift,
+                                s_ptrs + g_off + N, o_ptrs + g_off + N, col_ok, stride_sg,
+                                K - k0, HAS_OFFSET, BLOCK_K, W4_GROUP)
+            else:
+                u = _load_w(u_ptrs, w_ok, a, W_FP8)
             acc_u += tl.dot(a, u.to(a.dtype), input_precision=DOT_PRECISION)
-            u_ptrs += BLOCK_K
+            if W4_GROUP > 0:
+                u_ptrs += BLOCK_K // 2
+            else:
+                u_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        if W4_GROUP > 0:
+            w_ptrs += BLOCK_K // 2
+        else:
+            w_ptrs += BLOCK_K
     if HAS_SCALE:
         s_base = scale_ptr + e * stride_se
         acc *= tl.load(s_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -308,9 +384,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               config: dict | None = None, fast_align: bool | None = None,
-              may_drop: bool = True) -> torch.Tensor:
+              may_drop: bool = True, *, w13_offset: torch.Tensor | None = None,
+              w2_offset: torch.Tensor | None = None, w4_group: int = 0) -> torch.Tensor:
     """x [T, H] through the routed experts -> [T, H] in x's dtype (see the module doc).
-    ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H]: per-channel scales of int8 weights.
+    ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H]: per-channel scales of int8 or float8
+    weights. ``w4_group`` > 0: int4 experts in ``pack_int4_experts``'s layout (w13
+    [E, 2I, H / 2], w2 [E, H, I / 2] uint8; scales and offsets [E, K / group, N]).
     ``fast_align``: force (True) or refuse (False) the one-launch align kernel; None:
     ``fast_align_fits`` decides. ``may_drop=False``: the caller guarantees every id is
     in [0, E) (no expert parallelism), so no output row needs zeroing."""
@@ -321,7 +400,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         fast_align = fast_align_fits(topk_ids.numel(), e, x.device)
     align = (moe_align_fast if fast_align else moe_align)(topk_ids, e, cfg["block_m"])
     out = moe_gemms(x, w13, w2, topk_weights, topk_ids.shape[1], align, cfg,
-                    w13_scale, w2_scale, may_drop)
+                    w13_scale, w2_scale, may_drop, w13_offset=w13_offset,
+                    w2_offset=w2_offset, w4_group=w4_group)
     return out.view(t, topk_ids.shape[1], -1).sum(dim=1)
 
 
@@ -329,14 +409,18 @@ def moe_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, top_k: int,
               align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cfg: dict,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              may_drop: bool = True) -> torch.Tensor:
+              may_drop: bool = True, *, w13_offset: torch.Tensor | None = None,
+              w2_offset: torch.Tensor | None = None, w4_group: int = 0) -> torch.Tensor:
     """The two grouped-GEMM launches over an aligned routing (``moe_align``'s outputs
     for ``cfg``'s block_m) -> the weighted expert output of each pair [T*k, H]. The rows
-    of dropped pairs are zero (``may_drop``) or, when there are none, never touched."""
+    of dropped pairs are zero (``may_drop``) or, when there are none, never touched.
+    Int4 tiles (``w4_group``) cover part of a group or whole groups."""
     t, h = x.shape
     k = top_k
     inter = w13.shape[1] // 2
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    if w4_group and bk > w4_group and bk % w4_group:
+        bk = w4_group  # a tile holds whole groups
     launch = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     sorted_ids, block_expert, num_padded = align
     weights = topk_weights.reshape(-1)
@@ -352,21 +436,48 @@ def moe_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     dummy = weights
     launch["UPCAST"] = x.device.type == "cpu" and x.dtype == torch.bfloat16
     launch["DOT_PRECISION"] = "ieee" if x.dtype == torch.float32 else "tf32"
-    _moe_gemm_kernel[(blocks_m * triton.cdiv(inter, bn),)](
-        x, w13, act, w13_scale if w13_scale is not None else dummy, sorted_ids,
-        block_expert, num_padded, weights, inter, h, t * k, k,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        w13_scale.stride(0) if w13_scale is not None else 0,
-        GATED=True, MUL_WEIGHT=False, HAS_SCALE=w13_scale is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
-    _moe_gemm_kernel[(blocks_m * triton.cdiv(h, bn),)](
-        act, w2, out, w2_scale if w2_scale is not None else dummy, sorted_ids,
-        block_expert, num_padded, weights, h, inter, t * k, 1,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        w2_scale.stride(0) if w2_scale is not None else 0,
-        GATED=False, MUL_WEIGHT=True, HAS_SCALE=w2_scale is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
+    launch["W4_GROUP"] = w4_group
+    launch["HAS_OFFSET"] = w13_offset is not None
+    launch["W_FP8"] = w13.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    for a, w, scale, offset, out_t, n, kk, div, gated in (
+            (x, w13, w13_scale, w13_offset, act, inter, h, k, True),
+            (act, w2, w2_scale, w2_offset, out, h, inter, 1, False)):
+        _moe_gemm_kernel[(blocks_m * triton.cdiv(n, bn),)](
+            a, w, out_t, scale if scale is not None else dummy,
+            offset if offset is not None else dummy, sorted_ids, block_expert, num_padded,
+            weights, n, kk, t * k, div, a.stride(0), w.stride(0), w.stride(1),
+            out_t.stride(0), scale.stride(0) if scale is not None else 0,
+            scale.stride(1) if w4_group else 0,
+            GATED=gated, MUL_WEIGHT=not gated, HAS_SCALE=scale is not None and not w4_group,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
     return out
+
+
+def pack_int4_experts(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                      dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Int4 experts (``Int4Groups`` convention, stacked: values uint8 [E, N, K] in 0..15,
+    scale / zero [E, N, K / g], w = (v - 8) * scale + zero; zero None: symmetric) ->
+    the kernel's layout: (packed uint8 [E, N, K / 2], input 2j in the low nibble of
+    byte j; scale [E, K / g, N]; offset [E, K / g, N] = zero - 8 scale, w = v * scale +
+    offset, or None), scales and offsets in ``dtype`` (the activations')."""
+    v = values.to(torch.uint8)
+    packed = (v[..., 0::2] | (v[..., 1::2] << 4)).contiguous()
+    s = scale.float()
+    offset = None
+    if zero is not None:
+        offset = (zero.float() - 8.0 * s).transpose(1, 2).to(dtype).contiguous()
+    return packed, s.transpose(1, 2).to(dtype).contiguous(), offset
+
+
+def dequantize_int4_experts(packed: torch.Tensor, scale: torch.Tensor,
+                            offset: torch.Tensor | None, group: int) -> torch.Tensor:
+    """The float32 weights [E, N, K] of ``pack_int4_experts``'s layout (the reference)."""
+    v = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2).float()  # [E, N, K]
+    s = scale.float().transpose(1, 2).repeat_interleave(group, dim=-1)  # [E, N, K]
+    if offset is None:
+        return (v - 8.0) * s
+    return v * s + offset.float().transpose(1, 2).repeat_interleave(group, dim=-1)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

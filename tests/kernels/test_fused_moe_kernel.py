@@ -1,7 +1,8 @@
 """The fused MoE kernel (Triton, interpreted on CPU) and the CPU routed-experts path
 against the per-expert reference, over shapes with empty experts, top-k > 1, tokens
-whose experts live on another rank (-1) and int8 experts; the router against its
-definition."""
+whose experts live on another rank (-1) and int8, int4 (packed along K, group scales)
+and float8 experts against the reference on their dequantized weights; the router
+against its definition."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 from kvflow.kernels.fused_moe import (FAST_ALIGN_MAX_EXPERTS, FAST_ALIGN_MAX_PAIRS,
-                                      fast_align_fits, fused_moe, fused_moe_ref, moe_align,
-                                      moe_align_fast)
+                                      dequantize_int4_experts, fast_align_fits, fused_moe,
+                                      fused_moe_ref, moe_align, moe_align_fast,
+                                      pack_int4_experts)
+from kvflow.layers.quantization.packed import quantize_int4
 from kvflow.layers.moe.methods import routed_experts
 from kvflow.layers.moe.router import route
 
@@ -56,6 +59,82 @@ def test_int8_experts_in_the_kernel(device):
     got = fused_moe(x, q13, q2, w, ids, s13, s2, config=SMALL)
     want = fused_moe_ref(x, q13.float() * s13[..., None], q2.float() * s2[..., None], w, ids)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _int4_experts(w, group, symmetric, dtype):
+    """w [E, N, K] -> (pack_int4_experts' layout, its float32 dequantization)."""
+    parts = [quantize_int4(w[e].float().cpu(), group, symmetric) for e in range(w.shape[0])]
+    packed, scale, offset = pack_int4_experts(
+        torch.stack([p.values for p in parts]), torch.stack([p.scale for p in parts]),
+        None if symmetric else torch.stack([p.zero for p in parts]), dtype)
+    ref = torch.stack([p.dequantize() for p in parts])
+    # the layout holds the same weights (scales rounded to the activation dtype)
+    tol = 1e-6 if dtype is torch.float32 else 2e-2
+    torch.testing.assert_close(dequantize_int4_experts(packed, scale, offset, group), ref,
+                               atol=tol, rtol=tol)
+    dev = w.device
+    tensors = (packed.to(dev), scale.to(dev), None if offset is None else offset.to(dev))
+    return tensors, dequantize_int4_experts(packed, scale, offset, group).to(dev)
+
+
+# (t, h, inter, e, k, drop, only, group, block_k, symmetric): decode, empty experts, top-k
+# > 1 with other ranks' pairs; tiles narrower than a group (several tiles per group), as
+# wide as one, and of several groups (the down GEMM's K = 32 or 64 below a 128-wide
+# tile: groups past K unread); symmetric and asymmetric
+INT4_CASES = [
+    (1, 64, 32, 4, 1, 0.0, None, 32, 32, False),
+    (3, 64, 64, 8, 2, 0.0, 3, 64, 32, True),
+    (11, 96, 32, 6, 3, 0.3, None, 32, 16, False),
+    (24, 128, 64, 16, 4, 0.0, None, 64, 64, True),
+    (6, 192, 32, 4, 2, 0.0, None, 32, 128, False),
+    (5, 128, 64, 4, 2, 0.2, None, 32, 64, True),
+]
+
+
+@pytest.mark.parametrize("t,h,inter,e,k,drop,only,group,bk,sym", INT4_CASES)
+def test_int4_experts_in_the_kernel(device, t, h, inter, e, k, drop, only, group, bk, sym):
+    x, w13, w2, w, ids = _case(t, h, inter, e, k, 7 * t + e, torch.float32, device, drop,
+                               only)
+    (p13, s13, o13), d13 = _int4_experts(w13, group, sym, x.dtype)
+    (p2, s2, o2), d2 = _int4_experts(w2, group, sym, x.dtype)
+    assert p13.shape == (e, 2 * inter, h // 2) and s13.shape == (e, h // group, 2 * inter)
+    got = fused_moe(x, p13, p2, w, ids, s13, s2, config=dict(SMALL, block_k=bk),
+                    may_drop=drop > 0, w13_offset=o13, w2_offset=o2, w4_group=group)
+    want = fused_moe_ref(x, d13, d2, w, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_int4_experts_bf16_in_the_kernel(device):
+    """bf16 activations (the GPU's case): scales and offsets in bf16, tiles of two
+    groups."""
+    x, w13, w2, w, ids = _case(9, 64, 64, 4, 2, 11, torch.bfloat16, device)
+    (p13, s13, o13), d13 = _int4_experts(w13, 32, False, x.dtype)
+    (p2, s2, o2), d2 = _int4_experts(w2, 32, False, x.dtype)
+    got = fused_moe(x, p13, p2, w, ids, s13, s2, config=dict(SMALL, block_k=64),
+                    w13_offset=o13, w2_offset=o2, w4_group=32)
+    want = fused_moe_ref(x, d13.to(x.dtype), d2.to(x.dtype), w, ids)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("t,h,inter,e,k,drop,only,dtype", [
+    (1, 32, 16, 4, 1, 0.0, None, torch.float32),      # decode
+    (5, 48, 32, 8, 2, 0.0, 3, torch.float32),         # empty experts, ragged K tiles
+    (17, 32, 48, 6, 3, 0.3, None, torch.bfloat16),    # top-3, other ranks' pairs, bf16
+])
+def test_fp8_experts_in_the_kernel(device, t, h, inter, e, k, drop, only, dtype):
+    """Weight-only float8 (e4m3) experts, per-channel scales in the epilogue."""
+    from kvflow.layers.quantization.fp8 import quantize_fp8_rows
+
+    x, w13, w2, w, ids = _case(t, h, inter, e, k, 3 * t + e, dtype, device, drop, only)
+    qs = [quantize_fp8_rows(m.float().reshape(-1, m.shape[-1])) for m in (w13, w2)]
+    (q13, s13), (q2, s2) = [(q.view(m.shape), s.view(m.shape[:2]))
+                            for (q, s), m in zip(qs, (w13, w2))]
+    assert q13.dtype == torch.float8_e4m3fn
+    got = fused_moe(x, q13, q2, w, ids, s13, s2, config=SMALL, may_drop=drop > 0)
+    d13, d2 = q13.float() * s13[..., None], q2.float() * s2[..., None]
+    want = fused_moe_ref(x, d13.to(dtype), d2.to(dtype), w, ids)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype is torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got, want, **tol)
 
 
 @pytest.mark.parametrize("align", [moe_align, moe_align_fast])

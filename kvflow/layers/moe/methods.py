@@ -7,11 +7,18 @@ shaped like linear layers' methods: ``create_weights``, ``process_weights_after_
 - int8 (weight-only, symmetric per output channel, round to nearest at load): on CUDA
   the same Triton kernel reading int8 tiles with the channel scales in its epilogue; on
   CPU ``aten._weight_int8pack_mm`` per active expert.
-- int4 (weight-only, groups along the input, round to nearest at load): on CPU
-  ``aten._weight_int4pack_mm_for_cpu`` per active expert; on CUDA each active expert is
-  dequantized for its matmul (correct, not fast: no int4 grouped kernel yet).
+- int4 (weight-only, groups along the input, round to nearest at load): on CUDA the
+  same kernel reading packed int4 tiles (two inputs a byte along K; scales, and offsets
+  when asymmetric, [E, K / group, N] in the model dtype; ``pack_int4_experts``),
+  dequantized in registers; on CPU ``aten._weight_int4pack_mm_for_cpu`` per active
+  expert.
+- fp8 (weight-only float8 e4m3, one scale per output channel, quantized at load;
+  activations stay in the model dtype): on CUDA (compute capability 8.9+) the same
+  kernel reading float8 tiles, channel scales in its epilogue; on CPU each active
+  expert's weights are dequantized for its matmul (no float8 matmul there).
 
-FP8 and pre-quantized (GPTQ/AWQ/GGUF) experts are refused at load with the method named.
+Refused at load with the reason named: pre-quantized experts (GPTQ/AWQ/compressed-
+tensors/GGUF, and fp8 checkpoints: their expert scales have no loader) and fp8-block.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.errors import ModelLoadError
-from kvflow.layers.quantization.packed import (CPU_ACT_DTYPE, Int4Groups, PackedInt4, int4_mm, int8_mm,
+from kvflow.layers.quantization.packed import (CPU_ACT_DTYPE, PackedInt4, int4_mm, int8_mm,
                                                quantize_int4, quantize_int8)
 
 ExpertMLP = Callable[[int, torch.Tensor], torch.Tensor]
@@ -134,31 +141,81 @@ class Int4MoEMethod(UnquantizedMoEMethod):
 
     def process_weights_after_loading(self, layer) -> None:
         for pname in ("w13", "w2"):
-            w = getattr(layer, f"{pname}_weight").data
+            w = getattr(layer, f"{pname}_weight").data  # [E, N, K]
             delattr(layer, f"{pname}_weight")
             groups = [quantize_int4(w[e], self.group_size, self.symmetric)
                       for e in range(w.shape[0])]
-            if w.is_cuda:
-                vals = torch.stack([g.values for g in groups])
-                _set(layer, f"{pname}_q", vals)  # uint8 [E, N, K] (counted as weights)
-                _set(layer, f"{pname}_sz", torch.stack(
-                    [torch.stack([g.scale, g.zero]) for g in groups]))  # [E, 2, N, K/g]
+            if w.is_cuda:  # the fused kernel's layout: packed along K, scales [E, K/g, N]
+                from kvflow.kernels.fused_moe import pack_int4_experts
+
+                packed, scale, offset = pack_int4_experts(
+                    torch.stack([g.values for g in groups]),
+                    torch.stack([g.scale for g in groups]),
+                    None if self.symmetric else torch.stack([g.zero for g in groups]),
+                    w.dtype)
+                _set(layer, f"{pname}_q", packed)  # uint8 [E, N, K / 2]
+                _set(layer, f"{pname}_scale", scale)  # [E, K / g, N], model dtype
+                if offset is not None:
+                    _set(layer, f"{pname}_offset", offset)  # [E, K / g, N]
             else:
                 packed = [PackedInt4(g) for g in groups]
                 _set(layer, f"{pname}_q", torch.stack([p.packed for p in packed]))
                 _set(layer, f"{pname}_sz", torch.stack([p.scale_zero for p in packed]))
 
-    def _mm(self, layer, pname: str, e: int, r: torch.Tensor) -> torch.Tensor:
-        q, sz = getattr(layer, f"{pname}_q")[e], getattr(layer, f"{pname}_sz")[e]
-        if r.is_cuda:
-            w = Int4Groups(q, sz[0], sz[1], self.group_size).dequantize().to(r.dtype)
-            return F.linear(r, w)
-        return int4_mm(r, q, sz, self.group_size, False)
+    def apply(self, layer, x, weights, ids):
+        if x.is_cuda:
+            from kvflow.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, layer.w13_q, layer.w2_q, weights, ids, layer.w13_scale,
+                             layer.w2_scale, may_drop=layer.expert_parallel,
+                             w13_offset=getattr(layer, "w13_offset", None),
+                             w2_offset=getattr(layer, "w2_offset", None),
+                             w4_group=self.group_size)
+        q13, sz13, q2, sz2 = layer.w13_q, layer.w13_sz, layer.w2_q, layer.w2_sz
+        g = self.group_size
+        return routed_experts(x, weights, ids, layer.num_local_experts,
+                              lambda e, r: int4_mm(_silu_mul(int4_mm(r, q13[e], sz13[e], g,
+                                                                     False)),
+                                                   q2[e], sz2[e], g, False))
+
+
+class Fp8MoEMethod(UnquantizedMoEMethod):
+    """Weight-only float8 (e4m3) experts, one scale per output channel (``s = max|w_row|
+    / 448``, quantized at load); activations stay in the model dtype."""
+
+    name = "fp8"
+
+    def process_weights_after_loading(self, layer) -> None:
+        from kvflow.layers.quantization.fp8 import quantize_fp8_rows
+
+        for pname in ("w13", "w2"):
+            w = getattr(layer, f"{pname}_weight").data  # [E, N, K]
+            if w.is_cuda and torch.cuda.get_device_capability(w.device) < (8, 9):
+                major, minor = torch.cuda.get_device_capability(w.device)
+                raise ModelLoadError(
+                    f"{layer.prefix}: fp8 experts need a GPU with float8 support (compute "
+                    f"capability 8.9 or newer); this one is {major}.{minor}: use "
+                    f"--quantization int8 or int4")
+            delattr(layer, f"{pname}_weight")
+            parts = [quantize_fp8_rows(w[e]) for e in range(w.shape[0])]  # per expert:
+            # a float32 copy of one expert at a time, not of the whole stack
+            _set(layer, f"{pname}_q", torch.stack([q for q, _ in parts]))  # fp8 [E, N, K]
+            _set(layer, f"{pname}_scale", torch.stack([s for _, s in parts]))  # f32 [E, N]
 
     def apply(self, layer, x, weights, ids):
+        q13, s13, q2, s2 = layer.w13_q, layer.w13_scale, layer.w2_q, layer.w2_scale
+        if x.is_cuda:
+            from kvflow.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, q13, q2, weights, ids, s13, s2,
+                             may_drop=layer.expert_parallel)
+
+        def deq(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return (q.float() * s[:, None]).to(dtype)  # [N, K]: exact in float32
+
         return routed_experts(x, weights, ids, layer.num_local_experts,
-                              lambda e, r: self._mm(layer, "w2", e, _silu_mul(
-                                  self._mm(layer, "w13", e, r))))
+                              lambda e, r: F.linear(_silu_mul(F.linear(
+                                  r, deq(q13[e], s13[e], r.dtype))), deq(q2[e], s2[e], r.dtype)))
 
 
 def moe_method(config, prefix: str) -> UnquantizedMoEMethod:
@@ -171,5 +228,16 @@ def moe_method(config, prefix: str) -> UnquantizedMoEMethod:
         return Int8MoEMethod()
     if kind == "int4":
         return Int4MoEMethod(config.group_size, config.symmetric)
+    if kind == "fp8" and config.prequantized:
+        raise ModelLoadError(
+            f"pre-quantized fp8 MoE checkpoints are not supported ({prefix}: the experts' "
+            f"weight_scale tensors have no loader yet); load the float checkpoint with "
+            f"--quantization fp8, which quantizes the experts at load")
+    if kind == "fp8" and config.weight_block is not None:
+        raise ModelLoadError(f"quantization fp8-block (block-wise scales) is not supported "
+                             f"for MoE experts ({prefix}); use --quantization fp8 "
+                             f"(per-channel experts)")
+    if kind == "fp8":
+        return Fp8MoEMethod()
     raise ModelLoadError(f"quantization {kind!r} is not supported for MoE experts "
-                         f"({prefix}); use --quantization int8, int4 or none")
+                         f"({prefix}); use --quantization int8, int4, fp8 or none")
