@@ -678,6 +678,8 @@ class DecodeStep {
 
   // [T, 2 I] = [gate | up] -> gelu_tanh(gate) * up [T, I] (Gemma's GeGLU, as
   // F.gelu(gate, approximate="tanh") * up: the GELU rounds to the model dtype first).
+  // tanh(u) = sign(u) (1 - e) / (1 + e) with e = exp(-2|u|) by exp_nonpos, which
+  // vectorizes (a libm tanh per value was ~0.3 s of a 600-token Gemma prefill).
   template <typename T>
   void gelu_tanh_mul(const at::Tensor& gu, at::Tensor& out) {
     const int64_t t = gu.size(0), i2 = gu.size(1), half = i2 / 2;
@@ -688,7 +690,9 @@ class DecodeStep {
       for (int64_t i = 0; i < half; ++i) {
         const float x = static_cast<float>(g[r * i2 + i]);
         const float inner = kBeta * (x + kKappa * (x * x * x));
-        T s = round_to<T>(0.5f * x * (1.f + std::tanh(inner)));
+        const float e = exp_nonpos(-2.f * std::fabs(inner));
+        const float th = std::copysign((1.f - e) / (1.f + e), inner);
+        T s = round_to<T>(0.5f * x * (1.f + th));
         o[r * half + i] = round_to<T>(static_cast<float>(s) *
                                       static_cast<float>(g[r * i2 + half + i]));
       }
