@@ -3,8 +3,11 @@
 // Why: on CPU a decode step of a small model is mostly host work. In eager PyTorch a
 // layer is ~180 aten calls, each paying Python and dispatcher overhead; with hidden size
 // 64 almost none of them does arithmetic. Here one call from Python runs all layers:
-// RMSNorm, QKV projection, rotary, paged cache write, paged attention over the block
-// tables, o_proj, residual adds, post-norm, gate_up, SiLU-mul and down projection.
+// RMSNorm, QKV projection, q/k norms (Qwen3, Gemma 3), rotary (each layer's own table),
+// paged cache write, paged attention over the block tables (a layer's sliding window and
+// soft cap included), o_proj, residual adds, post-norm, gate_up, SiLU-mul (Gemma:
+// GeGLU) and down projection; Gemma's (1 + w) float32 norms and its norms of the
+// attention and MLP outputs where the layer has them.
 // Float32, int8 and fp8 KV caches are written (quantized as kv_quant.py does) and read
 // by cpu/kernels/paged_attention.h, the eager decodes' kernel; bf16/fp16 caches by the
 // loop in attention() below.

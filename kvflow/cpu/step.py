@@ -14,8 +14,10 @@ int8, int4 ...) is called back in Python with its activations, so every model of
 Llama family on one rank can use the step. Float32, int8 and fp8 KV caches are written
 (quantized exactly as ``kv_quant.py`` does) and read by the paged attention kernel the
 eager decodes run (``cpu/kernels/paged_attention.h``), which also applies a Medusa
-verification step's tree masks; layers with q/k norms (Qwen3) and tensor/pipeline
-parallelism keep the eager path.
+verification step's tree masks, sliding windows (never reading a block before the
+window's first) and soft-capped scores. ``cpu/stack.py`` reads the layer shape (Llama's,
+or Gemma's four (1 + w) norms and GeGLU), q/k norms and each layer's rotary table, scale,
+window and soft cap; MoE layers and tensor/pipeline parallelism keep the eager path.
 
 Which steps: every step of a model it can run (decodes, prefill chunks of any length,
 speculative verification, recomputation after preemption), so that one set of numerics
