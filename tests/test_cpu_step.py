@@ -57,6 +57,9 @@ def tiny_d64(monkeypatch):
     ("batched", "tiny-llama", "bfloat16", "auto"),
     ("batched", "tiny-qwen2", "float32", "auto"),  # QKV bias, one KV head
     ("batched", "tiny-qwen3", "float32", "auto"),  # per-head q/k norms
+    # Windows past 8 tokens: the bf16 cache's own attention loop, the int8 paged kernel
+    ("batched", "tiny-gemma2", "bfloat16", "auto"),
+    ("batched", "tiny-mistral-window", "float32", "int8"),
     ("batched", "tiny-llama", "float32", "int8"),
     ("preempted", "tiny-llama", "float32", "int8"),
     ("batched", "tiny-llama-d64", "float32", "int8"),
