@@ -56,6 +56,10 @@ def tiny_d64(monkeypatch):
     ("preempted", "tiny-llama", "float32", "auto"),
     ("batched", "tiny-llama", "bfloat16", "auto"),
     ("batched", "tiny-qwen2", "float32", "auto"),  # QKV bias, one KV head
+    ("batched", "tiny-qwen3", "float32", "auto"),  # per-head q/k norms
+    # Windows past 8 tokens: the bf16 cache's own attention loop, the int8 paged kernel
+    ("batched", "tiny-gemma2", "bfloat16", "auto"),
+    ("batched", "tiny-mistral-window", "float32", "int8"),
     ("batched", "tiny-llama", "float32", "int8"),
     ("preempted", "tiny-llama", "float32", "int8"),
     ("batched", "tiny-llama-d64", "float32", "int8"),
@@ -128,8 +132,8 @@ def test_off_switches(caplog, monkeypatch):
     assert "C++ CPU decode step off (KVFLOW_CPU_CPP_STEP=0)" in caplog.text
     monkeypatch.delenv("KVFLOW_CPU_CPP_STEP")
     with caplog.at_level(logging.INFO, logger="kvflow"):
-        assert _runner(_tiny("tiny-qwen3")).graphs is None  # q/k norms: not in C++
-    assert "C++ CPU decode step off (q/k norms)" in caplog.text
+        assert _runner(_tiny("tiny-mixtral")).graphs is None  # routed experts: not in C++
+    assert "C++ CPU decode step off (mixture-of-experts layers" in caplog.text
 
 
 def test_no_compiler_falls_back_to_eager(caplog, monkeypatch):

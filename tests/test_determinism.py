@@ -198,13 +198,13 @@ def test_fingerprint_names_what_changes_outputs(tiny_gguf, tmp_path, monkeypatch
 
 def test_deterministic_refused_where_it_cannot_hold(tiny_gguf):
     """--deterministic on a CPU engine whose rows can change with the batch is an error
-    that says why: one that decodes eagerly (q/k norms are not in the C++ step), one with
-    dense float32 linears (a GEMV up to 16 rows, a GEMM above); without the flag the
+    that says why: one that decodes eagerly (routed experts are not in the C++ step), one
+    with dense float32 linears (a GEMV up to 16 rows, a GEMM above); without the flag the
     engine reports batch-variant. The GGUF model on int8 activations is invariant."""
     from kvflow.errors import InvalidParameterError
 
     kw = dict(load_format="dummy", max_model_len=64, device="cpu")
-    for model, why in (("tiny-qwen3", "eager CPU path"), ("tiny-llama", "dense")):
+    for model, why in (("tiny-mixtral", "eager CPU path"), ("tiny-llama", "dense")):
         eng = LLMEngine.from_engine_args(EngineArgs(model=model, **kw))
         assert eng.core.determinism.mode == "batch-variant"
         with pytest.raises(InvalidParameterError, match=f"--deterministic: .*{why}"):

@@ -28,7 +28,8 @@ class StepParts:
     kv_scales: torch.Tensor | None
     """An int8 cache's per-token scales, [L, 2, NB, BS, KVH]; None otherwise."""
     attn_spec: AttentionSpec
-    """The block size and the rotary cos/sin cache the step's attention reads."""
+    """The block size (the C++ step takes each layer's rotary table from the layer; the
+    compiled step plans with this one)."""
     config: EngineConfig
     """The engine's configuration: --enforce-eager, the decoder layer count and batch
     bound of the compiled step, and the settings a recorded self-check is keyed on."""

@@ -3,8 +3,11 @@
 // Why: on CPU a decode step of a small model is mostly host work. In eager PyTorch a
 // layer is ~180 aten calls, each paying Python and dispatcher overhead; with hidden size
 // 64 almost none of them does arithmetic. Here one call from Python runs all layers:
-// RMSNorm, QKV projection, rotary, paged cache write, paged attention over the block
-// tables, o_proj, residual adds, post-norm, gate_up, SiLU-mul and down projection.
+// RMSNorm, QKV projection, q/k norms (Qwen3, Gemma 3), rotary (each layer's own table),
+// paged cache write, paged attention over the block tables (a layer's sliding window and
+// soft cap included), o_proj, residual adds, post-norm, gate_up, SiLU-mul (Gemma:
+// GeGLU) and down projection; Gemma's (1 + w) float32 norms and its norms of the
+// attention and MLP outputs where the layer has them.
 // Float32, int8 and fp8 KV caches are written (quantized as kv_quant.py does) and read
 // by cpu/kernels/paged_attention.h, the eager decodes' kernel; bf16/fp16 caches by the
 // loop in attention() below.
@@ -89,8 +92,15 @@ struct Linear {
 };
 
 struct Layer {
-  at::Tensor in_norm, post_norm;  // [E]
+  at::Tensor in_norm, post_norm;  // [E]: before attention, before the MLP
+  // Optional (undefined: none): per-head q and k norms [D] (Qwen3, Gemma 3), and
+  // Gemma's norms of the attention and MLP outputs [E] before their residual adds.
+  at::Tensor q_norm, k_norm, attn_out_norm, mlp_out_norm;
   Linear qkv, o, gate_up, down;
+  at::Tensor cos_sin;  // this layer's rotary table [max_pos, D] float32 = (cos|sin)
+  float scale = 1.f;  // the scores' scale (head_dim^-0.5, Gemma's query_pre_attn_scalar)
+  int64_t window = 0;  // keys a query sees, itself included (0: all)
+  float softcap = 0.f;  // scores become tanh(s / softcap) * softcap (0: none)
   at::Tensor cache;  // [2, NB, BS, KVH, D]
   // A quantized cache (set_kv_quant): int8's scales [2, NB, BS, KVH] float32, fp8's
   // per-tensor K and V scales.
@@ -349,6 +359,23 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t e, floa
   }
 }
 
+// Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + weight) all in float32, rounded
+// to the model dtype once; w1 holds 1 + weight in float32.
+template <typename T>
+void gemma_norm_rows(const T* x, const float* w1, T* out, int64_t rows, int64_t e, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * e;
+    float ss = 0.f;
+    for (int64_t i = 0; i < e; ++i) {
+      float v = static_cast<float>(xr[i]);
+      ss += v * v;
+    }
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(e) + eps);
+    T* o = out + r * e;
+    for (int64_t i = 0; i < e; ++i) o[i] = round_to<T>(static_cast<float>(xr[i]) * inv * w1[i]);
+  }
+}
+
 // acc := a + acc in the model dtype (the residual stream), n elements.
 template <typename T>
 void add_into(const T* a, T* acc, int64_t n) {
@@ -361,22 +388,41 @@ class DecodeStep {
   DecodeStep(std::vector<at::Tensor> norms, std::vector<at::Tensor> dense,
              std::vector<py::object> fns, std::vector<at::Tensor> int4,
              std::vector<int64_t> int4_meta, std::vector<at::Tensor> caches,
-             at::Tensor final_norm, at::Tensor cos_sin, int64_t num_heads,
-             int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
-      : final_norm_(final_norm), cos_sin_(cos_sin.contiguous()), h_(num_heads),
-        kvh_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale) {
+             at::Tensor final_norm, std::vector<at::Tensor> cos_sins, int64_t num_heads,
+             int64_t num_kv_heads, int64_t head_dim, double eps, std::vector<double> scales,
+             std::vector<int64_t> windows, std::vector<double> softcaps,
+             std::vector<at::Tensor> extra_norms, bool gemma, std::string act)
+      : final_norm_(final_norm), h_(num_heads), kvh_(num_kv_heads), d_(head_dim), eps_(eps),
+        gemma_(gemma), gelu_(act == "gelu_tanh") {
     // Per layer: norms [in, post]; dense [weight, bias or empty] x 4 linears (qkv, o,
     // gate_up, down); fns: the callable or None per linear; int4: [values, scales] per
-    // linear (empty: none) and int4_meta [group, doubled, kind] per linear.
+    // linear (empty: none) and int4_meta [group, doubled, kind] per linear; its rotary
+    // table, score scale, window (0: none) and soft cap (0: none); extra_norms [q, k,
+    // attention output, MLP output] (empty: none). gemma: every norm weight is
+    // 1 + weight in float32 (gemma_norm_rows); act: "silu" or "gelu_tanh" (GeGLU).
     const size_t nl = caches.size();
     TORCH_CHECK(norms.size() == 2 * nl && dense.size() == 8 * nl && fns.size() == 4 * nl &&
-                    int4.size() == 8 * nl && int4_meta.size() == 12 * nl,
+                    int4.size() == 8 * nl && int4_meta.size() == 12 * nl &&
+                    cos_sins.size() == nl && scales.size() == nl && windows.size() == nl &&
+                    softcaps.size() == nl && extra_norms.size() == 4 * nl,
                 "DecodeStep: weights and caches disagree on the number of layers");
     TORCH_CHECK(d_ % 2 == 0 && h_ % kvh_ == 0, "DecodeStep: bad head layout");
+    TORCH_CHECK(act == "silu" || act == "gelu_tanh", "DecodeStep: activation ", act);
     for (size_t i = 0; i < nl; ++i) {
       Layer L;
       L.in_norm = norms[2 * i];
       L.post_norm = norms[2 * i + 1];
+      at::Tensor* extra[4] = {&L.q_norm, &L.k_norm, &L.attn_out_norm, &L.mlp_out_norm};
+      for (int j = 0; j < 4; ++j)
+        if (extra_norms[4 * i + j].numel()) *extra[j] = extra_norms[4 * i + j].contiguous();
+      L.cos_sin = cos_sins[i].contiguous();
+      TORCH_CHECK(L.cos_sin.scalar_type() == at::kFloat && L.cos_sin.dim() == 2 &&
+                      L.cos_sin.size(1) == d_, "DecodeStep: rotary table of layer ", i,
+                  " must be float32 [max_pos, head_dim]");
+      L.scale = static_cast<float>(scales[i]);
+      L.window = windows[i];
+      L.softcap = static_cast<float>(softcaps[i]);
+      TORCH_CHECK(L.window >= 0 && L.softcap >= 0.f, "DecodeStep: window and soft cap >= 0");
       Linear* lins[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
       for (int j = 0; j < 4; ++j) {
         lins[j]->fn = fns[4 * i + j];
@@ -453,6 +499,8 @@ class DecodeStep {
       mask.from.resize(t);
       for (int64_t j = 0; j < t; ++j) mask.from[j] = st[tok_req[j]];
       mask.bits = tree_bits.data_ptr<int64_t>();
+      for (const Layer& L : layers_)  // a tree token's window is not defined (eager's neither)
+        TORCH_CHECK(L.window == 0, "DecodeStep: candidate trees on windowed layers");
     }
     PromptRows rows;
     if (const int64_t p = prompt_rows.numel()) {
@@ -572,31 +620,85 @@ class DecodeStep {
     at::Tensor o_buf = at::empty({t, e}, opts), down_buf = at::empty({t, e}, opts);
     at::Tensor gu_buf = at::empty({t, inter2}, opts);
     at::Tensor act_buf;
+    std::vector<int32_t> first(t);  // a windowed layer's first key per token
     for (size_t li = 0; li < layers_.size(); ++li) {
       Layer& L = layers_[li];
       T* res = residual.data_ptr<T>();
       if (li > 0) add_into<T>(hidden.data_ptr<T>(), res, t * e);
-      rms_norm_rows<T>(res, L.in_norm.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
+      norm_rows<T>(L.in_norm, res, normed.data_ptr<T>(), t, e, eps);
       at::Tensor qkv = lin(normed, L.qkv, qkv_buf, rows);  // [T, (H + 2 KVH) D]
+      if (L.q_norm.defined()) {  // per head, before rotary
+        const int64_t width = qkv.size(1);
+        T* q = qkv.data_ptr<T>();
+        for (int64_t i = 0; i < t; ++i) {
+          norm_rows<T>(L.q_norm, q + i * width, q + i * width, h_, d_, eps);
+          norm_rows<T>(L.k_norm, q + i * width + h_ * d_, q + i * width + h_ * d_, kvh_, d_, eps);
+        }
+      }
+      const int32_t* from = nullptr;
+      if (L.window > 0) {  // a query at position p sees keys p - W + 1 .. p
+        for (int64_t i = 0; i < t; ++i)
+          first[i] = static_cast<int32_t>(std::max<int64_t>(0, tok_ctx[i] - L.window));
+        from = first.data();
+      }
       if (paged_kernel_reads(L.cache))
-        attention_paged<T>(L, qkv, pos, slots, tok_req, tok_ctx, tables, mask, attn_buf);
+        attention_paged<T>(L, qkv, pos, slots, tok_req, tok_ctx, from, tables, mask, attn_buf);
       else
-        attention<T>(qkv, L.cache, pos, slots, tok_req, tok_ctx, max_ctx, tables, mask,
+        attention<T>(L, qkv, pos, slots, tok_req, tok_ctx, from, max_ctx, tables, mask,
                      attn_buf);  // [T, H D]
       hidden = lin(attn_buf, L.o, o_buf, rows);  // [T, E]
+      if (L.attn_out_norm.defined()) {  // Gemma: the output normed before its add
+        norm_rows<T>(L.attn_out_norm, hidden.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
+        hidden = normed;
+      }
       add_into<T>(hidden.data_ptr<T>(), res, t * e);
-      rms_norm_rows<T>(res, L.post_norm.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
+      norm_rows<T>(L.post_norm, res, normed.data_ptr<T>(), t, e, eps);
       at::Tensor gu = lin(normed, L.gate_up, gu_buf, rows);  // [T, 2 I]
       if (!act_buf.defined() || act_buf.size(1) != gu.size(1) / 2)
         act_buf = at::empty({t, gu.size(1) / 2}, opts);
-      silu_mul<T>(gu, act_buf);
+      if (gelu_) gelu_tanh_mul<T>(gu, act_buf);
+      else silu_mul<T>(gu, act_buf);
       hidden = lin(act_buf, L.down, down_buf, rows);  // [T, E]
+      if (L.mlp_out_norm.defined()) {  // added at the next layer's start (or below)
+        norm_rows<T>(L.mlp_out_norm, hidden.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
+        hidden = normed;
+      }
     }
     add_into<T>(hidden.data_ptr<T>(), residual.data_ptr<T>(), t * e);
     auto out = at::empty_like(residual);
-    rms_norm_rows<T>(residual.data_ptr<T>(), final_norm_.data_ptr<T>(), out.data_ptr<T>(), t,
-                     e, eps);
+    norm_rows<T>(final_norm_, residual.data_ptr<T>(), out.data_ptr<T>(), t, e, eps);
     return out;
+  }
+
+  // The model's RMSNorm of `rows` rows of width e (x == out is allowed): Llama's, or
+  // Gemma's (1 + weight, float32 throughout) when gemma_.
+  template <typename T>
+  void norm_rows(const at::Tensor& w, const T* x, T* out, int64_t rows, int64_t e,
+                 float eps) const {
+    if (gemma_) gemma_norm_rows<T>(x, w.data_ptr<float>(), out, rows, e, eps);
+    else rms_norm_rows<T>(x, w.data_ptr<T>(), out, rows, e, eps);
+  }
+
+  // [T, 2 I] = [gate | up] -> gelu_tanh(gate) * up [T, I] (Gemma's GeGLU, as
+  // F.gelu(gate, approximate="tanh") * up: the GELU rounds to the model dtype first).
+  // tanh(u) = sign(u) (1 - e) / (1 + e) with e = exp(-2|u|) by exp_nonpos, which
+  // vectorizes (a libm tanh per value was ~0.3 s of a 600-token Gemma prefill).
+  template <typename T>
+  void gelu_tanh_mul(const at::Tensor& gu, at::Tensor& out) {
+    const int64_t t = gu.size(0), i2 = gu.size(1), half = i2 / 2;
+    const T* g = gu.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi)
+    for (int64_t r = 0; r < t; ++r)
+      for (int64_t i = 0; i < half; ++i) {
+        const float x = static_cast<float>(g[r * i2 + i]);
+        const float inner = kBeta * (x + kKappa * (x * x * x));
+        const float e = exp_nonpos(-2.f * std::fabs(inner));
+        const float th = std::copysign((1.f - e) / (1.f + e), inner);
+        T s = round_to<T>(0.5f * x * (1.f + th));
+        o[r * half + i] = round_to<T>(static_cast<float>(s) *
+                                      static_cast<float>(g[r * i2 + half + i]));
+      }
   }
 
   // [T, 2 I] = [gate | up] -> silu(gate) * up [T, I]; silu rounds to the model dtype
@@ -635,22 +737,25 @@ class DecodeStep {
     for (int64_t i = 0; i < d_; ++i) x[i] = round_to<T>(tmp[i]);
   }
 
-  // Rotary on q and k, cache write of k and v at the token slots (-1 skips), then each
-  // token attends to its request's first tok_ctx positions through the block table.
+  // Rotary on q and k (the layer's table), cache write of k and v at the token slots (-1
+  // skips), then each token attends to its request's first tok_ctx positions through the
+  // block table, from position first[i] on (first null: 0; the blocks before the one
+  // holding it are not read), scores soft-capped where the layer says so.
   template <typename T>
-  void attention(at::Tensor& qkv, at::Tensor& cache, const int64_t* pos,
-                 const int64_t* slots, const std::vector<int32_t>& tok_req,
-                 const std::vector<int32_t>& tok_ctx, int32_t max_ctx,
-                 const at::Tensor& tables, const Mask& mask, at::Tensor& out) {
+  void attention(Layer& L, at::Tensor& qkv, const int64_t* pos, const int64_t* slots,
+                 const std::vector<int32_t>& tok_req, const std::vector<int32_t>& tok_ctx,
+                 const int32_t* first, int32_t max_ctx, const at::Tensor& tables,
+                 const Mask& mask, at::Tensor& out) {
     const int64_t t = qkv.size(0), width = qkv.size(1), d = d_, h = h_, kvh = kvh_;
     TORCH_CHECK(width == (h + 2 * kvh) * d, "DecodeStep: qkv width");
     TORCH_CHECK(d <= 512, "DecodeStep: head_dim above 512");
+    at::Tensor& cache = L.cache;
     const int64_t nb = cache.size(1), bs = cache.size(2), row = kvh * d;
     const int64_t max_slot = nb * bs;
     T* q_all = qkv.data_ptr<T>();
     T* kc = cache.data_ptr<T>();
     T* vc = kc + max_slot * row;
-    const float* cs = cos_sin_.data_ptr<float>();
+    const float* cs = L.cos_sin.data_ptr<float>();
     for (int64_t i = 0; i < t; ++i) {
       T* tok = q_all + i * width;
       const float* csr = cs + pos[i] * d;
@@ -664,7 +769,8 @@ class DecodeStep {
     T* op = out.data_ptr<T>();
     const int32_t* tab = tables.data_ptr<int32_t>();
     const int64_t tw = tables.size(1), group = h / kvh;
-    const float scale = static_cast<float>(scale_);
+    const float scale = L.scale, cap = L.softcap;
+    constexpr float kInf = std::numeric_limits<float>::infinity();
     // (token, head) pairs split over threads once there is enough work per pair.
     const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, max_ctx * d));
     at::parallel_for(0, t * h, grain, [&](int64_t p0, int64_t p1) {
@@ -673,30 +779,34 @@ class DecodeStep {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t i = p / h, hh = p % h, g = hh / group;
         const int32_t ctx = tok_ctx[i];
+        const int32_t from = first ? std::min(first[i], ctx) : 0;
+        const int32_t blk0 = from / static_cast<int32_t>(bs);  // the first block read
+        const int32_t lo = blk0 * static_cast<int32_t>(bs);
         const int32_t* trow = tab + static_cast<int64_t>(tok_req[i]) * tw;
         const T* qp = q_all + i * width + hh * d;
         for (int64_t j = 0; j < d; ++j) q[j] = static_cast<float>(qp[j]);
         // Scores block by block of the table (no division per position).
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t c0 = 0, blk = 0; c0 < ctx; c0 += bs, ++blk) {
+        float mx = -kInf;
+        for (int64_t c0 = lo, blk = blk0; c0 < ctx; c0 += bs, ++blk) {
           const T* kb = kc + static_cast<int64_t>(trow[blk]) * bs * row + g * d;
           const int64_t n = std::min<int64_t>(bs, ctx - c0);
           for (int64_t o = 0; o < n; ++o) {
-            if (mask.hides(i, c0 + o)) {  // weighs exactly 0, below
-              scores[c0 + o] = -std::numeric_limits<float>::infinity();
+            if (c0 + o < from || mask.hides(i, c0 + o)) {  // weighs exactly 0, below
+              scores[c0 + o] = -kInf;
               continue;
             }
-            const float s = dot_row(q, kb + o * row, d) * scale;
+            float s = dot_row(q, kb + o * row, d) * scale;
+            if (cap > 0.f) s = std::tanh(s / cap) * cap;
             scores[c0 + o] = s;
             mx = std::max(mx, s);
           }
         }
-        for (int32_t c = 0; c < ctx; ++c)
-          scores[c] = mask.hides(i, c) ? 0.f : exp_nonpos(scores[c] - mx);
+        for (int32_t c = lo; c < ctx; ++c)
+          scores[c] = c < from || mask.hides(i, c) ? 0.f : exp_nonpos(scores[c] - mx);
         float sum = 0.f;
-        for (int32_t c = 0; c < ctx; ++c) sum += scores[c];
+        for (int32_t c = lo; c < ctx; ++c) sum += scores[c];
         for (int64_t j = 0; j < d; ++j) acc[j] = 0.f;
-        for (int64_t c0 = 0, blk = 0; c0 < ctx; c0 += bs, ++blk) {
+        for (int64_t c0 = lo, blk = blk0; c0 < ctx; c0 += bs, ++blk) {
           const T* vb = vc + static_cast<int64_t>(trow[blk]) * bs * row + g * d;
           const int64_t n = std::min<int64_t>(bs, ctx - c0);
           for (int64_t o = 0; o < n; ++o) {
@@ -726,8 +836,8 @@ class DecodeStep {
   template <typename T>
   void attention_paged(Layer& L, at::Tensor& qkv, const int64_t* pos, const int64_t* slots,
                        const std::vector<int32_t>& tok_req,
-                       const std::vector<int32_t>& tok_ctx, const at::Tensor& tables,
-                       const Mask& mask, at::Tensor& out) {
+                       const std::vector<int32_t>& tok_ctx, const int32_t* first,
+                       const at::Tensor& tables, const Mask& mask, at::Tensor& out) {
     const int64_t t = qkv.size(0), width = qkv.size(1), d = d_, h = h_, kvh = kvh_;
     TORCH_CHECK(width == (h + 2 * kvh) * d, "DecodeStep: qkv width");
     TORCH_CHECK(d <= 512, "DecodeStep: head_dim above 512");
@@ -738,7 +848,7 @@ class DecodeStep {
                         : cache.scalar_type() == at::kFloat8_e4m3fn ? KVKind::kFp8
                                                                      : KVKind::kModel;
     T* q_all = qkv.data_ptr<T>();
-    const float* cs = cos_sin_.data_ptr<float>();
+    const float* cs = L.cos_sin.data_ptr<float>();
     uint8_t* raw = static_cast<uint8_t*>(cache.data_ptr());  // K at 0, V half-way
     const int64_t half_bytes = max_slot * row * static_cast<int64_t>(cache.element_size());
     float* sc = kind == KVKind::kInt8 ? L.kv_scales.data_ptr<float>() : nullptr;
@@ -791,21 +901,21 @@ class DecodeStep {
     }
     const int32_t* tab = tables.data_ptr<int32_t>();
     const int64_t tw = tables.size(1);
-    const float scale = static_cast<float>(scale_);
+    const float scale = L.scale;
     const int threads = at::get_num_threads();
     using kvflow::paged::dispatch;
     if (kind == KVKind::kInt8)
       dispatch(d, of, qf, q_stride, reinterpret_cast<const int8_t*>(raw), sc, tab,
                tok_req.data(), tok_ctx.data(), t, h, kvh, nb, bs, tw, scale, 1.f, 1.f, threads,
-               mask.from_ptr(), mask.bits);
+               mask.from_ptr(), mask.bits, first, L.softcap);
     else if (kind == KVKind::kFp8)
       dispatch(d, of, qf, q_stride, static_cast<const uint8_t*>(raw), nullptr, tab,
                tok_req.data(), tok_ctx.data(), t, h, kvh, nb, bs, tw, scale, L.k_scale,
-               L.v_scale, threads, mask.from_ptr(), mask.bits);
+               L.v_scale, threads, mask.from_ptr(), mask.bits, first, L.softcap);
     else
       dispatch(d, of, qf, q_stride, reinterpret_cast<const float*>(raw), nullptr, tab,
                tok_req.data(), tok_ctx.data(), t, h, kvh, nb, bs, tw, scale, 1.f, 1.f, threads,
-               mask.from_ptr(), mask.bits);
+               mask.from_ptr(), mask.bits, first, L.softcap);
     if constexpr (!std::is_same_v<T, float>) {
       T* op = out.data_ptr<T>();
       for (int64_t j = 0; j < t * h * d; ++j) op[j] = round_to<T>(of[j]);
@@ -814,9 +924,10 @@ class DecodeStep {
 
   KVKind kv_kind_ = KVKind::kModel;
   std::vector<Layer> layers_;
-  at::Tensor final_norm_, cos_sin_;
+  at::Tensor final_norm_;
   int64_t h_, kvh_, d_;
-  double eps_, scale_;
+  double eps_;
+  bool gemma_, gelu_;  // Gemma's norms; GeGLU (tanh GELU) instead of SiLU
 };
 
 }  // namespace
@@ -826,8 +937,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStep>(m, "DecodeStep")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<py::object>,
                     std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
-                    at::Tensor, at::Tensor, int64_t, int64_t, int64_t,
-                    double, double>())
+                    at::Tensor, std::vector<at::Tensor>, int64_t, int64_t, int64_t,
+                    double, std::vector<double>, std::vector<int64_t>, std::vector<double>,
+                    std::vector<at::Tensor>, bool, std::string>())
       .def("forward", &DecodeStep::forward)
       .def("set_kv_quant", &DecodeStep::set_kv_quant)
       .def_property_readonly("kv_cache_kind", &DecodeStep::kv_cache_kind)

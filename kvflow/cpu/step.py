@@ -14,8 +14,10 @@ int8, int4 ...) is called back in Python with its activations, so every model of
 Llama family on one rank can use the step. Float32, int8 and fp8 KV caches are written
 (quantized exactly as ``kv_quant.py`` does) and read by the paged attention kernel the
 eager decodes run (``cpu/kernels/paged_attention.h``), which also applies a Medusa
-verification step's tree masks; layers with q/k norms (Qwen3) and tensor/pipeline
-parallelism keep the eager path.
+verification step's tree masks, sliding windows (never reading a block before the
+window's first) and soft-capped scores. ``cpu/stack.py`` reads the layer shape (Llama's,
+or Gemma's four (1 + w) norms and GeGLU), q/k norms and each layer's rotary table, scale,
+window and soft cap; MoE layers and tensor/pipeline parallelism keep the eager path.
 
 Which steps: every step of a model it can run (decodes, prefill chunks of any length,
 speculative verification, recomputation after preemption), so that one set of numerics
@@ -39,8 +41,9 @@ from kvflow.cpu import verdict as cpu_verdict
 from kvflow.cpu.kernels import build
 from kvflow.cpu.kernels.build import find_compiler
 from kvflow.cpu.parts import StepParts
+from kvflow.cpu.stack import embedder, stack_args, why_unsupported
 from kvflow.errors import KvflowError
-from kvflow.layers.attention import Attention, AttentionMetadata, eager_reason
+from kvflow.layers.attention import AttentionMetadata, eager_reason
 from kvflow.layers.attention.metadata import TreeAttention
 from kvflow.layers.attention.kv_quant import keep_cache_values
 from kvflow.layers.linear import UnquantizedLinearMethod
@@ -89,42 +92,6 @@ def load_extension():
 def build_root() -> Path:
     """The C++ step's build folder (``build.extension_dir``)."""
     return build.extension_dir(EXTENSION, SOURCES + HEADERS, CFLAGS)
-
-
-def why_unsupported(model: nn.Module, kv_caches: torch.Tensor) -> str | None:
-    """Why this model and cache cannot run the C++ step (None: it can). The caller runs
-    it on one rank only."""
-    quants = {m.kv_quant.kind for m in model.modules()
-              if isinstance(m, Attention) and m.kv_quant is not None}
-    if len(quants) > 1:
-        return "KV caches quantized in different ways"
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None or not hasattr(inner, "norm") or not hasattr(inner, "embed_tokens"):
-        return "not a Llama-family decoder stack"
-    from kvflow.layers.activation import SiluAndMul
-    from kvflow.layers.moe import FusedMoE
-    from kvflow.models.llama import LlamaDecoderLayer
-
-    if any(isinstance(m, FusedMoE) for m in model.modules()):
-        return "mixture-of-experts layers (the eager path reads the routed experts)"
-
-    for layer in layers:
-        if not isinstance(layer, LlamaDecoderLayer) or not isinstance(layer.mlp.act_fn,
-                                                                      SiluAndMul):
-            return "not a Llama-family decoder layer"
-        if hasattr(layer.self_attn, "q_norm"):
-            return "q/k norms"
-    if quants:  # int8 / fp8: written and read by the shared paged kernel
-        head_dim = kv_caches.shape[-1]  # [L, 2, NB, BS, KVH, D]
-        if head_dim % 8:
-            return f"{quants.pop()} KV cache with head dim {head_dim} (the kernel needs " \
-                "a multiple of 8)"
-        return None
-    if kv_caches.dtype != torch.float32 and kv_caches.dtype not in (torch.bfloat16,
-                                                                     torch.float16):
-        return f"KV cache dtype {kv_caches.dtype}"
-    return None
 
 
 def _linear_args(lin: nn.Module) -> tuple[list[torch.Tensor], object, list[torch.Tensor],
@@ -243,12 +210,10 @@ class CppDecodeStep:
         self.num_int8_act = int8_activations(model, module) if (
             module.q8_gemv_simd() and envs.cpu_int8_act() and kv.is_floating_point
             and kv.itemsize > 1) else 0
-        norms, dense, fns, int4, int4_meta, caches = [], [], [], [], [], []
+        dense, fns, int4, int4_meta, caches = [], [], [], [], []
         self._int4_linears: list[nn.Module] = []
         for layer in inner.layers:
             attn = layer.self_attn
-            norms += [layer.input_layernorm.weight.detach(),
-                      layer.post_attention_layernorm.weight.detach()]
             for lin in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
                         layer.mlp.down_proj):
                 wb, fn, q, meta = _linear_args(lin)
@@ -261,16 +226,22 @@ class CppDecodeStep:
             caches.append(attn.attn.kv_cache)
         first = inner.layers[0].self_attn
         eps = inner.norm.eps
-        self.embed = inner.embed_tokens
+        self.embed = embedder(model)
+        stack = stack_args(model)
+        # Windowed, soft-capped or own-rotary layers: the eager reference of a candidate
+        # tree raises (windowed attention has no tree masks), so the self-check skips it.
+        self.special = stack.special
+        self.window = min([w for w in stack.windows if w], default=0)  # the narrowest
         self.model = model
         self.num_layers = len(caches)
         self.num_callbacks = sum(fn is not None for fn in fns)  # incl. the int4 GEMV's
         # The decoder layers' methods whose GEMV runs inside the step (GGUF, with a copy).
         self.gemv_methods = [lin.quant_method for lin in self._int4_linears]
         self.step = module.DecodeStep(
-            norms, dense, fns, int4, int4_meta, caches, inner.norm.weight.detach(),
-            parts.attn_spec.rotary.cos_sin_cache, first.num_heads, first.num_kv_heads,
-            first.head_dim, eps, first.attn.scale)
+            stack.norms, dense, fns, int4, int4_meta, caches, stack.final_norm,
+            stack.cos_sins, first.num_heads, first.num_kv_heads, first.head_dim, eps,
+            stack.scales, stack.windows, stack.softcaps, stack.extra_norms, stack.gemma,
+            stack.act)
         self.kv_scales = parts.kv_scales  # int8: [L, 2, NB, BS, KVH]
         self._kv_quants = [layer.self_attn.attn.kv_quant for layer in inner.layers]
         self.kv_kind = self._set_kv_quant(self._kv_quants)
@@ -383,15 +354,29 @@ class CppDecodeStep:
                                       [[0, 1], [2, 0]], gen)
             # A Medusa verification step: request 1's 4 tokens are a tree's root and
             # three nodes ((0,), (1,), (0, 0)), masked and at depth positions.
-            tree = 0.0 if block_size < 4 else self._check_one(
+            tree = 0.0 if block_size < 4 or self.special else self._check_one(
                 kv_caches, block_size, [block_size + 3, block_size + 4], [1, 4],
                 [[0, 1], [2, 3]], gen, tree=((0,), (1,), (0, 0)))
-            return max(mixed, decodes, tree)
+            return max(mixed, decodes, tree, self._check_window(kv_caches, block_size, gen))
         finally:
             for b, v in zip(blocks, saved):
                 b.copy_(v)
             for m in self.gemv_methods:
                 m.run_gemv = None
+
+    def _check_window(self, kv_caches: torch.Tensor, block_size: int,
+                      gen: torch.Generator) -> float:
+        """A 3-token chunk past the narrowest window, where the 4 blocks hold one (after
+        a decode in a block of its own where 3 do: requests that write slots the other
+        reads would be read before or after the write depending on the backend). 0.0
+        without such a window."""
+        bs = block_size
+        if 0 < self.window < 3 * bs - 3:
+            return self._check_one(kv_caches, bs, [3, 3 * bs - 1], [1, 3],
+                                   [[3, 0, 0], [0, 1, 2]], gen)  # decodes first
+        if 0 < self.window < 4 * bs - 3:
+            return self._check_one(kv_caches, bs, [4 * bs - 1], [3], [[0, 1, 2, 3]], gen)
+        return 0.0
 
     def _check_blocks(self, kv_caches: torch.Tensor) -> list[torch.Tensor]:
         """What the self-check writes: blocks 0 to 3 of every layer's cache, and of an
@@ -576,10 +561,13 @@ def cpu_decode_step(parts: StepParts, label: str = ""):
     if cfg.device.enforce_eager:
         logger.info("compiled CPU decode step off (--enforce-eager): decoding eagerly")
         return None
-    if (reason := eager_reason(parts.model)) is not None:  # no window mask in C++ yet
-        logger.info("%scompiled CPU decode step off (%s): decoding eagerly", label, reason)
-        return None
     if envs.cpu_compile():
+        # The compiled layers trace the fused backend's decode plan: windowed,
+        # soft-capped and own-rotary layers (planned per request in Python) stay eager.
+        if (reason := eager_reason(parts.model)) is not None:
+            logger.info("%scompiled CPU decode step off (%s): decoding eagerly", label,
+                        reason)
+            return None
         from kvflow.cpu.compiled import compile_decode_step
 
         return compile_decode_step(parts)
@@ -589,7 +577,7 @@ def cpu_decode_step(parts: StepParts, label: str = ""):
     elif find_compiler() is None:
         why_not = "no C++ compiler found (install g++ or set CXX)"
     else:
-        why_not = why_unsupported(parts.model, parts.kv_caches)
+        why_not = why_unsupported(parts.model, parts.kv_caches, cfg.speculative)
     if why_not is not None:
         logger.info("%sC++ CPU decode step off (%s): decoding eagerly", label, why_not)
         return None

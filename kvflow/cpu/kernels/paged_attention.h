@@ -202,13 +202,21 @@ inline void prefetch(const void* p, int64_t bytes) {
 // Candidate trees (Medusa verification): with ``mask_from`` and ``mask_bits`` given, item
 // b sees position p >= mask_from[b] only if bit p - mask_from[b] of mask_bits[b] is set
 // (the tree's root is at mask_from[b]; bits past 63 count as set, so -1 sees all).
+//
+// Sliding windows and soft-capped scores (the C++ step's windowed layers, Mistral, Phi-3,
+// Gemma): with ``first`` given, item b sees only positions first[b] .. lens[b] - 1, and
+// the blocks before the one holding first[b] are never read (their table entries may
+// be stale: the KV cache manager frees blocks behind an all-windowed model's window);
+// with ``softcap`` > 0 each score s (q . k times the scales) becomes
+// tanh(s / softcap) * softcap before the mask, as transformers' Gemma 2 attention does.
 template <int DC, typename KV>
 void decode(float* out, const float* q, int64_t q_stride, const KV* cache,
             const float* scales, const int32_t* tables, const int32_t* row_of,
             const int32_t* lens, int64_t b_count, int64_t h, int64_t kvh, int64_t d,
             int64_t nb, int64_t bs, int64_t w, float sm_scale, float k_scale,
             float v_scale, int threads, const int32_t* mask_from = nullptr,
-            const int64_t* mask_bits = nullptr) {
+            const int64_t* mask_bits = nullptr, const int32_t* first = nullptr,
+            float softcap = 0.0f) {
   const int64_t g_count = h / kvh;
   const int64_t dc = DC ? DC : d / 8;
   const int64_t tok = kvh * d;  // stride between tokens of one block
@@ -236,6 +244,10 @@ void decode(float* out, const float* q, int64_t q_stride, const KV* cache,
       const int64_t b = task / split;
       const int64_t h0 = (task % split) * heads_per, h1 = h0 + heads_per;
       const int64_t len = lens[b];
+      // The window's first key and the first block read; positions lo .. from - 1 of
+      // that block are in the score rows but weigh exactly 0.
+      const int64_t from = first ? std::clamp<int64_t>(first[b], 0, len) : 0;
+      const int64_t j0 = from / bs, lo = j0 * bs;
       const int32_t* table = tables + (row_of ? row_of[b] : b) * w;
       const int64_t bytes = ((bs - 1) * tok + (h1 - h0) * d) * sizeof(KV);
       // Two passes over the context (no online softmax: its per-block running max,
@@ -243,7 +255,7 @@ void decode(float* out, const float* q, int64_t q_stride, const KV* cache,
       // score row kept in L1/L2): 1. every score q . k, the token's scale after the
       // dot; 2. one softmax per query head; 3. V accumulated with p times the value
       // row's scale.
-      for (int64_t j = 0; j * bs < len; ++j) {
+      for (int64_t j = j0; j * bs < len; ++j) {
         const int64_t blk = table[j];
         const int64_t n = std::min(bs, len - j * bs);
         if ((j + 1) * bs < len) prefetch(cache + table[j + 1] * bs * tok + h0 * d, bytes);
@@ -290,11 +302,14 @@ void decode(float* out, const float* q, int64_t q_stride, const KV* cache,
       auto hidden = [&](int64_t t) { return t - mfrom < 64 && !((mbits >> (t - mfrom)) & 1); };
       for (int64_t r = 0; r < heads_per * g_count; ++r) {
         float* sr = s.data() + r * row_len;
+        if (softcap > 0.0f)
+          for (int64_t t = from; t < len; ++t) sr[t] = std::tanh(sr[t] / softcap) * softcap;
+        for (int64_t t = lo; t < from; ++t) sr[t] = -INFINITY;
         for (int64_t t = mfrom; t < len; ++t)
           if (hidden(t)) sr[t] = -INFINITY;
         v8f mx8 = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
                    -INFINITY, -INFINITY};
-        int64_t t = 0;
+        int64_t t = lo;
         for (; t + 8 <= len; t += 8) {
           const v8f x = load8(sr + t);
           mx8 = x > mx8 ? x : mx8;
@@ -302,12 +317,13 @@ void decode(float* out, const float* q, int64_t q_stride, const KV* cache,
         float mx = -INFINITY;
         for (int i = 0; i < 8; ++i) mx = std::max(mx, mx8[i]);
         for (; t < len; ++t) mx = std::max(mx, sr[t]);
-        for (t = 0; t < len; ++t) sr[t] -= mx;
-        exp_inplace(sr, static_cast<int>(len));
+        for (t = lo; t < len; ++t) sr[t] -= mx;
+        exp_inplace(sr + lo, static_cast<int>(len - lo));
+        for (int64_t t = lo; t < from; ++t) sr[t] = 0.0f;
         for (int64_t t = mfrom; t < len; ++t)
           if (hidden(t)) sr[t] = 0.0f;
         v8f sum8 = {};
-        for (t = 0; t + 8 <= len; t += 8) sum8 += load8(sr + t);
+        for (t = lo; t + 8 <= len; t += 8) sum8 += load8(sr + t);
         float sum = hsum(sum8);
         for (; t < len; ++t) sum += sr[t];
         inv_sum[r] = sum > 0.0f ? 1.0f / sum : 0.0f;  // empty context: zeros
@@ -317,7 +333,7 @@ void decode(float* out, const float* q, int64_t q_stride, const KV* cache,
         // then each query head's accumulator [D] loaded, fed the block's rows, stored.
         std::fill(acc.begin(), acc.end(), 0.0f);
         const float* ph = s.data() + (hk - h0) * g_count * row_len;  // [G, row_len]
-        for (int64_t j = 0; j * bs < len; ++j) {
+        for (int64_t j = j0; j * bs < len; ++j) {
           const int64_t blk = table[j];
           const int64_t n = std::min(bs, len - j * bs);
           if (hk == h0 && (j + 1) * bs < len)
@@ -368,7 +384,8 @@ void dispatch(int64_t d, float* out, const float* q, int64_t q_stride, const KV*
               const int32_t* lens, int64_t b, int64_t h, int64_t kvh, int64_t nb,
               int64_t bs, int64_t w, float sm_scale, float k_scale, float v_scale,
               int threads, const int32_t* mask_from = nullptr,
-              const int64_t* mask_bits = nullptr) {
+              const int64_t* mask_bits = nullptr, const int32_t* first = nullptr,
+              float softcap = 0.0f) {
   if constexpr (std::is_same_v<KV, uint8_t>) {  // fp8: widened values are x kFp8Widen
     k_scale /= kFp8Widen;  // a power of two: the products round as without it
     v_scale /= kFp8Widen;
@@ -376,7 +393,7 @@ void dispatch(int64_t d, float* out, const float* q, int64_t q_stride, const KV*
   auto run = [&](auto dc) {
     decode<decltype(dc)::value>(out, q, q_stride, cache, scales, tables, row_of, lens, b,
                                 h, kvh, d, nb, bs, w, sm_scale, k_scale, v_scale, threads,
-                                mask_from, mask_bits);
+                                mask_from, mask_bits, first, softcap);
   };
   switch (d) {
     case 32: run(std::integral_constant<int, 4>{}); break;
