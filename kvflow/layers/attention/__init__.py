@@ -74,8 +74,9 @@ def model_rotary(model: nn.Module) -> RotaryEmbedding:
 
 def eager_reason(model: nn.Module) -> str | None:
     """Why ``model``'s decodes cannot take the opt-in compiled (inductor) CPU decode
-    step (``kvflow/cpu/step.py``; the C++ step has its own check, ``cpu/stack.py``): some layer is windowed, soft-capped or rotates with its
-    own table, which that step does not plan. None: none is. (The attention backends,
+    step (``kvflow/cpu/step.py``; the C++ step has its own check, ``cpu/stack.py``):
+    some layer is windowed, soft-capped or rotates with its own table, which that step
+    does not plan. None: none is. (The attention backends,
     torch and Triton, take all three per layer: CUDA graphs stay on for such models.)"""
     for m in model.modules():
         if isinstance(m, Attention):
