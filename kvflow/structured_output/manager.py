@@ -105,7 +105,9 @@ class StructuredOutputManager:
         self.eos_token_ids = list(eos_token_ids)
         self._compiler: GrammarCompiler | None = None  # built at the first constraint
         self.reqs: dict[str, _Req] = {}
-        self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvflow-mask")
+        # the fill thread (a GPU engine's: its fill overlaps the queued forward); none inline
+        self._fill_pool = None if inline_fill else ThreadPoolExecutor(
+            1, thread_name_prefix="kvflow-mask")
         self._fill_threads = max(1, fill_threads)
         self._batch_matcher = None  # xgrammar BatchGrammarMatcher, made at the first fill
         self._pin = pin_memory
@@ -277,7 +279,8 @@ class StructuredOutputManager:
         return s
 
     def shutdown(self) -> None:
-        self._fill_pool.shutdown(wait=False, cancel_futures=True)
+        if self._fill_pool is not None:
+            self._fill_pool.shutdown(wait=False, cancel_futures=True)
         if self._compiler is not None:
             self._compiler.shutdown()
 
