@@ -14,8 +14,8 @@ C++ step); steps with some, and CUDA graphs captured with LoRA, run the unfused 
 plus the delta. The delta:
 on CUDA two launches per layer over all the step's rows (``kvflow.kernels.lora``:
 ``LoRAStepMap.tiles``, which CUDA graphs replay too): the shrink a dense GEMM over every
-slot's A for steps of few rows, a segmented Triton kernel for long prompts, then a
-Triton expand; on the CPU a grouped matmul per adapter (``LoRAStepMap.groups``), which
+slot's A for steps of few rows over a long input (down_proj), else a segmented Triton
+kernel, then a Triton expand; on the CPU a grouped matmul per adapter (``LoRAStepMap.groups``), which
 is the CPU's vectorized path.
 """
 
@@ -84,7 +84,7 @@ def add_lora_delta(x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, step: LoRAS
         from kvflow.kernels.lora import (lora_expand_add, lora_shrink, lora_shrink_dense,
                                          use_dense_shrink)
 
-        if use_dense_shrink(x, w.a.shape[0]):  # few rows: one GEMM over every slot's A
+        if use_dense_shrink(x, w.a.shape[0]):  # few rows, long input: one GEMM, every slot's A
             xa = lora_shrink_dense(x, w.a)  # [T, S * n_slices * R]
             return lora_expand_add(y, xa, w.b_all, w.offsets, w.rank, step.tiles,
                                    dense=True)
