@@ -293,6 +293,57 @@ def test_experts_kept_in_blocks(tmp_path, monkeypatch, preset, qtype, down, layo
             assert abs(la[ta].logprob - lb[tb].logprob) <= atol
 
 
+def test_expert_parallel_ranks_keep_their_experts_blocks(tmp_path):
+    """Two gloo ranks, each holding half of the experts in their Q4_0 blocks, give one
+    rank's tokens and logprobs. The ranks' partial sums are added in another order than
+    one rank's (float32 ulps apart), and the next layer's bfloat16 activations may round
+    such an ulp a bfloat16 step (2^-8) apart: 0.005 measured, 0.02 allowed (F32 experts
+    agree to 2e-6; a rank running the wrong experts is off by whole units)."""
+    _, _, path = make(tmp_path, "tiny-qwen3-moe", types={k: Q.Q4_0 for k in EXPERTS})
+    ps = prompts()
+    one = llm(path)
+    want = one.generate(ps, TOP2, use_tqdm=False)
+    del one
+    with llm(path, tensor_parallel_size=2, enable_expert_parallel=True,
+             distributed_timeout=30) as ep:
+        moe = experts_of(ep, "tiny-qwen3-moe")
+        assert (moe.num_local_experts, moe.expert_start) == (4, 0)
+        assert moe.w13_q.shape[0] == 4 and moe.quant_method.layouts["w13"] == "int4"
+        got = ep.generate(ps, TOP2, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(logprobs(a), logprobs(b)):
+            torch.testing.assert_close(x, y, atol=0.02, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=["q4_0", "q4_1", "q4_k"])
+def test_4bit_blocks_map_onto_the_fused_kernels_int4_layout(qtype):
+    """CUDA's layout for 4-bit experts (``pack_int4_experts``: w = v * scale + offset,
+    offset = zero - 8 scale) holds GGUF's blocks: in float32 it dequantizes to gguf-py's
+    values (to float32 rounding of the offset; the model dtype rounds scales and offsets
+    further on the GPU)."""
+    from kvflow.kernels.fused_moe import dequantize_int4_experts
+    from kvflow.layers.moe.methods import GGUFMoEMethod
+    from kvflow.layers.quantization.ggml_blocks import to_int4_groups
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    if qtype == Q.Q4_K:  # no gguf-py quantizer: random blocks with sane d and dmin
+        raw = rng.integers(0, 256, (8, 512 // block * size), np.uint8)
+        blocks = raw.reshape(-1, size)
+        blocks[:, :4] = np.frombuffer(np.float16([0.01, 0.02]).tobytes(), np.uint8)
+    else:
+        raw = gguf.quants.quantize(rng.normal(0, 0.2, (8, 512)).astype(np.float32), qtype)
+    groups, exact = to_int4_groups(raw, 512, int(qtype))
+    method = GGUFMoEMethod()
+    method.dtype = torch.float32
+    p = method._pack(groups, cuda=True)
+    got = dequantize_int4_experts(p["q"][None], p["scale"][None], p["offset"][None], 32)[0]
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(8, 512))
+    assert exact
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("extra,tensors,field", [
     ({"expert_gating_func": 2}, {}, "expert_gating_func"),
     ({"expert_weights_scale": 2.5}, {}, "expert_weights_scale"),
