@@ -337,8 +337,9 @@ def test_4bit_blocks_map_onto_the_fused_kernels_int4_layout(qtype):
     groups, exact = to_int4_groups(raw, 512, int(qtype))
     method = GGUFMoEMethod()
     method.dtype = torch.float32
-    p = method._pack(groups, cuda=True)
-    got = dequantize_int4_experts(p["q"][None], p["scale"][None], p["offset"][None], 32)[0]
+    half = [to_int4_groups(r, 512, int(qtype))[0] for r in (raw[:4], raw[4:])]
+    p = method._pack(half, "int4", cuda=True)  # two experts of 4 rows
+    got = dequantize_int4_experts(p["q"], p["scale"], p["offset"], 32).reshape(8, 512)
     want = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(8, 512))
     assert exact
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

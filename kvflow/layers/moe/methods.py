@@ -38,8 +38,8 @@ from torch import nn
 
 from kvflow.errors import ModelLoadError
 from kvflow.logger import init_logger
-from kvflow.layers.quantization.packed import (CPU_ACT_DTYPE, PackedInt4, int4_mm, int8_mm,
-                                               quantize_int4, quantize_int8)
+from kvflow.layers.quantization.packed import (CPU_ACT_DTYPE, Int4Groups, PackedInt4, int4_mm,
+                                               int8_mm, quantize_int4, quantize_int8)
 
 ExpertMLP = Callable[[int, torch.Tensor], torch.Tensor]
 logger = init_logger(__name__)
@@ -227,6 +227,7 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
                                   r, deq(q13[e], s13[e], r.dtype))), deq(q2[e], s2[e], r.dtype)))
 
 FOUR_BIT = (2, 3, 12)  # GGML Q4_0, Q4_1, Q4_K: affine 4-bit per 32, exact as Int4Groups
+PACK_VALUES = 1 << 24  # weight values converted before one pack call (an int32 copy: 64 MB)
 
 
 def _record_gguf_expert(layer, loaded: torch.Tensor, shard_id: tuple[int | None, str]
@@ -341,43 +342,58 @@ class GGUFMoEMethod(UnquantizedMoEMethod):
                             "/".join(self.layouts.values()), self.dtype)
             self.layouts = {p: "dense" for p in self.layouts}
         layer.gguf_types = []
+        n = layer.num_local_experts
         for pname, kinds, cols in projs:
             layout = self.layouts[pname]
             out: dict[str, torch.Tensor] = {}
-            for e in range(layer.num_local_experts):
+            run: list = []  # converted experts not yet packed (from expert ``start``)
+            start = size = 0
+            for e in range(n):
                 w, names = convert_shards([_gguf_expert_part(layer, e, k) for k in kinds],
                                           cols)
                 if e == 0:
                     layer.gguf_types += names  # one GGUF tensor per projection
-                if layout == "dense":
-                    w = w if isinstance(w, torch.Tensor) else w.dequantize()
-                    parts = {"weight": w.to(self.dtype)}  # [N, K]
-                else:
+                if layout != "dense":
                     if isinstance(w, torch.Tensor):  # a dense expert among quantized ones
                         w = requantize8(w)
                     if layout == "int8" and not w.doubled:
                         w = widen(w)
-                    parts = self._pack(w, cuda)
-                for name, t in parts.items():  # preallocated from expert 0: no stacking copy
-                    if name not in out:
-                        out[name] = torch.empty((layer.num_local_experts, *t.shape),
-                                                dtype=t.dtype, device=self.device)
-                    out[name][e].copy_(t)
+                run.append(w)
+                size += w.numel() if isinstance(w, torch.Tensor) else w.values.numel()
+                if size < PACK_VALUES and e < n - 1:
+                    continue
+                for name, t in self._pack(run, layout, cuda).items():  # [len(run), ...]
+                    if name not in out:  # preallocated: no stacking copy of the layer
+                        out[name] = torch.empty((n, *t.shape[1:]), dtype=t.dtype,
+                                                device=self.device)
+                    out[name][start:start + len(run)].copy_(t)
+                start, run, size = start + len(run), [], 0
             delattr(layer, f"{pname}_weight")  # the loader's placeholder
             for name, t in out.items():
                 _set(layer, f"{pname}_{name}", t)
         del layer._gguf_experts
 
-    def _pack(self, w, cuda: bool) -> dict[str, torch.Tensor]:
-        """One expert's projection (``Int4Groups``) in the layout ``apply`` reads."""
-        if cuda:  # the fused kernel's: exact 4-bit only (checked by the layout)
+    def _pack(self, run: list, layout: str, cuda: bool) -> dict[str, torch.Tensor]:
+        """Consecutive experts' projections (``Int4Groups``, or dense float32 [N, K]) in
+        the layout ``apply`` reads, stacked [len(run), ...]: one pack call for them all
+        (aten's CPU pack costs ~30 ms a call whatever its size; rows pack alone)."""
+        m = len(run)
+        if layout == "dense":
+            return {"weight": torch.stack([w if isinstance(w, torch.Tensor)
+                                           else w.dequantize() for w in run]).to(self.dtype)}
+        g = Int4Groups.cat(run)  # [m N, K2]
+        if cuda:  # the fused kernel's layout: exact 4-bit only (checked by the layout)
             from kvflow.kernels.fused_moe import pack_int4_experts
 
-            q, scale, offset = pack_int4_experts(w.values[None], w.scale[None],
-                                                 w.zero[None], self.dtype)
-            return {"q": q[0], "scale": scale[0], "offset": offset[0]}
-        p = PackedInt4(w)
-        return {"q": p.packed, "sz": p.scale_zero}  # [N, K2 / 2], [K2 / 32, N, 2]
+            q, scale, offset = pack_int4_experts(g.values.view(m, -1, g.values.shape[1]),
+                                                 g.scale.view(m, -1, g.scale.shape[1]),
+                                                 g.zero.view(m, -1, g.zero.shape[1]),
+                                                 self.dtype)
+            return {"q": q, "scale": scale, "offset": offset}
+        p = PackedInt4(g)
+        rows = p.packed.shape[0] // m
+        sz = p.scale_zero.view(p.scale_zero.shape[0], m, rows, 2).transpose(0, 1)
+        return {"q": p.packed.view(m, rows, -1), "sz": sz}  # [m, N, K2/2], [m, K2/32, N, 2]
 
     def _matmul(self, layer, pname: str) -> Callable[[int, torch.Tensor], torch.Tensor]:
         layout = self.layouts[pname]
