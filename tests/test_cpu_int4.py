@@ -141,9 +141,9 @@ def test_q8_8bit_blocks(ext, m):
     d = (torch.rand(67, 6, generator=g) * 0.01).half().float()
     w8 = Int4Groups.from_int8_blocks(q, d)
     w4 = _fp16_groups(13, 192, seed=m)
-    from kvflow.layers.quantization.gguf import _widen
+    from kvflow.layers.quantization.gguf import widen
 
-    for w in (w8, Int4Groups.cat([w8, _widen(w4)])):
+    for w in (w8, Int4Groups.cat([w8, widen(w4)])):
         assert _q8(w)[1] == 8
         for simd in _simd_modes(ext):
             _check_q8(ext, w, m, simd)

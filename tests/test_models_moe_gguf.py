@@ -91,9 +91,11 @@ def llama_cpp_tensors(hf, cfg: dict, per_expert: bool) -> dict[str, tuple[str, n
 
 
 def write_gguf(hf, cfg: dict, path: str, qtype=Q.F32, per_expert: bool = False,
-               extra: dict | None = None, extra_tensors: dict | None = None) -> None:
+               extra: dict | None = None, extra_tensors: dict | None = None,
+               types: dict | None = None) -> None:
     """Write ``hf`` as llama.cpp would; with a quantized ``qtype``, replace each quantized
-    weight of ``hf`` by its dequantized value (the reference for the file)."""
+    weight of ``hf`` by its dequantized value (the reference for the file). ``types``:
+    GGUF tensor kind (``ffn_down_exps``) -> its own type, as Q4_K_M files mix them."""
     a = ARCH[cfg["architectures"][0]]
     w = gguf.GGUFWriter(path, a)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -118,13 +120,15 @@ def write_gguf(hf, cfg: dict, path: str, qtype=Q.F32, per_expert: bool = False,
         add = (w.add_bool if isinstance(value, bool) else
                w.add_float32 if isinstance(value, float) else w.add_uint32)
         add(f"{a}.{key}", value)
-    dequantized: dict[str, list] = {}
+    dequantized: dict[str, object] = {}
     for gname, (hf_name, x) in llama_cpp_tensors(hf, cfg, per_expert).items():
-        if qtype == Q.F32 or not quantizable(gname, x):
+        kind = gname.split(".")[2] if gname.startswith("blk.") else ""
+        q = (types or {}).get(kind, qtype)
+        if q == Q.F32 or not quantizable(gname, x):
             w.add_tensor(gname, x)
             continue
-        w.add_tensor(gname, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
-        dequantized.setdefault(hf_name, []).append(gname)
+        w.add_tensor(gname, gguf.quants.quantize(x, q), raw_dtype=q)
+        assert dequantized.setdefault(hf_name, q) == q  # gate and up share HF's tensor
     for gname, x in (extra_tensors or {}).items():
         w.add_tensor(gname, x)
     w.write_header_to_file()
@@ -133,10 +137,10 @@ def write_gguf(hf, cfg: dict, path: str, qtype=Q.F32, per_expert: bool = False,
     w.close()
     with torch.no_grad():  # blocks run along rows, so HF's layout rounds the same values
         params = dict(hf.named_parameters())
-        for hf_name in dequantized:
+        for hf_name, q in dequantized.items():
             x = params[hf_name].numpy()
             params[hf_name].copy_(torch.from_numpy(
-                gguf.quants.dequantize(gguf.quants.quantize(x, qtype), qtype)))
+                gguf.quants.dequantize(gguf.quants.quantize(x, q), q)))
 
 
 def prompts() -> list[list[int]]:
@@ -182,8 +186,8 @@ def test_f32_gguf_matches_transformers(tmp_path, preset, per_expert):
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe"])
 def test_q8_0_gguf_matches_dequantized_transformers(tmp_path, preset):
     """Dense (--quantization none): the file's values exactly. The default on CPU keeps
-    the attention's and shared expert's blocks (bf16 activations) and runs the experts
-    dequantized: the prompt logprobs close to the dense ones."""
+    every block, the experts' too (bf16 activations): the prompt logprobs close to the
+    dense ones, and ``kvflow plan`` counts the file's bytes."""
     hf, _, path = make(tmp_path, preset, qtype=Q.Q8_0)
     ps = prompts()
     dense = llm(path, quantization="none")
@@ -195,14 +199,150 @@ def test_q8_0_gguf_matches_dequantized_transformers(tmp_path, preset):
     layer = model.model.layers[1]
     moe = layer.block_sparse_moe if preset == "tiny-mixtral" else layer.mlp
     assert hasattr(layer.self_attn.qkv_proj, "qweight")  # the file's blocks
-    assert moe.experts.w13_weight.dtype == torch.float32  # dequantized experts
-    assert stored_bytes_per_param(path) is None  # so kvflow plan takes the dtype's bytes
+    assert moe.experts.w13_q.dtype == torch.uint8  # the experts' blocks too
+    # Q8_0 is 34 bytes per 32 weights; the F32 routers and norms add a little
+    assert 34 / 32 < stored_bytes_per_param(path) < 1.3
     got = blocks.generate(ps, PARAMS, use_tqdm=False)
     for a, b in zip(outs, got):  # bf16 activations: about 1% of logprobs near -8
         ref = [next(iter(d.values())).logprob for d in a.prompt_logprobs[1:]]
         new = [next(iter(d.values())).logprob for d in b.prompt_logprobs[1:]]
         torch.testing.assert_close(torch.tensor(new), torch.tensor(ref), atol=0.05,
                                    rtol=0.02)
+
+
+def experts_of(engine: LLM, preset: str):
+    layer = engine.engine.core.executor.runner.model.model.layers[1]
+    return (layer.block_sparse_moe if preset == "tiny-mixtral" else layer.mlp).experts
+
+
+def dequantize_experts(monkeypatch) -> None:
+    """Engines built from here on dequantize a GGUF file's experts into the model dtype at
+    load (what every GGUF MoE did before the experts kept their blocks, and what CUDA
+    still does with 8-bit ones); everything else keeps its blocks as before."""
+    from kvflow.layers.moe import methods
+
+    plain = methods.moe_method
+    monkeypatch.setattr(methods, "moe_method", lambda config, prefix: (
+        methods.GGUFMoEMethod(dense=True) if config is not None and config.method == "gguf"
+        else plain(config, prefix)))
+
+
+def logprobs(out) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt logprobs, the greedy tokens' logprobs) of one request."""
+    c = out.outputs[0]
+    return (torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]),
+            torch.tensor([d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]))
+
+
+# Bytes per expert weight as kept: aten's int4 pack (half a byte) plus a bfloat16
+# (scale, zero) per 32 inputs; 8-bit blocks are two nibbles over a doubled input.
+KEPT_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1 + 8 / 32}
+
+
+EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+TOP2 = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2,
+                      prompt_logprobs=0)
+
+
+@pytest.mark.parametrize("preset,qtype,down,layouts", [
+    ("tiny-mixtral", Q.Q4_0, None, ("int4", "int4")),
+    ("tiny-qwen3-moe", Q.Q4_1, None, ("int4", "int4")),
+    ("tiny-mixtral", Q.Q8_0, None, ("int8", "int8")),
+    ("tiny-qwen3-moe", Q.Q8_0, None, ("int8", "int8")),
+    ("tiny-qwen3-moe", Q.Q4_0, Q.Q8_0, ("int4", "int8")),
+], ids=["mixtral-q4_0", "qwen3-q4_1", "mixtral-q8_0", "qwen3-q8_0", "qwen3-q4_0-down-q8_0"])
+def test_experts_kept_in_blocks(tmp_path, monkeypatch, preset, qtype, down, layouts):
+    """The experts keep the file's blocks (packed int4; 8-bit blocks doubled), at the
+    packed size, and give the logprobs and greedy tokens of the same file with its experts
+    dequantized at load. Only the experts are quantized (the rest F32, so float32 logits),
+    and the two engines differ only in the experts' two matmuls, which the packed op
+    computes from bfloat16 activations with bfloat16 group scales and a bfloat16 output
+    (each a relative rounding of at most 2^-9: up to about 1% of an expert's output). On
+    these random models, whose logits span several units, that moves logprobs by up to
+    0.021 (measured over these cases); atol 0.04 allows for it, where a wrong nibble,
+    scale, zero or expert moves them by whole units. Greedy tokens agree until the
+    reference's top two are closer than twice that (random tiny models have near-ties),
+    after which the sequences may part."""
+    types = {k: qtype for k in EXPERTS} | ({"ffn_down_exps": down} if down else {})
+    _, cfg, path = make(tmp_path, preset, types=types)
+    ps = prompts()
+    kept = llm(path)
+    moe = experts_of(kept, preset)
+    assert (moe.quant_method.layouts["w13"], moe.quant_method.layouts["w2"]) == layouts
+    assert not hasattr(moe, "w13_weight") and not hasattr(moe, "w2_weight")
+    h, i, e = cfg["hidden_size"], moe.local_intermediate, moe.num_local_experts
+    stored = sum(t.numel() * t.element_size() for t in [*moe.parameters(), *moe.buffers()])
+    assert stored == e * h * i * (2 * KEPT_BYTES[layouts[0]] + KEPT_BYTES[layouts[1]])
+    if layouts == ("int4", "int4"):
+        assert stored < e * 3 * h * i * 2 / 2  # under half of bfloat16
+    got = kept.generate(ps, TOP2, use_tqdm=False)
+    del kept
+    dequantize_experts(monkeypatch)
+    dense = llm(path)
+    assert experts_of(dense, preset).w13_weight.dtype == torch.float32
+    want = dense.generate(ps, TOP2, use_tqdm=False)
+    atol = 0.04
+    for a, b in zip(got, want):
+        torch.testing.assert_close(logprobs(a)[0], logprobs(b)[0], atol=atol, rtol=0)
+        for ta, tb, la, lb in zip(a.outputs[0].token_ids, b.outputs[0].token_ids,
+                                  a.outputs[0].logprobs, b.outputs[0].logprobs):
+            top = sorted((x.logprob for x in lb.values()), reverse=True)
+            if ta != tb:
+                assert top[0] - top[1] < 2 * atol  # a near-tie: the sequences part here
+                break
+            assert abs(la[ta].logprob - lb[tb].logprob) <= atol
+
+
+def test_expert_parallel_ranks_keep_their_experts_blocks(tmp_path):
+    """Two gloo ranks, each holding half of the experts in their Q4_0 blocks, give one
+    rank's tokens and logprobs. The ranks' partial sums are added in another order than
+    one rank's (float32 ulps apart), and the next layer's bfloat16 activations may round
+    such an ulp a bfloat16 step (2^-8) apart: 0.005 measured, 0.02 allowed (F32 experts
+    agree to 2e-6; a rank running the wrong experts is off by whole units)."""
+    _, _, path = make(tmp_path, "tiny-qwen3-moe", types={k: Q.Q4_0 for k in EXPERTS})
+    ps = prompts()
+    one = llm(path)
+    want = one.generate(ps, TOP2, use_tqdm=False)
+    del one
+    with llm(path, tensor_parallel_size=2, enable_expert_parallel=True,
+             distributed_timeout=30) as ep:
+        moe = experts_of(ep, "tiny-qwen3-moe")
+        assert (moe.num_local_experts, moe.expert_start) == (4, 0)
+        assert moe.w13_q.shape[0] == 4 and moe.quant_method.layouts["w13"] == "int4"
+        got = ep.generate(ps, TOP2, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(logprobs(a), logprobs(b)):
+            torch.testing.assert_close(x, y, atol=0.02, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=["q4_0", "q4_1", "q4_k"])
+def test_4bit_blocks_map_onto_the_fused_kernels_int4_layout(qtype):
+    """CUDA's layout for 4-bit experts (``pack_int4_experts``: w = v * scale + offset,
+    offset = zero - 8 scale) holds GGUF's blocks: in float32 it dequantizes to gguf-py's
+    values (to float32 rounding of the offset; the model dtype rounds scales and offsets
+    further on the GPU)."""
+    from kvflow.kernels.fused_moe import dequantize_int4_experts
+    from kvflow.layers.moe.methods import GGUFMoEMethod
+    from kvflow.layers.quantization.ggml_blocks import to_int4_groups
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    if qtype == Q.Q4_K:  # no gguf-py quantizer: random blocks with sane d and dmin
+        raw = rng.integers(0, 256, (8, 512 // block * size), np.uint8)
+        blocks = raw.reshape(-1, size)
+        blocks[:, :4] = np.frombuffer(np.float16([0.01, 0.02]).tobytes(), np.uint8)
+    else:
+        raw = gguf.quants.quantize(rng.normal(0, 0.2, (8, 512)).astype(np.float32), qtype)
+    groups, exact = to_int4_groups(raw, 512, int(qtype))
+    method = GGUFMoEMethod()
+    method.dtype = torch.float32
+    half = [to_int4_groups(r, 512, int(qtype))[0] for r in (raw[:4], raw[4:])]
+    p = method._pack(half, "int4", cuda=True)  # two experts of 4 rows
+    got = dequantize_int4_experts(p["q"], p["scale"], p["offset"], 32).reshape(8, 512)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(8, 512))
+    assert exact
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("extra,tensors,field", [

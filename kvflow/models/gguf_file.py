@@ -224,23 +224,44 @@ def _dequantize(path: str, file: np.memmap, t: GGUFTensor, expert: int | None = 
     return np.array(data, dtype=np.float32).reshape(shape)
 
 
-def _expert_weights(path: str, file: np.memmap, t: GGUFTensor
+def _expert_weights(path: str, file: np.memmap, t: GGUFTensor, blocks: np.memmap | None
                     ) -> Iterator[tuple[str, torch.Tensor]] | None:
     """A llama.cpp expert tensor as per-expert Hugging Face tensors (``FusedMoE``'s loader
-    stacks them), dequantized to float32: kvflow has no GGUF method for the experts, so
-    they run in the model dtype (or are re-quantized by --quantization int8/int4).
-    None: ``t`` is not an expert tensor."""
+    stacks them): dequantized to float32 one expert at a time, or, with ``blocks`` (the
+    file mapped copy-on-write: writable views, nothing copied), as each expert's
+    ``qweight_type`` then ``qweight`` (its block rows, a view of the mapping) for the GGUF
+    expert method, which reads only its rank's experts. None: ``t`` is not an expert
+    tensor."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
     if m and m.group(2) in gguf_moe.STACKED_EXPERTS:  # [E, rows, cols]
         layer, proj = m.group(1), gguf_moe.STACKED_EXPERTS[m.group(2)]
-        return ((f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight",
-                 torch.from_numpy(_dequantize(path, file, t, e)))
-                for e in range(t.numpy_shape[0]))
-    if m := gguf_moe.PER_EXPERT.fullmatch(t.name):  # older Mixtral files
+        names = [(e, f"model.layers.{layer}.mlp.experts.{e}.{proj}.")
+                 for e in range(t.numpy_shape[0])]
+    elif m := gguf_moe.PER_EXPERT.fullmatch(t.name):  # older Mixtral files
         layer, proj, e = m.groups()
-        return iter([(f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight",
-                      torch.from_numpy(_dequantize(path, file, t)))])
-    return None
+        names = [(None, f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.")]
+    else:
+        return None
+    if blocks is None:
+        return ((name + "weight", torch.from_numpy(_dequantize(path, file, t, e)))
+                for e, name in names)
+    return _expert_blocks(path, blocks, t, names)
+
+
+def _expert_blocks(path: str, blocks: np.memmap, t: GGUFTensor,
+                   names: list[tuple[int | None, str]]) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    try:
+        qtype = gguf.GGMLQuantizationType(t.ggml_type)
+    except ValueError:
+        raise ModelLoadError(f"{path}: tensor {t.name} has unknown GGML type "
+                             f"{t.ggml_type}") from None
+    data = _tensor_data(path, blocks, t, qtype)
+    data = data.view(np.uint8).reshape(*data.shape[:-1], -1)  # F32/F16 rows as bytes too
+    for e, name in names:
+        yield name + "qweight_type", torch.tensor(int(t.ggml_type))
+        yield name + "qweight", torch.from_numpy(data if e is None else data[e])
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -257,8 +278,9 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig, keep_quantized: bool = F
     ``keep_quantized``: every matrix (linear layers, embedding, output) comes instead as
     ``<module>.qweight_type`` (0-d int64, its GGML type) then ``<module>.qweight`` (its
     raw block bytes, uint8 [rows, row_bytes], rows in Hugging Face order), for the GGUF
-    quantization method to repack; vectors (norms, biases) stay float32. A mixture of
-    experts' experts and routers always come dequantized (no GGUF method for them)."""
+    quantization method to repack; so does each expert of a mixture of experts (per
+    expert, ``experts.{e}.{gate,up,down}_proj.qweight*``, views of the mapped file);
+    vectors (norms, biases) and routers stay float32."""
     import gguf
 
     h = cached_gguf_header(path)
@@ -269,8 +291,9 @@ def iter_gguf_weights(path: str, arch: ModelArchConfig, keep_quantized: bool = F
     layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get("gemma" if gemma else a, {}),
                    **(gguf_moe.MOE_LAYER_NAMES if moe else {})}
     file = _file_bytes(path)
+    blocks = np.memmap(path, dtype=np.uint8, mode="c") if moe and keep_quantized else None
     for t in h.tensors:
-        if moe and (experts := _expert_weights(path, file, t)) is not None:
+        if moe and (experts := _expert_weights(path, file, t, blocks)) is not None:
             yield from experts
             continue
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)

@@ -34,8 +34,9 @@ from kvflow.models.llama import STACKED_PARAMS, LlamaAttention, LlamaMLP, model_
 # experts.{e}.<name>.weight -> the expert shard kind FusedMoE's loader takes
 _EXPERT_KINDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2",
                  "w1": "w1", "w3": "w3", "w2": "w2"}
+# (GGUF blocks kept: ``qweight_type`` then ``qweight`` per expert, for GGUFMoEMethod)
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
-                         r"\.weight$")
+                         r"\.(?:weight|qweight|qweight_type)$")
 # transformers' own stacked layout: experts.gate_up_proj [E, 2I, H], experts.down_proj
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 

@@ -105,15 +105,13 @@ def inputs_from_args(ns: argparse.Namespace):
 
 def stored_bytes_per_param(model: str) -> float | None:
     """A GGUF file's weights as stored (bytes per element over all its tensors): the
-    engine keeps those blocks quantized on CPU, so they, not ``--dtype``, fill memory.
-    None for a mixture of experts, whose experts are dequantized at load."""
+    engine keeps those blocks quantized on CPU, a mixture of experts' experts included,
+    so they, not ``--dtype``, fill memory."""
     from kvflow.models.registry import resolve_model
 
     resolved = resolve_model(model, "auto") if model.endswith(".gguf") or \
         model in ("smollm2-135m",) else None
     if resolved is None or resolved.load_format != "gguf":
-        return None
-    if resolved.arch.num_experts:  # the experts, most of the weights, load dequantized
         return None
     from kvflow.models.gguf_file import gguf_weight_bytes
 

@@ -16,24 +16,33 @@ shaped like linear layers' methods: ``create_weights``, ``process_weights_after_
   activations stay in the model dtype): on CUDA (compute capability 8.9+) the same
   kernel reading float8 tiles, channel scales in its epilogue; on CPU each active
   expert's weights are dequantized for its matmul (no float8 matmul there).
+- gguf (a GGUF file's expert blocks, kept: ``GGUFMoEMethod``): each expert converted
+  from its GGML blocks to ``Int4Groups`` (exact for Q4_0/Q4_1/Q4_K; Q8_0 exact as two
+  nibbles over a doubled input; other types requantized to that 8-bit form, as for
+  linear layers); on CPU ``aten._weight_int4pack_mm_for_cpu`` per active expert; on
+  CUDA, 4-bit experts go to the int4 layout of the fused kernel, others are dequantized
+  to the model dtype.
 
 Refused at load with the reason named: pre-quantized experts (GPTQ/AWQ/compressed-
-tensors/GGUF, and fp8 checkpoints: their expert scales have no loader) and fp8-block.
+tensors, and fp8 checkpoints: their expert scales have no loader) and fp8-block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvflow.errors import ModelLoadError
-from kvflow.layers.quantization.packed import (CPU_ACT_DTYPE, PackedInt4, int4_mm, int8_mm,
-                                               quantize_int4, quantize_int8)
+from kvflow.logger import init_logger
+from kvflow.layers.quantization.packed import (CPU_ACT_DTYPE, Int4Groups, PackedInt4, int4_mm,
+                                               int8_mm, quantize_int4, quantize_int8)
 
 ExpertMLP = Callable[[int, torch.Tensor], torch.Tensor]
+logger = init_logger(__name__)
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -217,6 +226,198 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
                               lambda e, r: F.linear(_silu_mul(F.linear(
                                   r, deq(q13[e], s13[e], r.dtype))), deq(q2[e], s2[e], r.dtype)))
 
+FOUR_BIT = (2, 3, 12)  # GGML Q4_0, Q4_1, Q4_K: affine 4-bit per 32, exact as Int4Groups
+PACK_VALUES = 1 << 24  # weight values converted before one pack call (an int32 copy: 64 MB)
+
+
+def _record_gguf_expert(layer, loaded: torch.Tensor, shard_id: tuple[int | None, str]
+                        ) -> None:
+    """Keep what the GGUF loader sends for one expert's projection: its GGML type (0-d)
+    or its block rows (uint8 [rows, row_bytes], a view of the mapped file: read when
+    converted). Other ranks' experts are dropped unread."""
+    expert, kind = shard_id
+    if expert is None or kind not in ("w1", "w3", "w2"):
+        raise ModelLoadError(f"{layer.prefix}: GGUF experts load one expert and projection "
+                             f"at a time (w1, w3, w2), got {kind!r}")
+    e = layer.local_expert(expert)
+    if e is None:
+        return
+    entry = layer._gguf_experts.setdefault((e, kind), {})
+    if loaded.dim() == 0:
+        entry["type"] = int(loaded)
+    elif loaded.dtype != torch.uint8 or loaded.dim() != 2:
+        raise ModelLoadError(f"{layer.prefix}: GGUF expert blocks must be uint8 [rows, "
+                             f"bytes], got {loaded.dtype} {tuple(loaded.shape)}")
+    else:
+        entry["raw"] = loaded.numpy()
+
+
+def _gguf_expert_part(layer, e: int, kind: str) -> tuple[int, np.ndarray]:
+    """(GGML type, this rank's block rows) of local expert ``e``'s projection ``kind``:
+    a tensor-parallel rank's slice of the intermediate dimension (w1/w3 rows, w2 whole
+    blocks of columns)."""
+    from kvflow.layers.quantization import ggml_blocks as gb
+
+    entry = layer._gguf_experts.get((e, kind), {})
+    if "type" not in entry or "raw" not in entry:
+        raise ModelLoadError(f"{layer.prefix}: expert {layer.expert_start + e} {kind} is "
+                             f"missing its GGUF data or type")
+    t, raw = entry["type"], entry["raw"]
+    h, full = layer.hidden_size, layer.intermediate_size
+    i, s = layer.local_intermediate, layer.inter_start
+    rows, cols = (h, full) if kind == "w2" else (full, h)
+    elems, nbytes = gb.block_size(t)
+    if cols % elems or raw.shape != (rows, cols // elems * nbytes):
+        raise ModelLoadError(f"{layer.prefix}: expert {layer.expert_start + e} {kind} has "
+                             f"{tuple(raw.shape)} bytes of {gb.type_name(t)}, expected "
+                             f"{rows} rows of {cols} inputs")
+    if kind != "w2":
+        return t, raw[s:s + i]
+    if s % elems or i % elems:
+        raise ModelLoadError(f"{layer.prefix}: a tensor-parallel slice of {i} of the "
+                             f"experts' {full} inputs splits {gb.type_name(t)} blocks of "
+                             f"{elems}; use --enable-expert-parallel")
+    return t, raw[:, s // elems * nbytes:(s + i) // elems * nbytes]
+
+
+class GGUFMoEMethod(UnquantizedMoEMethod):
+    """A GGUF file's experts kept in their blocks (``--quantization gguf``, the default
+    for a GGUF file on CPU).
+
+    The loader sends, per expert and projection (w1 gate, w3 up, w2 down), the GGML type
+    then the raw block rows; after loading each expert is converted alone
+    (``gguf.convert_shards``: ``Int4Groups``, exact for Q4_0/Q4_1/Q4_K, Q8_0 as two
+    nibbles over a doubled input, other types requantized to that 8-bit form; gate and
+    up may differ in type, the 4-bit one then widened) and packed:
+
+    - CPU: per projection, aten's int4 pack (``PackedInt4``; doubled when any expert's
+      projection is 8-bit), run per active expert by ``int4_mm``; a projection stored
+      dense in the file (F32/F16/BF16) stays dense in the model dtype.
+    - CUDA: when every projection is 4-bit, the fused kernel's int4 layout
+      (``pack_int4_experts``: w = v * scale + (zero - 8 scale), the scales and offsets
+      rounded to the model dtype); otherwise (Q8_0, K-quants other than Q4_K, dense) the
+      experts are dequantized into the model dtype, as before this method existed.
+
+    ``dense``: dequantize every expert into the model dtype whatever its type (the
+    reference the tests compare the blocks with)."""
+
+    name = "gguf"
+    group = 32  # every GGML block type is read as groups of 32 inputs
+
+    def __init__(self, dense: bool = False) -> None:
+        self.dense = dense
+        self.layouts: dict[str, str] = {}
+        """w13 / w2 -> "dense" (model dtype), "int4" or "int8" (doubled int4 pack)."""
+
+    def create_weights(self, layer, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.device = torch.empty(0).device  # the model is built under torch.device(...)
+        layer._gguf_experts = {}  # (local expert, w1 | w3 | w2) -> {"type", "raw"}
+        for pname in ("w13_weight", "w2_weight"):
+            p = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+            p.weight_loader = lambda _p, w, shard_id: _record_gguf_expert(layer, w, shard_id)
+            layer.register_parameter(pname, p)
+
+    def _layout(self, layer, kinds: tuple[str, ...]) -> str:
+        from kvflow.layers.quantization import ggml_blocks as gb
+
+        types = {layer._gguf_experts.get((e, k), {}).get("type")
+                 for e in range(layer.num_local_experts) for k in kinds}
+        if self.dense or types <= set(gb.DENSE_TYPES):
+            return "dense"
+        return "int4" if types <= set(FOUR_BIT) else "int8"
+
+    def process_weights_after_loading(self, layer) -> None:
+        from kvflow.layers.quantization.ggml_blocks import requantize8
+        from kvflow.layers.quantization.gguf import convert_shards, widen
+
+        projs = (("w13", ("w1", "w3"), layer.hidden_size),
+                 ("w2", ("w2",), layer.local_intermediate))
+        self.layouts = {p: self._layout(layer, kinds) for p, kinds, _ in projs}
+        cuda = self.device.type == "cuda"
+        if cuda and set(self.layouts.values()) != {"int4"}:
+            if not self.dense:
+                logger.info("%s: GGUF experts (%s) dequantized to %s: the fused kernel "
+                            "keeps only 4-bit blocks", layer.prefix,
+                            "/".join(self.layouts.values()), self.dtype)
+            self.layouts = {p: "dense" for p in self.layouts}
+        layer.gguf_types = []
+        n = layer.num_local_experts
+        for pname, kinds, cols in projs:
+            layout = self.layouts[pname]
+            out: dict[str, torch.Tensor] = {}
+            run: list = []  # converted experts not yet packed (from expert ``start``)
+            start = size = 0
+            for e in range(n):
+                w, names = convert_shards([_gguf_expert_part(layer, e, k) for k in kinds],
+                                          cols)
+                if e == 0:
+                    layer.gguf_types += names  # one GGUF tensor per projection
+                if layout != "dense":
+                    if isinstance(w, torch.Tensor):  # a dense expert among quantized ones
+                        w = requantize8(w)
+                    if layout == "int8" and not w.doubled:
+                        w = widen(w)
+                run.append(w)
+                size += w.numel() if isinstance(w, torch.Tensor) else w.values.numel()
+                if size < PACK_VALUES and e < n - 1:
+                    continue
+                for name, t in self._pack(run, layout, cuda).items():  # [len(run), ...]
+                    if name not in out:  # preallocated: no stacking copy of the layer
+                        out[name] = torch.empty((n, *t.shape[1:]), dtype=t.dtype,
+                                                device=self.device)
+                    out[name][start:start + len(run)].copy_(t)
+                start, run, size = start + len(run), [], 0
+            delattr(layer, f"{pname}_weight")  # the loader's placeholder
+            for name, t in out.items():
+                _set(layer, f"{pname}_{name}", t)
+        del layer._gguf_experts
+
+    def _pack(self, run: list, layout: str, cuda: bool) -> dict[str, torch.Tensor]:
+        """Consecutive experts' projections (``Int4Groups``, or dense float32 [N, K]) in
+        the layout ``apply`` reads, stacked [len(run), ...]: one pack call for them all
+        (aten's CPU pack costs ~30 ms a call whatever its size; rows pack alone)."""
+        m = len(run)
+        if layout == "dense":
+            return {"weight": torch.stack([w if isinstance(w, torch.Tensor)
+                                           else w.dequantize() for w in run]).to(self.dtype)}
+        g = Int4Groups.cat(run)  # [m N, K2]
+        if cuda:  # the fused kernel's layout: exact 4-bit only (checked by the layout)
+            from kvflow.kernels.fused_moe import pack_int4_experts
+
+            q, scale, offset = pack_int4_experts(g.values.view(m, -1, g.values.shape[1]),
+                                                 g.scale.view(m, -1, g.scale.shape[1]),
+                                                 g.zero.view(m, -1, g.zero.shape[1]),
+                                                 self.dtype)
+            return {"q": q, "scale": scale, "offset": offset}
+        p = PackedInt4(g)
+        rows = p.packed.shape[0] // m
+        sz = p.scale_zero.view(p.scale_zero.shape[0], m, rows, 2).transpose(0, 1)
+        return {"q": p.packed.view(m, rows, -1), "sz": sz}  # [m, N, K2/2], [m, K2/32, N, 2]
+
+    def _matmul(self, layer, pname: str) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        layout = self.layouts[pname]
+        if layout == "dense":
+            w = getattr(layer, f"{pname}_weight")
+            return lambda e, r: F.linear(r, w[e])
+        q, sz = getattr(layer, f"{pname}_q"), getattr(layer, f"{pname}_sz")
+        return lambda e, r: int4_mm(r, q[e], sz[e], self.group, layout == "int8")
+
+    def apply(self, layer, x, weights, ids):
+        if x.is_cuda:
+            from kvflow.kernels.fused_moe import fused_moe
+
+            if self.layouts["w13"] == "int4":
+                return fused_moe(x, layer.w13_q, layer.w2_q, weights, ids, layer.w13_scale,
+                                 layer.w2_scale, may_drop=layer.expert_parallel,
+                                 w13_offset=layer.w13_offset, w2_offset=layer.w2_offset,
+                                 w4_group=self.group)
+            return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids,
+                             may_drop=layer.expert_parallel)
+        mm13, mm2 = self._matmul(layer, "w13"), self._matmul(layer, "w2")
+        return routed_experts(x, weights, ids, layer.num_local_experts,
+                              lambda e, r: mm2(e, _silu_mul(mm13(e, r))))
+
 
 def moe_method(config, prefix: str) -> UnquantizedMoEMethod:
     """The experts' method of the MoE layer named ``prefix`` from the model's one
@@ -228,6 +429,8 @@ def moe_method(config, prefix: str) -> UnquantizedMoEMethod:
         return Int8MoEMethod()
     if kind == "int4":
         return Int4MoEMethod(config.group_size, config.symmetric)
+    if kind == "gguf":
+        return GGUFMoEMethod()
     if kind == "fp8" and config.prequantized:
         raise ModelLoadError(
             f"pre-quantized fp8 MoE checkpoints are not supported ({prefix}: the experts' "
@@ -240,4 +443,5 @@ def moe_method(config, prefix: str) -> UnquantizedMoEMethod:
     if kind == "fp8":
         return Fp8MoEMethod()
     raise ModelLoadError(f"quantization {kind!r} is not supported for MoE experts "
-                         f"({prefix}); use --quantization int8, int4, fp8 or none")
+                         f"({prefix}); use --quantization int8, int4, fp8, gguf (GGUF "
+                         f"files) or none")

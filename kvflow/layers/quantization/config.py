@@ -109,10 +109,8 @@ class QuantizationConfig:
         int4 or gguf."""
         if self.is_skipped(prefix):
             return "none"
-        if self.method == "gguf":
-            # A mixture of experts' experts (FusedMoE, named "<block>.experts") have no
-            # GGUF method: the loader dequantizes them and they run dense.
-            return "none" if prefix.endswith(".experts") else "gguf"
+        if self.method == "gguf":  # experts too (FusedMoE: moe.methods.GGUFMoEMethod)
+            return "gguf"
         if self.method in PREQUANTIZED or self.prequantized:  # decoder layers only
             return "none" if prefix == "lm_head" or prefix.endswith("embed_tokens") else (
                 self.method)

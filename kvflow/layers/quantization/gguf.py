@@ -76,7 +76,7 @@ def _dense_raw(raw: np.ndarray, cols: int, ggml_type: int) -> torch.Tensor:
         np.ascontiguousarray(raw).view(np.float32).reshape(raw.shape[0], cols).copy())
 
 
-def _convert(parts: list[tuple[int, np.ndarray]], cols: int
+def convert_shards(parts: list[tuple[int, np.ndarray]], cols: int
              ) -> tuple[Int4Groups | torch.Tensor, list[str]]:
     """Shards (type, bytes) -> one Int4Groups, or a dense float32 weight when every shard is
     stored dense; also the type names for the startup log."""
@@ -94,11 +94,11 @@ def _convert(parts: list[tuple[int, np.ndarray]], cols: int
         groups.append(g)
     if len({g.doubled for g in groups}) > 1:
         # 4-bit and 8-bit shards in one layer: widen the 4-bit ones (a zero high half).
-        groups = [g if g.doubled else _widen(g) for g in groups]
+        groups = [g if g.doubled else widen(g) for g in groups]
     return Int4Groups.cat(groups), names
 
 
-def _widen(g: Int4Groups) -> Int4Groups:
+def widen(g: Int4Groups) -> Int4Groups:
     """A 4-bit Int4Groups as a doubled one whose first half contributes exactly zero."""
     return Int4Groups(torch.cat([torch.full_like(g.values, 8), g.values], dim=1),
                       torch.cat([torch.zeros_like(g.scale), g.scale], dim=1),
@@ -177,7 +177,7 @@ class GGUFLinearMethod(LinearMethod):
                 "gguf-linear", cols, *[x for p in parts for x in p])
 
             def convert():  # the blocks stay the file's mapped pages until then
-                return _convert(parts, cols)
+                return convert_shards(parts, cols)
         if gpu.use_triton(self.device):
             src = None  # the cache holds CPU layouts; the Triton repack is another
         self.layout_src = src
@@ -306,7 +306,7 @@ class GGUFEmbeddingMethod:
                 for name, t in tensors.items():
                     set_param(layer, name, t)
                 return
-        weight, layer.gguf_types = _convert([part], layer.hidden_size)
+        weight, layer.gguf_types = convert_shards([part], layer.hidden_size)
         if isinstance(weight, torch.Tensor):
             self.doubled = None
             set_param(layer, "weight", weight.to(self.device, self.dtype))
