@@ -155,3 +155,35 @@ def test_delta_matches_the_reference(dtype, rank, sizes, k):
     tol = 1e-6 if dtype == torch.float32 else 8e-3  # one rounding of the output
     assert float((got.double() - want).abs().max() / want.abs().max()) < tol
     assert torch.equal(got[slot < 0], y[slot < 0])
+
+
+def test_targets_the_step_cannot_run_stay_eager(setup, caplog, monkeypatch):
+    """Where the step cannot add the deltas (why_no_lora: here a target it does not run)
+    the log says why, steps with adapter rows run eagerly through the LoRA wrapper, and
+    the tokens stay right."""
+    from types import SimpleNamespace
+
+    from kvflow.cpu import stack
+
+    d, loras, refs = setup
+    llm = LLM(str(d / "base"), enable_lora=True, max_lora_rank=8, max_model_len=64,
+              block_size=4, device="cpu", enforce_eager=True)
+    model = llm.engine.core.executor.runner.model
+    llm.shutdown()
+    odd = SimpleNamespace(kind="mlp.experts", index=0, layer=None, weights=None)
+    assert "mlp.experts" in stack.why_no_lora(model, [odd], torch.float32)
+    monkeypatch.setattr(cpu_step, "why_no_lora", lambda *a: "a target it does not run")
+    with caplog.at_level(logging.INFO, logger="kvflow"):
+        llm = LLM(str(d / "base"), enable_lora=True, max_lora_rank=8, max_model_len=64,
+                  block_size=4, device="cpu", max_loras=2)
+    assert "LoRA deltas off (a target it does not run)" in caplog.text
+    step = llm.engine.core.executor.runner.graphs
+    assert isinstance(step, cpu_step.CppDecodeStep) and step.num_lora == 0
+    eager = []
+    run_eager = step.run_eager
+    step.run_eager = lambda inputs: eager.append(1) or run_eager(inputs)
+    names, prompts = ["a", None, "c"], _prompts([9, 6, 13], seed=3)
+    for p, n, g in zip(prompts, names, _generate(llm, loras, names, prompts)):
+        assert g == hf_greedy(refs[n], p, N_TOKENS), n
+    assert eager
+    llm.shutdown()

@@ -334,7 +334,8 @@ class CppDecodeStep:
 
     def run_eager(self, inputs: StepInputs) -> torch.Tensor:
         """Any step eagerly; one this step would take (its owner runs it eager: adapter
-        rows, LoRA) first gets the Python plan its builder left to C++."""
+        rows whose LoRA deltas the step does not add, ``why_no_lora``) first gets the
+        Python plan its builder left to C++."""
         if inputs.meta.backend is CPP_PLAN:
             self._eager_builder.build(inputs.meta, inputs.positions)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
