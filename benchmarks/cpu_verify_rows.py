@@ -75,8 +75,10 @@ def main() -> int:
             emb = step.embed(torch.randint(0, 40000, (m,), generator=gen))
 
             def fwd():
-                none = cpu_step._NO_TREE  # no tree masks, no prompt rows
-                return step.step.forward(emb, pos, slots, qsl, lens, table, none, none, none)
+                none = cpu_step._NO_TREE  # no tree masks, no prompt rows, no LoRA rows
+                no_lora = cpu_step._NO_LORA
+                return step.step.forward(emb, pos, slots, qsl, lens, table, none, none, none,
+                                         no_lora, no_lora)
             h = fwd()
             inputs = []
             for q in gemvs:

@@ -230,7 +230,7 @@ def _one_step_both_ways(llm) -> tuple[list, list]:
     with torch.inference_mode():
         step.step.forward(step.embed(ids), pos, meta.slot_mapping, meta.query_start_loc,
                           meta.seq_lens, tables, cpu_step._NO_TREE, cpu_step._NO_TREE,
-                          cpu_step._NO_TREE)
+                          cpu_step._NO_TREE, cpu_step._NO_LORA, cpu_step._NO_LORA)
     return eager, written()
 
 

@@ -179,8 +179,9 @@ def run_lora_bench(ns: argparse.Namespace) -> int:
         "best": best, "ratio_vs_base": ratios, "ratio_vs_plain_engine": ratios_plain,
         "runs": runs, "swap": swap,
         "notes": "one engine with --enable-lora; base = requests without an adapter on it "
-                 "(CPU: the C++ step, adapter steps eager; CUDA: the same graphs, which "
-                 "hold the LoRA kernels and find no tiles); rounds alternate base and "
+                 "(CPU: the C++ step, which adds the adapter rows' deltas too; CUDA: the "
+                 "same graphs, which hold the LoRA kernels and find no tiles); rounds "
+                 "alternate base and "
                  "mixes; the best round counts; mixes assign adapters round-robin; "
                  "plain_engine = the base requests on a second engine without "
                  "--enable-lora, run after the first stops (not alternated with it)"})

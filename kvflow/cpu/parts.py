@@ -33,3 +33,7 @@ class StepParts:
     config: EngineConfig
     """The engine's configuration: --enforce-eager, the decoder layer count and batch
     bound of the compiled step, and the settings a recorded self-check is keyed on."""
+    lora: object | None = None
+    """With --enable-lora, the LoRA worker (kvflow/lora/worker.py): the C++ step reads
+    its slots (``slots.targets``) and per-step map (``slots.step``) and adds the deltas
+    itself, telling it so (``in_cpu_step``)."""

@@ -1,6 +1,7 @@
 """What the C++ CPU step reads from a model's decoder stack besides its linears: which
 stacks it can run (``why_unsupported``), each layer's attention (rotary table, score
-scale, sliding window, soft cap) and norms, and the embedding's scale.
+scale, sliding window, soft cap) and norms, the embedding's scale, and which LoRA
+targets it can add the deltas of (``why_no_lora``).
 
 Two layer shapes: Llama's (Llama, Mistral, Qwen2/3, Phi-3, SmolLM2: two RMSNorms,
 SiLU-mul) and Gemma's (Gemma 2/3: four norms of (1 + weight) in float32, GeGLU with the
@@ -44,10 +45,41 @@ def _special(attn: Attention) -> bool:
         attn.own_rotary
 
 
+def step_linears(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+    """The four linears of a decoder layer the step runs, in its order."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)
+
+
+# A LoRA target (kvflow/lora/slots.py's layer names) -> its index in step_linears.
+LORA_LINEARS = {"self_attn.qkv_proj": 0, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2,
+                "mlp.down_proj": 3}
+
+
+def why_no_lora(model: nn.Module, targets: list, dtype: torch.dtype) -> str | None:
+    """Why the step cannot add these LoRA targets' deltas itself (None: it can); then
+    steps with adapter rows run eager (the LoRA wrapper), the others still in C++.
+    ``targets``: LoRASlots.targets (layer index, kind, the wrapped layer, its slots);
+    ``dtype``: the step's activation dtype."""
+    layers = model.model.layers
+    for t in targets:
+        which = LORA_LINEARS.get(t.kind)
+        if which is None or not 0 <= t.index < len(layers):
+            return f"a LoRA target the step does not run ({t.kind} of layer {t.index})"
+        if step_linears(layers[t.index])[which] is not t.layer:
+            return f"LoRA target {t.kind} of layer {t.index} is not the linear the step runs"
+        w = t.weights
+        if w.a.dtype != dtype or w.a.device.type != "cpu":
+            return f"LoRA slots of {w.a.dtype} on {w.a.device} for {dtype} activations"
+    return None
+
+
 def why_unsupported(model: nn.Module, kv_caches: torch.Tensor,
                     speculative=None) -> str | None:
     """Why this model and cache cannot run the C++ step (None: it can). The caller runs
-    it on one rank only; ``speculative``: the engine's SpeculativeConfig or None."""
+    it on one rank only; ``speculative``: the engine's SpeculativeConfig or None. LoRA
+    does not keep a model off the step: the step adds the deltas (``why_no_lora`` says
+    when it cannot, and then only steps with adapter rows run eager)."""
     quants = {m.kv_quant.kind for m in model.modules()
               if isinstance(m, Attention) and m.kv_quant is not None}
     if len(quants) > 1:

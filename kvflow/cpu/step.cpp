@@ -91,12 +91,27 @@ struct Linear {
   }
 };
 
+// One adapted linear's LoRA slots: the live buffers of kvflow/lora/layers.py's
+// LoRAWeights, which slots.py overwrites in place when an adapter moves into a slot (so
+// these tensors share their storage; nothing is copied here). Slice i of the output is
+// columns offsets[i] .. offsets[i] + sizes[i] (q/k/v, gate/up); its A rows are
+// i * rank .. i * rank + r of a slot, its B columns 0 .. r (r: the slot's rank; both
+// zero past it). The scale is folded into B.
+struct LoraLinear {
+  at::Tensor a;  // [S, slices * rank, K], the activation dtype
+  at::Tensor b;  // [S, N, rank]
+  std::vector<int64_t> offsets, sizes;
+  int64_t rank = 0;
+  bool on() const { return a.defined(); }
+};
+
 struct Layer {
   at::Tensor in_norm, post_norm;  // [E]: before attention, before the MLP
   // Optional (undefined: none): per-head q and k norms [D] (Qwen3, Gemma 3), and
   // Gemma's norms of the attention and MLP outputs [E] before their residual adds.
   at::Tensor q_norm, k_norm, attn_out_norm, mlp_out_norm;
   Linear qkv, o, gate_up, down;
+  LoraLinear lora[4];  // the adapters' slots of qkv, o, gate_up, down (set_lora)
   at::Tensor cos_sin;  // this layer's rotary table [max_pos, D] float32 = (cos|sin)
   float scale = 1.f;  // the scores' scale (head_dim^-0.5, Gemma's query_pre_attn_scalar)
   int64_t window = 0;  // keys a query sees, itself included (0: all)
@@ -383,6 +398,127 @@ void add_into(const T* a, T* acc, int64_t n) {
     acc[i] = round_to<T>(static_cast<float>(a[i]) + static_cast<float>(acc[i]));
 }
 
+// A step's adapter rows grouped by slot (forward's lora_slots): each group's rows run
+// one small GEMM pair per adapted linear.
+struct LoraGroup {
+  int64_t slot, rank;
+  std::vector<int64_t> rows;  // ascending
+  bool contiguous() const { return rows.back() - rows.front() + 1 == (int64_t)rows.size(); }
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The horizontal sums of v[0..7], in that order, as one vector.
+inline __m256 hsum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+// out[j] = xa . b row j (rows ldb apart) for j in [0, n), over the first r of each:
+// the expand of one LoRA row, r being tiny (the rank). With AVX2, 8 outputs at a time
+// over r8 = r rounded up to 8 (the caller passes r8 <= ldb: A and B are zero past the
+// slot's rank, so the extra products are exact zeros), their 8 sums reduced together.
+inline void lora_expand_row(const float* xa, const float* b, int64_t ldb, int64_t r,
+                            int64_t r8, int64_t n, float* out) {
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (r8 % 8 == 0 && r8 <= ldb)
+    for (; j + 8 <= n; j += 8) {
+      __m256 acc[8];
+      for (int q = 0; q < 8; ++q) acc[q] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < r8; c += 8) {
+        const __m256 xv = _mm256_loadu_ps(xa + c);
+        for (int q = 0; q < 8; ++q)
+          acc[q] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(b + (j + q) * ldb + c), acc[q]);
+      }
+      _mm256_storeu_ps(out + j, hsum8(acc));
+    }
+#endif
+  for (; j < n; ++j) out[j] = dot_f32(xa, b + j * ldb, r);
+}
+
+// y [T, N] += each adapter row's delta from x [T, K] (both the activation dtype T):
+// per group of rows of one slot, xa = x A_s^T (every slice, cut at the slot's rank) in
+// float32, then per slice y[:, slice] += xa_i B_s,i^T, summed in float32 and rounded to
+// T once (the eager path's add_lora_delta computes the same products in T).
+template <typename T>
+void add_lora(const LoraLinear& lo, const at::Tensor& x, at::Tensor& y,
+              const std::vector<LoraGroup>& groups) {
+  const int64_t k = x.size(1), n_out = y.size(1), ns = (int64_t)lo.sizes.size();
+  const int64_t R = lo.rank, ld = ns * R;
+  TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && k == lo.a.size(2) &&
+                  n_out == lo.b.size(1) && y.size(0) == x.size(0),
+              "DecodeStep: LoRA slots do not fit the layer's activations");
+  TORCH_CHECK(lo.a.scalar_type() == x.scalar_type() && y.scalar_type() == x.scalar_type(),
+              "DecodeStep: LoRA slots of dtype ", lo.a.scalar_type(), " for activations of ",
+              x.scalar_type());
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const T* a_all = lo.a.data_ptr<T>();
+  const T* b_all = lo.b.data_ptr<T>();
+  for (const LoraGroup& g : groups) {
+    const int64_t n = (int64_t)g.rows.size(), r = g.rank;
+    if (r == 0) continue;
+    TORCH_CHECK(r <= R, "DecodeStep: a slot of rank ", r, " over LoRA slots of rank ", R);
+    const int64_t r8 = std::min<int64_t>(R, (r + 7) / 8 * 8);
+    // The group's rows of x and the slot's A and B as float32 (a float32 model: in place).
+    std::vector<float> xbuf, abuf, bbuf;
+    const float *xg, *ag, *bg;
+    const T* as = a_all + g.slot * ld * k;
+    const T* bs = b_all + g.slot * n_out * R;
+    if constexpr (std::is_same_v<T, float>) {
+      ag = as;
+      bg = bs;
+      if (g.contiguous()) xg = xp + g.rows.front() * k;
+    } else {
+      abuf.assign(as, as + ld * k);  // converted element by element
+      bbuf.assign(bs, bs + n_out * R);
+      ag = abuf.data();
+      bg = bbuf.data();
+    }
+    if (!std::is_same_v<T, float> || !g.contiguous()) {
+      xbuf.resize(n * k);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t c = 0; c < k; ++c)
+          xbuf[i * k + c] = static_cast<float>(xp[g.rows[i] * k + c]);
+      xg = xbuf.data();
+    }
+    // Shrink: xa [n, ns * R] (zero past the rank), row blocks over the threads.
+    std::vector<float> xa(n * ld, 0.f);
+    const int64_t row_grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, k * ns * r));
+    at::parallel_for(0, n, row_grain, [&](int64_t i0, int64_t i1) {
+      // Every (row, rank) sum is dot_f32's whatever the tile: a row's delta is its own.
+      for (int64_t s = 0; s < ns; ++s) {
+        float* out = xa.data() + i0 * ld + s * R;
+        if (i1 - i0 <= 5)
+          linear_span_f32<1>(xg + i0 * k, i1 - i0, k, ag + s * R * k, 0, r, out, ld);
+        else
+          linear_span_f32<kTileCols>(xg + i0 * k, i1 - i0, k, ag + s * R * k, 0, r, out, ld);
+      }
+    });
+    // Expand: per slice, blocks of 8 output columns over the threads.
+    for (int64_t s = 0; s < ns; ++s) {
+      const int64_t off = lo.offsets[s], cols = lo.sizes[s];
+      const int64_t blocks = (cols + 7) / 8;
+      const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, 8 * n * r8));
+      at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+        const int64_t j0 = b0 * 8, j1 = std::min(cols, b1 * 8);
+        std::vector<float> d(j1 - j0);
+        for (int64_t i = 0; i < n; ++i) {
+          lora_expand_row(xa.data() + i * ld + s * R, bg + (off + j0) * R, R, r, r8, j1 - j0,
+                          d.data());
+          T* yr = yp + g.rows[i] * n_out + off + j0;
+          for (int64_t j = 0; j < j1 - j0; ++j)
+            yr[j] = round_to<T>(static_cast<float>(yr[j]) + d[j]);
+        }
+      });
+    }
+  }
+}
+
 class DecodeStep {
  public:
   DecodeStep(std::vector<at::Tensor> norms, std::vector<at::Tensor> dense,
@@ -463,9 +599,14 @@ class DecodeStep {
   // the int8-activation GEMV: a prompt is computed once and every later token attends
   // to its K/V, so its rows keep the finer rounding (on SmolLM2 int8 activations on the
   // prompt turn near ties of the first tokens, as they do in llama.cpp).
+  //
+  // lora_slots [T] int32 (empty: no adapter rows) and lora_ranks [S] int32: each row's
+  // LoRA slot (-1: the base model) and each slot's rank; every adapted linear (set_lora)
+  // adds its delta to the rows of a slot (add_lora).
   at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slots,
                      at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor block_tables,
-                     at::Tensor tree_bits, at::Tensor tree_start, at::Tensor prompt_rows) {
+                     at::Tensor tree_bits, at::Tensor tree_start, at::Tensor prompt_rows,
+                     at::Tensor lora_slots, at::Tensor lora_ranks) {
     hidden = hidden.contiguous();
     block_tables = block_tables.contiguous();
     TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
@@ -515,11 +656,33 @@ class DecodeStep {
         TORCH_CHECK(rows.gen.numel() + p == t, "DecodeStep: prompt_rows repeat");
       }
     }
+    std::vector<LoraGroup> lora;
+    if (lora_slots.numel()) {
+      TORCH_CHECK(lora_slots.scalar_type() == at::kInt && lora_slots.numel() == t &&
+                      lora_ranks.scalar_type() == at::kInt && lora_ranks.numel() == lora_slots_,
+                  "DecodeStep: lora_slots [T] int32 and lora_ranks [S] int32 over the ",
+                  lora_slots_, " slots set_lora was given");
+      lora_slots = lora_slots.contiguous();
+      lora_ranks = lora_ranks.contiguous();
+      const int32_t* ts = lora_slots.data_ptr<int32_t>();
+      const int32_t* rk = lora_ranks.data_ptr<int32_t>();
+      std::vector<int64_t> at_slot(lora_slots_, -1);  // index into lora per slot
+      for (int64_t i = 0; i < t; ++i) {
+        const int32_t sl = ts[i];
+        if (sl < 0) continue;
+        TORCH_CHECK(sl < lora_slots_, "DecodeStep: LoRA slot ", sl, " of ", lora_slots_);
+        if (at_slot[sl] < 0) {
+          at_slot[sl] = (int64_t)lora.size();
+          lora.push_back(LoraGroup{sl, rk[sl], {}});
+        }
+        lora[at_slot[sl]].rows.push_back(i);
+      }
+    }
     at::Tensor out;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(),
                                     "kvflow_decode_step", [&] {
       out = run<scalar_t>(hidden, positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
-                          tok_req, tok_ctx, max_ctx, block_tables, mask, rows);
+                          tok_req, tok_ctx, max_ctx, block_tables, mask, rows, lora);
     });
     return out;
   }
@@ -564,6 +727,49 @@ class DecodeStep {
     }
   }
 
+  // Layer `layer`'s linear `which` (0 qkv, 1 o, 2 gate_up, 3 down) adds LoRA deltas
+  // from these slots: a [S, slices * R, K] and b [S, N, R] (LoRAWeights' live a and
+  // b_all, read in place at every step), the slices' output sizes in order.
+  void set_lora(int64_t layer, int64_t which, at::Tensor a, at::Tensor b,
+                std::vector<int64_t> sizes) {
+    TORCH_CHECK(layer >= 0 && layer < (int64_t)layers_.size() && which >= 0 && which < 4,
+                "DecodeStep.set_lora: layer ", layer, " linear ", which);
+    const int64_t ns = (int64_t)sizes.size();
+    TORCH_CHECK(ns > 0 && a.dim() == 3 && b.dim() == 3 && a.is_contiguous() &&
+                    b.is_contiguous() && a.size(0) == b.size(0) && a.size(1) % ns == 0 &&
+                    b.size(2) == a.size(1) / ns && a.scalar_type() == b.scalar_type(),
+                "DecodeStep.set_lora: a [S, slices * R, K] and b [S, N, R], contiguous, "
+                "one dtype");
+    TORCH_CHECK(lora_slots_ == 0 || lora_slots_ == a.size(0),
+                "DecodeStep.set_lora: every layer has the same slots");
+    LoraLinear lo;
+    lo.rank = b.size(2);
+    int64_t off = 0;
+    for (int64_t n : sizes) {
+      lo.offsets.push_back(off);
+      off += n;
+    }
+    TORCH_CHECK(off == b.size(1), "DecodeStep.set_lora: slices of ", off, " columns, b has ",
+                b.size(1));
+    const Linear* lins[4] = {&layers_[layer].qkv, &layers_[layer].o, &layers_[layer].gate_up,
+                             &layers_[layer].down};
+    const int64_t n_out = lins[which]->out_features();
+    TORCH_CHECK(n_out == 0 || n_out == off, "DecodeStep.set_lora: ", off,
+                " LoRA columns for a linear of ", n_out);
+    lo.sizes = std::move(sizes);
+    lo.a = a;
+    lo.b = b;
+    layers_[layer].lora[which] = std::move(lo);
+    lora_slots_ = a.size(0);
+  }
+
+  int64_t num_lora() const {
+    int64_t c = 0;
+    for (const Layer& L : layers_)
+      for (const LoraLinear& lo : L.lora) c += lo.on();
+    return c;
+  }
+
   std::string kv_cache_kind() const {
     return kv_kind_ == KVKind::kInt8 ? "int8" : kv_kind_ == KVKind::kFp8 ? "fp8" : "model";
   }
@@ -605,7 +811,7 @@ class DecodeStep {
   at::Tensor run(const at::Tensor& hidden_in, const int64_t* pos, const int64_t* slots,
                  const std::vector<int32_t>& tok_req, const std::vector<int32_t>& tok_ctx,
                  int32_t max_ctx, const at::Tensor& tables, const Mask& mask,
-                 const PromptRows& rows) {
+                 const PromptRows& rows, const std::vector<LoraGroup>& lora) {
     const int64_t t = hidden_in.size(0), e = hidden_in.size(1);
     const float eps = static_cast<float>(eps_);
     at::Tensor residual = hidden_in.clone();  // the residual stream [T, E]
@@ -627,6 +833,7 @@ class DecodeStep {
       if (li > 0) add_into<T>(hidden.data_ptr<T>(), res, t * e);
       norm_rows<T>(L.in_norm, res, normed.data_ptr<T>(), t, e, eps);
       at::Tensor qkv = lin(normed, L.qkv, qkv_buf, rows);  // [T, (H + 2 KVH) D]
+      if (!lora.empty() && L.lora[0].on()) add_lora<T>(L.lora[0], normed, qkv, lora);
       if (L.q_norm.defined()) {  // per head, before rotary
         const int64_t width = qkv.size(1);
         T* q = qkv.data_ptr<T>();
@@ -647,6 +854,7 @@ class DecodeStep {
         attention<T>(L, qkv, pos, slots, tok_req, tok_ctx, from, max_ctx, tables, mask,
                      attn_buf);  // [T, H D]
       hidden = lin(attn_buf, L.o, o_buf, rows);  // [T, E]
+      if (!lora.empty() && L.lora[1].on()) add_lora<T>(L.lora[1], attn_buf, hidden, lora);
       if (L.attn_out_norm.defined()) {  // Gemma: the output normed before its add
         norm_rows<T>(L.attn_out_norm, hidden.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
         hidden = normed;
@@ -654,11 +862,13 @@ class DecodeStep {
       add_into<T>(hidden.data_ptr<T>(), res, t * e);
       norm_rows<T>(L.post_norm, res, normed.data_ptr<T>(), t, e, eps);
       at::Tensor gu = lin(normed, L.gate_up, gu_buf, rows);  // [T, 2 I]
+      if (!lora.empty() && L.lora[2].on()) add_lora<T>(L.lora[2], normed, gu, lora);
       if (!act_buf.defined() || act_buf.size(1) != gu.size(1) / 2)
         act_buf = at::empty({t, gu.size(1) / 2}, opts);
       if (gelu_) gelu_tanh_mul<T>(gu, act_buf);
       else silu_mul<T>(gu, act_buf);
       hidden = lin(act_buf, L.down, down_buf, rows);  // [T, E]
+      if (!lora.empty() && L.lora[3].on()) add_lora<T>(L.lora[3], act_buf, hidden, lora);
       if (L.mlp_out_norm.defined()) {  // added at the next layer's start (or below)
         norm_rows<T>(L.mlp_out_norm, hidden.data_ptr<T>(), normed.data_ptr<T>(), t, e, eps);
         hidden = normed;
@@ -923,6 +1133,7 @@ class DecodeStep {
   }
 
   KVKind kv_kind_ = KVKind::kModel;
+  int64_t lora_slots_ = 0;  // LoRA slots per adapted linear (set_lora; 0: none)
   std::vector<Layer> layers_;
   at::Tensor final_norm_;
   int64_t h_, kvh_, d_;
@@ -942,6 +1153,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<at::Tensor>, bool, std::string>())
       .def("forward", &DecodeStep::forward)
       .def("set_kv_quant", &DecodeStep::set_kv_quant)
+      .def("set_lora", &DecodeStep::set_lora)
+      .def_property_readonly("num_lora", &DecodeStep::num_lora)
       .def_property_readonly("kv_cache_kind", &DecodeStep::kv_cache_kind)
       .def_property_readonly("num_int4", &DecodeStep::num_int4)
       .def_property_readonly("num_layers", &DecodeStep::num_layers);
@@ -952,6 +1165,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return y;
   }, "cpu/int4.cpp's GEMV: x [M <= 16, K] float32 -> [M, N] float32 (for tests)");
   m.def("int4_gemv_simd", &kvflow::int4_gemv_simd);
+  m.def("add_lora", [](const at::Tensor& x, at::Tensor y, const at::Tensor& a,
+                       const at::Tensor& b, std::vector<int64_t> sizes,
+                       const at::Tensor& token_slot, const at::Tensor& ranks) {
+    LoraLinear lo;
+    lo.a = a.contiguous();
+    lo.b = b.contiguous();
+    lo.rank = b.size(2);
+    int64_t off = 0;
+    for (int64_t n : sizes) {
+      lo.offsets.push_back(off);
+      off += n;
+    }
+    lo.sizes = sizes;
+    std::vector<LoraGroup> groups;
+    const int32_t* ts = token_slot.data_ptr<int32_t>();
+    for (int64_t s = 0; s < a.size(0); ++s) {
+      LoraGroup g{s, ranks.data_ptr<int32_t>()[s], {}};
+      for (int64_t i = 0; i < token_slot.numel(); ++i)
+        if (ts[i] == s) g.rows.push_back(i);
+      if (!g.rows.empty()) groups.push_back(std::move(g));
+    }
+    at::Tensor xc = x.contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_lora",
+                                    [&] { add_lora<scalar_t>(lo, xc, y, groups); });
+    return y;
+  }, "the step's LoRA delta: y [T, N] += x [T, K]'s rows' deltas from slots a "
+     "[S, slices * R, K], b [S, N, R] at each row's slot (token_slot [T] int32, -1: none; "
+     "ranks [S] int32), in place (for tests)");
   m.def("linear_f32", [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
     TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) &&
                     x.size(0) <= kvflow::kMaxGemvRows && x.scalar_type() == at::kFloat &&

@@ -37,11 +37,12 @@ import torch
 from torch import nn
 
 from kvflow import envs
+from kvflow.config import torch_dtype
 from kvflow.cpu import verdict as cpu_verdict
 from kvflow.cpu.kernels import build
 from kvflow.cpu.kernels.build import find_compiler
 from kvflow.cpu.parts import StepParts
-from kvflow.cpu.stack import embedder, stack_args, why_unsupported
+from kvflow.cpu.stack import embedder, stack_args, step_linears, why_no_lora, why_unsupported
 from kvflow.errors import KvflowError
 from kvflow.layers.attention import AttentionMetadata, eager_reason
 from kvflow.layers.attention.metadata import TreeAttention
@@ -63,6 +64,7 @@ EXTENSION = "kvflow_cpu_step"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 _NO_TREE = torch.empty(0, dtype=torch.int64)  # forward's tree arguments for steps without one
+_NO_LORA = torch.empty(0, dtype=torch.int32)  # forward's LoRA arguments: no adapter rows
 # The int8-activation GEMV against float64 (gemv_error): rounding the activations to
 # int8 per block of 32 costs ~0.5% of the output's scale on random rows; a wrong layout
 # or kernel is off by order one.
@@ -214,8 +216,7 @@ class CppDecodeStep:
         self._int4_linears: list[nn.Module] = []
         for layer in inner.layers:
             attn = layer.self_attn
-            for lin in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
-                        layer.mlp.down_proj):
+            for lin in step_linears(layer):
                 wb, fn, q, meta = _linear_args(lin)
                 dense += wb
                 fns.append(fn)
@@ -256,6 +257,22 @@ class CppDecodeStep:
         self.hidden_size = cfg.hidden_size
         self.num_int4 = self.step.num_int4
         self.module = module
+        self.lora_map = None  # the LoRA step map (LoRAStepMap) once attach_lora ran
+        self.num_lora = 0  # linears whose LoRA deltas the step adds
+
+    def attach_lora(self, lora) -> None:
+        """Add the LoRA deltas in C++ (``lora``: the LoRA worker; why_no_lora passed):
+        every target's slots go to the step as they are (the tensors adapters are
+        written into, read in place at each step), each step's row -> slot map is read
+        from the worker's step map, and the worker stops sending adapter steps eager."""
+        from kvflow.cpu.stack import LORA_LINEARS
+
+        for t in lora.slots.targets:
+            w = t.weights
+            self.step.set_lora(t.index, LORA_LINEARS[t.kind], w.a, w.b_all, w.out_sizes)
+        self.lora_map = lora.slots.step
+        self.num_lora = self.step.num_lora
+        lora.in_cpu_step = True
 
     def _set_kv_quant(self, quants: list) -> str | None:
         """Hand a quantized cache's scales to C++ (int8: each layer's scale tensor, fp8:
@@ -308,13 +325,17 @@ class CppDecodeStep:
         bits, start = (tree.bits, tree.start) if tree is not None and any(tree.sizes_cpu) \
             else (_NO_TREE, _NO_TREE)
         prompt = _NO_TREE if inputs.prompt_rows is None else inputs.prompt_rows
+        lora = self.lora_map
+        slots, ranks = (_NO_LORA, _NO_LORA) if lora is None or lora.token_slot is None \
+            else (lora.token_slot, lora.slot_rank)
         return self.step.forward(self.embed(inputs.input_ids), inputs.positions,
                                  meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-                                 meta.block_tables, bits, start, prompt)
+                                 meta.block_tables, bits, start, prompt, slots, ranks)
 
     def run_eager(self, inputs: StepInputs) -> torch.Tensor:
         """Any step eagerly; one this step would take (its owner runs it eager: adapter
-        rows, LoRA) first gets the Python plan its builder left to C++."""
+        rows whose LoRA deltas the step does not add, ``why_no_lora``) first gets the
+        Python plan its builder left to C++."""
         if inputs.meta.backend is CPP_PLAN:
             self._eager_builder.build(inputs.meta, inputs.positions)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
@@ -464,7 +485,7 @@ class CppDecodeStep:
                                                                       meta.tree.start)
         got = self.step.forward(self.embed(ids), pos, meta.slot_mapping,
                                 meta.query_start_loc, meta.seq_lens, tables, bits,
-                                start, _NO_TREE).float()
+                                start, _NO_TREE, _NO_LORA, _NO_LORA).float()
         if self.kv_kind is not None:
             step_kv = self._written_kv(blocks, meta.slot_mapping)
             scale = eager_kv.abs().amax(dim=(1, 2, 3, 4)).clamp_min(1e-6)  # per layer
@@ -624,13 +645,23 @@ def cpu_decode_step(parts: StepParts, label: str = ""):
                                 "write_error": step.write_error,
                                 "eager_error": step.eager_error})
     head = step.head_gemv(True)
+    lora_note = ""
+    if parts.lora is not None:
+        why_lora = why_no_lora(parts.model, parts.lora.slots.targets,
+                               torch_dtype(cfg.model.dtype))
+        if why_lora is None:
+            step.attach_lora(parts.lora)
+            lora_note = f"; LoRA deltas of {step.num_lora} linears"
+        else:
+            logger.info("%sC++ CPU decode step: LoRA deltas off (%s): steps with adapter "
+                        "rows run eagerly", label, why_lora)
     logger.info("%sC++ CPU decode step: %d decoder layers in one call (%d quantized linears "
                 "called back, %d of them by its own 4-bit GEMV%s%s; %s KV "
-                "cache), every step; built/loaded in %.1f s (%s), self-check%s "
+                "cache%s), every step; built/loaded in %.1f s (%s), self-check%s "
                 "relative error %.1e (GEMV %.1e%s)", label, step.num_layers, step.num_callbacks,
                 step.num_int4, ", the lm_head too" if head else "",
                 f", {step.num_int8_act} on int8 activations ({step.module.q8_gemv_isa()})"
-                if step.num_int8_act else "", step.kv_kind or "model-dtype",
+                if step.num_int8_act else "", step.kv_kind or "model-dtype", lora_note,
                 seconds, build_root(), " (recorded at an earlier start of this build, model "
                 "and configuration)" if record is not None else "", error, gemv_error, f"; over eager's own K/V {step.eager_error:.1e}, stored K/V "
                 f"{step.write_error:.1e}" if step.kv_kind else "")

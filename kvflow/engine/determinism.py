@@ -38,8 +38,11 @@ def _cpu_mode(config: EngineConfig, runner) -> tuple[str, str]:
     if not isinstance(graphs, CppDecodeStep):
         return VARIANT, ("the eager CPU path (the log says why the C++ step is off), whose "
                          "GEMMs may sum a row differently by batch size")
-    if config.lora is not None:
+    lora = getattr(runner, "lora", None)
+    if config.lora is not None and not (lora is not None and lora.in_cpu_step):
         return VARIANT, "LoRA: steps with adapter rows run the eager CPU path"
+    # (LoRA in the C++ step: a row's delta is summed in an order of its own, whatever
+    # the rows and adapters beside it, cpu/step.cpp's add_lora.)
     # Every decoder linear on the int8-activation GEMV, whose row sums are a row's own
     # for any number of rows (prompt rows: the bf16 int4 GEMM, row-invariant too). Dense
     # float32 layers and the float32-activation GEMV take a GEMV up to 16 rows and a
@@ -68,7 +71,7 @@ def determine(config: EngineConfig, runner) -> Determinism:
             raise InvalidParameterError(
                 f"--deterministic: this engine's CPU steps run {why}, so outputs can "
                 f"change with the batch; batch invariance on CPU needs the C++ step on "
-                f"every step (one rank, a Llama-family model, a C++ compiler, no LoRA)",
+                f"every step (one rank, a Llama-family model, a C++ compiler)",
                 param="deterministic")
     return Determinism(mode, why, fingerprint(config, mode))
 

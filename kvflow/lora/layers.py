@@ -9,14 +9,16 @@ this rank's output rows; a row-parallel layer holds a slice of the inputs, so A 
 those columns and the partial delta joins the partial output in the all-reduce the base
 already does (the delta is linear in x).
 
-Steps without adapter rows go straight to the base method (its fused decode paths, the
-C++ step); steps with some, and CUDA graphs captured with LoRA, run the unfused path
-plus the delta. The delta:
+Steps without adapter rows go straight to the base method (its fused decode paths);
+steps with some, and CUDA graphs captured with LoRA, run the unfused path plus the
+delta. The C++ CPU step computes the deltas itself from these slots (``LoRAWeights``'
+tensors read in place, the step map's ``token_slot``; kvflow/cpu/step.py), so on the
+CPU this wrapper serves only steps that run eager. The delta here:
 on CUDA two launches per layer over all the step's rows (``kvflow.kernels.lora``:
 ``LoRAStepMap.tiles``, which CUDA graphs replay too): the shrink a dense GEMM over every
 slot's A for steps of few rows over a long input (down_proj), else a segmented Triton
-kernel, then a Triton expand; on the CPU a grouped matmul per adapter (``LoRAStepMap.groups``), which
-is the CPU's vectorized path.
+kernel, then a Triton expand; on the CPU a grouped matmul per adapter
+(``LoRAStepMap.groups``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class LoRAStepMap:
     # (slot, rows, rank): rows a slice (one contiguous run) or an index tensor [n]
     groups: list[tuple[int, slice | torch.Tensor, int]] = field(default_factory=list)
     max_rank: int = 0
+    # The C++ CPU step's inputs (kvflow/cpu/step.py), set with the groups on the CPU:
+    # each row's slot ([T] int32, -1: the base model) and each slot's rank ([S] int32);
+    # None when no row uses an adapter.
+    token_slot: torch.Tensor | None = None
+    slot_rank: torch.Tensor | None = None
     tiles: LoRATiles | None = None  # the Triton kernels' rows by slot (device buffers)
 
     @property

@@ -33,6 +33,9 @@ class LoRAWorker:
         self.max_tokens = config.scheduler.max_num_batched_tokens
         self._inputs = None  # LoRAKernelInputs, made on first use
         self.graph_tokens = 0  # rows of the largest CUDA graph holding the kernels; 0: none
+        # The C++ CPU step adds the deltas itself (kvflow/cpu/step.py sets it once it
+        # holds the slots): steps with adapter rows stay in it.
+        self.in_cpu_step = False
         logger.info("LoRA: %d slots of rank %d over %d layers: %.1f MiB",
                     config.lora.max_loras, config.lora.max_lora_rank,
                     len(self.slots.targets), self.slots.num_bytes / (1 << 20))
@@ -50,12 +53,13 @@ class LoRAWorker:
     def prepare(self, req_ids: list[str], query_start_loc: list[int]) -> bool:
         """Set the step map for a step of these requests (rows ``query_start_loc[i]:
         query_start_loc[i + 1]`` are request i's); returns whether the step must run
-        eager: it has adapter rows and no CUDA graph holds the kernels (the C++ step and
-        graphs captured without LoRA hold no deltas)."""
+        eager: it has adapter rows and neither a CUDA graph nor the C++ CPU step holds
+        the deltas (graphs captured without LoRA, the opt-in inductor step)."""
         step = self.slots.step
         lora = [self.requests.get(r) for r in req_ids]
         if not any(lora):
             step.groups, step.tiles = [], None
+            step.token_slot = step.slot_rank = None
             if self.graph_tokens:
                 self.inputs.clear()  # a replayed graph adds nothing
             return False
@@ -72,6 +76,11 @@ class LoRAWorker:
             step.groups = []
             step.tiles = self.inputs.fill(token_slot, self.slots.slot_rank, bm)
             return self.graph_tokens == 0
+        # The C++ step's map: each row's slot and each slot's rank.
+        slot = np.array([-1 if r is None else where[r.lora_int_id] for r in lora],
+                        dtype=np.int32)
+        step.token_slot = torch.from_numpy(np.repeat(slot, np.diff(query_start_loc)))
+        step.slot_rank = torch.tensor(self.slots.slot_rank, dtype=torch.int32)
         runs: dict[int, list[tuple[int, int]]] = {}
         for i, r in enumerate(lora):
             if r is None:
@@ -93,7 +102,7 @@ class LoRAWorker:
             groups.append((slot, rows, self.slots.slot_rank[slot]))
         step.groups, step.tiles = groups, None
         step.max_rank = max(self.slots.slot_rank[s] for s, _, _ in groups)
-        return True
+        return not self.in_cpu_step
 
     @property
     def inputs(self):

@@ -192,8 +192,9 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile kernels and capture CUDA graphs before serving; on CPU, build the C++
         decode step (cpu/step.py) or the opt-in compiled one (cpu/compiled.py).
-        LoRA wraps its layers after the C++ step (steps without adapter rows still take
-        it) and before the CUDA graphs (which then hold the LoRA kernels)."""
+        LoRA wraps its layers after the C++ step (which calls the plain methods back and
+        adds the deltas itself) and before the CUDA graphs (which then hold the LoRA
+        kernels)."""
         self._warmup()
         if self.lora is not None:
             self.lora.slots.install()
@@ -205,7 +206,7 @@ class ModelRunner:
 
             self.graphs = cpu_decode_step(StepParts(
                 self.model, self.step_builder.attn_builder, self.kv_caches, self.kv_scales,
-                self.attn_spec, self.config))
+                self.attn_spec, self.config, lora=self.lora))
             if self.graphs is not None:  # it marks the steps it takes
                 self.step_builder.attn_builder = self.graphs.attn_builder
             if self.spec is not None:  # a draft model builds a C++ step of its own
@@ -284,7 +285,8 @@ class ModelRunner:
             self.idle_meter.step_start()
         inputs = self.step_builder.build(so)
         # Steps with adapter rows run eager unless the CUDA graphs hold the LoRA kernels
-        # (graphs.run_eager: a CPU step gives one it would take the eager plan first).
+        # or the C++ CPU step adds the deltas (graphs.run_eager: a CPU step gives one it
+        # would take the eager plan first).
         eager = self.lora is not None and self.lora.prepare(
             inputs.req_ids, inputs.meta.query_start_loc_cpu)
         # The grammar mask: on the CPU filled first (the forward then has the cores), on
