@@ -175,6 +175,68 @@ def test_ngram_speculation_keeps_the_grammar(llm):
             jsonschema.validate(json.loads(c.text), s)
 
 
+def test_medusa_tree_speculation_keeps_the_grammar(llm, tmp_path):
+    """Constrained requests (JSON schema, choice) verified as Medusa candidate trees: greedy
+    output equals the constrained engine's without speculation, token for token, and
+    validates. First random heads (their top-k guesses are mostly forbidden: counted as
+    grammar rejections, never accepted); then an oracle that puts the right continuation
+    on a random branch and random tokens elsewhere, so whole paths are accepted and each
+    bonus token comes from a deep node's row, which must carry its path's grammar state.
+    A sampled request (exact tree acceptance draws at every row) validates too."""
+    from kvflow import LLM
+    from kvflow.bench.spec_oracle import install_oracle
+    from kvflow.spec_decode.heads_config import MedusaHeadsConfig
+    from kvflow.spec_decode.medusa import MedusaHeads
+    from kvflow.spec_decode.tree import DraftTree
+
+    heads = MedusaHeads(MedusaHeadsConfig(num_heads=3, num_layers=1, hidden_size=576,
+                                          vocab_size=49152, shared_lm_head=True), 576, 49152)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    heads.save(str(tmp_path))
+    choices = ["yes", "no", "maybe not"]
+    prompts = [chat(llm, "Describe a person as JSON."),
+               chat(llm, "Is the sky blue? Answer yes or no.")]
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=SO(json=PERSON)),
+              SamplingParams(temperature=0, max_tokens=10,
+                             structured_outputs=SO(choice=choices))]
+    want = llm.generate(prompts, params, use_tqdm=False)
+    choice_tree = [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]
+    spec = LLM("smollm2-135m", device="cpu", max_model_len=256, speculative_config={
+        "method": "medusa", "model": str(tmp_path), "num_speculative_tokens": 3,
+        "medusa_tree": choice_tree, "disable_by_batch_size": None})
+    try:
+        runner = spec.engine.core.executor.runner
+        assert runner.spec.tree is not None and runner.spec.tree.num_nodes == 6
+        got = spec.generate(prompts, params, use_tqdm=False)
+        stats = spec.engine.core.scheduler.spec_stats
+        rejected = runner.structured.stats().num_draft_rejections
+        assert stats.num_draft_tokens > 0 and rejected > 0
+        for a, b in zip(want, got):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        refs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in want]
+        install_oracle(spec, refs, 3, DraftTree.from_choices(choice_tree), place="random")
+        accepted = stats.num_accepted_tokens
+        got = spec.generate(prompts, params, use_tqdm=False)
+        assert stats.num_accepted_tokens - accepted > len(want[0].outputs[0].token_ids) // 2
+        assert runner.structured.stats().num_draft_rejections > rejected
+        for a, b in zip(want, got):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        sampled = spec.generate(prompts[:1], SamplingParams(
+            temperature=0.8, seed=3, max_tokens=60, structured_outputs=SO(json=PERSON)),
+            use_tqdm=False)[0].outputs[0]
+    finally:
+        spec.shutdown()
+    c = got[0].outputs[0]
+    assert c.finish_reason == "stop"
+    jsonschema.validate(json.loads(c.text), PERSON)
+    assert got[1].outputs[0].text in choices
+    if sampled.finish_reason == "stop":
+        jsonschema.validate(json.loads(sampled.text), PERSON)
+
+
 def test_draft_walk_masks_every_position_and_rolls_back():
     """The verifier's mask rows: position i allows what the grammar allows after drafts[:i];
     the walk stops at a forbidden draft; the matcher ends where it began."""
