@@ -175,6 +175,68 @@ def test_ngram_speculation_keeps_the_grammar(llm):
             jsonschema.validate(json.loads(c.text), s)
 
 
+def test_medusa_tree_speculation_keeps_the_grammar(llm, tmp_path):
+    """Constrained requests (JSON schema, choice) verified as Medusa candidate trees: greedy
+    output equals the constrained engine's without speculation, token for token, and
+    validates. First random heads (their top-k guesses are mostly forbidden: counted as
+    grammar rejections, never accepted); then an oracle that puts the right continuation
+    on a random branch and random tokens elsewhere, so whole paths are accepted and each
+    bonus token comes from a deep node's row, which must carry its path's grammar state.
+    A sampled request (exact tree acceptance draws at every row) validates too."""
+    from kvflow import LLM
+    from kvflow.bench.spec_oracle import install_oracle
+    from kvflow.spec_decode.heads_config import MedusaHeadsConfig
+    from kvflow.spec_decode.medusa import MedusaHeads
+    from kvflow.spec_decode.tree import DraftTree
+
+    heads = MedusaHeads(MedusaHeadsConfig(num_heads=3, num_layers=1, hidden_size=576,
+                                          vocab_size=49152, shared_lm_head=True), 576, 49152)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    heads.save(str(tmp_path))
+    choices = ["yes", "no", "maybe not"]
+    prompts = [chat(llm, "Describe a person as JSON."),
+               chat(llm, "Is the sky blue? Answer yes or no.")]
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=SO(json=PERSON)),
+              SamplingParams(temperature=0, max_tokens=10,
+                             structured_outputs=SO(choice=choices))]
+    want = llm.generate(prompts, params, use_tqdm=False)
+    choice_tree = [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]
+    spec = LLM("smollm2-135m", device="cpu", max_model_len=256, speculative_config={
+        "method": "medusa", "model": str(tmp_path), "num_speculative_tokens": 3,
+        "medusa_tree": choice_tree, "disable_by_batch_size": None})
+    try:
+        runner = spec.engine.core.executor.runner
+        assert runner.spec.tree is not None and runner.spec.tree.num_nodes == 6
+        got = spec.generate(prompts, params, use_tqdm=False)
+        stats = spec.engine.core.scheduler.spec_stats
+        rejected = runner.structured.stats().num_draft_rejections
+        assert stats.num_draft_tokens > 0 and rejected > 0
+        for a, b in zip(want, got):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        refs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in want]
+        install_oracle(spec, refs, 3, DraftTree.from_choices(choice_tree), place="random")
+        accepted = stats.num_accepted_tokens
+        got = spec.generate(prompts, params, use_tqdm=False)
+        assert stats.num_accepted_tokens - accepted > len(want[0].outputs[0].token_ids) // 2
+        assert runner.structured.stats().num_draft_rejections > rejected
+        for a, b in zip(want, got):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        sampled = spec.generate(prompts[:1], SamplingParams(
+            temperature=0.8, seed=3, max_tokens=60, structured_outputs=SO(json=PERSON)),
+            use_tqdm=False)[0].outputs[0]
+    finally:
+        spec.shutdown()
+    c = got[0].outputs[0]
+    assert c.finish_reason == "stop"
+    jsonschema.validate(json.loads(c.text), PERSON)
+    assert got[1].outputs[0].text in choices
+    if sampled.finish_reason == "stop":
+        jsonschema.validate(json.loads(sampled.text), PERSON)
+
+
 def test_draft_walk_masks_every_position_and_rolls_back():
     """The verifier's mask rows: position i allows what the grammar allows after drafts[:i];
     the walk stops at a forbidden draft; the matcher ends where it began."""
@@ -201,6 +263,91 @@ def test_draft_walk_masks_every_position_and_rolls_back():
     assert req.num_fed == 0 and fill([], 1)[0].tolist() == first[0].tolist()  # rolled back
     done = fill(ids, len(ids) + 1)[len(ids)]  # after the whole choice: only EOS
     assert done.nonzero().flatten().tolist() == [2]
+    mgr.shutdown()
+
+
+def test_tree_fill_masks_each_node_with_its_path_and_rolls_back():
+    """Medusa candidate trees: row 0 allows what the grammar allows now, row 1 + n what it
+    allows after the path from the root to node n (a fresh matcher walked along that path
+    is the reference); a node the grammar forbids at its parent's state is counted, and
+    its row and its subtree's rows allow everything (they are never on an accepted path:
+    the parent's row already gives the node probability 0); the matcher ends where it
+    began. The plan hands the fill the first nd nodes' parents of the step's tree."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import xgrammar as xgr
+
+    from kvflow.models.registry import embedded_model_path
+    from kvflow.spec_decode.tree import DraftTree
+    from kvflow.structured_output.manager import StructuredOutputManager, _Req, _RowPlan
+
+    path = embedded_model_path("smollm2-135m")
+    mgr = StructuredOutputManager(path, 49152, [2])
+    yes, please, sir, no, maybe, eos = 10407, 5361, 38061, 4607, 5196, 2  # smollm2 ids
+    so = SO(choice=["yes please", "yes sir"])
+    req = _Req(mgr.compiler.submit(so), [2])
+    # (token, parent) in node order: allowed and forbidden branches, a twin of an allowed
+    # node, a subtree under a forbidden node, a node after the grammar's end.
+    nodes = [(yes, -1), (no, -1), (yes, -1), (please, 0), (maybe, 0), (yes, 1), (sir, 2),
+             (eos, 3), (please, 5), (no, 7)]
+    drafts, parents = [t for t, _ in nodes], [p for _, p in nodes]
+
+    def reference(path_tokens):
+        ref = xgr.GrammarMatcher(req.grammar.result(), override_stop_tokens=[2])
+        want = xgr.allocate_token_bitmask(1, 49152)
+        for t in path_tokens:
+            if ref.is_terminated() or not ref.accept_token(t):
+                return None  # forbidden on the way
+        if ref.is_terminated():
+            want.zero_()
+            want[0, 0] = 1 << 2
+        else:
+            ref.fill_next_token_bitmask(want, 0)
+        return unpack_bitmask(want, 49152)[0]
+
+    def node_path(n):
+        out = []
+        while n >= 0:
+            out.append(drafts[n])
+            n = parents[n]
+        return out[::-1]
+
+    root = unpack_rows(mgr._fill([_RowPlan(req, "r", [], 0, 1, [])]))[0]
+    m = mgr._fill([_RowPlan(req, "r", [], 3, len(nodes) + 1, drafts, parents)])
+    assert m.rows.tolist() == list(range(3, 3 + len(nodes) + 1))
+    rows = unpack_rows(m)
+    assert torch.equal(rows[0], root) and torch.equal(reference([]), root)
+    reached = []
+    for n in range(len(nodes)):
+        want = reference(node_path(n))
+        if want is None:
+            assert bool(rows[1 + n].all()), n  # never read on an accepted path
+        else:
+            assert torch.equal(rows[1 + n], want), n
+            reached.append(n)
+    assert reached == [0, 2, 3, 6, 7]
+    assert rows[1 + 3, eos] and not rows[1 + 3, please]  # after "yes please": end only
+    assert rows[1 + 7].nonzero().flatten().tolist() == [eos]  # a terminated path: EOS
+    assert mgr.stats().num_draft_rejections == 3  # "no", " maybe", a token after EOS
+    assert req.num_fed == 0 and torch.equal(
+        unpack_rows(mgr._fill([_RowPlan(req, "r", [], 0, 1, [])]))[0], root)
+    mt = req.matcher  # rolled back to the start: it takes a whole choice again
+    assert all(mt.accept_token(t) for t in (yes, sir)) and mt.accept_token(eos)
+    mt.rollback(3)
+
+    # The plan: a request cut to 3 of the tree's nodes gets those nodes' parents.
+    tree = DraftTree.from_choices([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
+    mgr.reqs["r"] = req
+    batch = SimpleNamespace(output_token_ids=lambda row: np.array([], dtype=np.int64))
+    inputs = SimpleNamespace(req_ids=["r"], rows=np.array([0]), sample=SimpleNamespace(
+        req_indices=np.array([0]), offsets=np.array([0, 4]), num_draft=[3],
+        draft_token_ids=[yes, no, please]))
+    (plan,) = mgr.plan(inputs, batch, tree)
+    assert plan.parents == [-1, -1, 0] and plan.drafts == [yes, no, please]
+    assert plan.count == 4 and mgr.plan(inputs, batch)[0].parents is None  # a chain
+    rows = unpack_rows(mgr._fill([plan]))
+    assert torch.equal(rows[3], reference([yes, please]))  # node 2 follows node 0
     mgr.shutdown()
 
 

@@ -120,8 +120,6 @@ class InputProcessor:
             why = "needs the model's tokenizer (this model has none)"
         elif cfg.parallel.pipeline_parallel_size > 1:
             why = "is not supported with pipeline parallelism yet"
-        elif cfg.speculative is not None and cfg.speculative.method == "medusa":
-            why = "is not supported with Medusa tree verification yet"
         if why is not None:
             raise InvalidParameterError(f"structured_outputs {why}",
                                         param=param or "structured_outputs")

@@ -17,6 +17,14 @@ Draft tokens are walked through the matcher: position i is masked with the state
 drafts[:i], a draft the grammar forbids ends the walk (it and everything after it can
 never be accepted: the target's probability of a masked token is 0), and the matcher is
 rolled back to the known tokens, so it only ever holds accepted output.
+
+Candidate trees (Medusa) are walked depth-first: row 0 (the root) gets the current state,
+row 1 + n the state after the path from the root to node n (accept each node's token on
+the way down, roll it back on the way up). A node whose token the grammar forbids at its
+parent's state is judged at the parent's row, which gives it probability 0: it is never
+accepted, and neither is anything below it. Its row and its subtree's rows are never read
+for an emitted token, so they allow everything (the raw logits: a row of forbidden-only
+tokens would be a distribution of nothing for a verifier that draws at every row).
 """
 
 from __future__ import annotations
@@ -74,6 +82,9 @@ class _RowPlan:
     first_row: int  # its first sample row (logits row)
     count: int  # its sample rows
     drafts: list[int]
+    # A candidate tree's drafts: each node's parent node (-1: the root), in node order
+    # (a node's parent comes before it); None: the drafts are a chain.
+    parents: list[int] | None = None
 
 
 @dataclass
@@ -155,9 +166,11 @@ class StructuredOutputManager:
                     c.start_after, add_special_tokens=False) or None
             self.reqs[new.req_id] = req
 
-    def plan(self, inputs, batch) -> list[_RowPlan] | None:
+    def plan(self, inputs, batch, tree=None) -> list[_RowPlan] | None:
         """The step's constrained sample rows (None: none), or raise LookupError when a
-        constrained request's previous token is still in flight (resolve it, retry)."""
+        constrained request's previous token is still in flight (resolve it, retry).
+        ``tree``: the DraftTree the drafts are nodes of (a request's nd drafts are its
+        first nd nodes), or None for chains."""
         if not self.reqs:
             return None
         sample = inputs.sample
@@ -182,7 +195,9 @@ class StructuredOutputManager:
                 plans.append(_RowPlan(req, rid, new.tolist(), int(sample.offsets[j]),
                                       int(sample.offsets[j + 1] - sample.offsets[j]),
                                       list(sample.draft_token_ids[draft_pos:draft_pos + nd])
-                                      if nd else []))
+                                      if nd else [],
+                                      tree.parents[:nd].tolist()
+                                      if nd and tree is not None else None))
             draft_pos += nd
         return plans or None
 
@@ -225,6 +240,10 @@ class StructuredOutputManager:
                 batch_rows.append(k)
                 k += 1
                 continue
+            if p.parents is not None:
+                rejected += self._fill_tree(m, p, bitmask, k)
+                k += p.count
+                continue
             consumed, walking = 0, True
             for r in range(p.count):
                 if p.req.broken:
@@ -257,6 +276,46 @@ class StructuredOutputManager:
             s.num_draft_rejections += rejected
             s.fill_s += time.perf_counter() - start
         return StepMask(rows, bitmask)
+
+    @staticmethod
+    def _fill_tree(m, p: _RowPlan, bitmask: torch.Tensor, k: int) -> int:
+        """Rows k.. of a candidate tree (module docstring); returns the nodes the grammar
+        forbids. The matcher ends where it began."""
+        rows = bitmask[k:k + p.count]
+        rows.fill_(-1)  # allow all: the broken request's rows, and forbidden subtrees'
+        if p.req.broken:
+            return 0
+        children: list[list[int]] = [[] for _ in range(p.count)]  # of row 0 / 1 + n
+        for n, par in enumerate(p.parents):
+            children[par + 1].append(n)
+
+        def fill(r: int) -> None:  # row r: the matcher's current state
+            if m.is_terminated():
+                _allow_only(rows[r], p.req.eos_token_ids)
+            else:
+                m.fill_next_token_bitmask(bitmask, k + r)
+
+        rejected = 0
+        fill(0)
+        # Depth-first: (row, its next child's position in children[row]); the matcher
+        # holds the path's tokens down to the row on top of the stack.
+        stack = [[0, 0]]
+        while stack:
+            top = stack[-1]
+            row, c = top
+            if c == len(children[row]):
+                stack.pop()
+                if row:
+                    m.rollback(1)
+                continue
+            top[1] += 1
+            n = children[row][c]
+            if not m.is_terminated() and m.accept_token(p.drafts[n]):
+                fill(1 + n)
+                stack.append([1 + n, 0])
+            else:
+                rejected += 1
+        return rejected
 
     def _matcher(self, p: _RowPlan):
         if p.req.matcher is None:

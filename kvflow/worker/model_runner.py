@@ -310,11 +310,13 @@ class ModelRunner:
         needs it on the host first: the previous step is resolved, only then."""
         if self.structured is None or not self.structured.reqs:
             return None
+        # Drafts are the nodes of a candidate tree (Medusa) or a chain.
+        tree = self.spec.tree if self.spec is not None else None
         try:
-            plans = self.structured.plan(inputs, self.step_builder.batch)
+            plans = self.structured.plan(inputs, self.step_builder.batch, tree)
         except LookupError:
             self._last_handle.result()
-            plans = self.structured.plan(inputs, self.step_builder.batch)
+            plans = self.structured.plan(inputs, self.step_builder.batch, tree)
         return None if plans is None else self.structured.start(plans)
 
     def _masked(self, logits: torch.Tensor, mask) -> torch.Tensor:
@@ -348,7 +350,7 @@ class ModelRunner:
         if self.pipeline_results is not None:  # speculative decoding is one-rank only
             collect = self.pipeline_results.launch(inputs, hidden, host)
         elif inputs.sample.num_draft is not None and self.spec.tree is not None:
-            self._verify_tree(inputs, hidden, host)
+            self._verify_tree(inputs, hidden, host, mask)
         elif inputs.sample.num_draft is not None:
             sample, builder = inputs.sample, self.step_builder
             logits = self._masked(self.model.compute_logits(
@@ -387,14 +389,17 @@ class ModelRunner:
         return StepHandle(self.step_builder, inputs, host, event, collect, start)
 
     def _verify_tree(self, inputs: StepInputs, hidden: torch.Tensor,
-                     host: StepHostOutputs) -> None:
+                     host: StepHostOutputs, mask=None) -> None:
         """Candidate trees: keep each request's longest accepted path, and move that
         path's K/V from its tree slots to the slots right after the root, where the
-        scheduler's rollback (num_computed_tokens = root + path) expects it."""
+        scheduler's rollback (num_computed_tokens = root + path) expects it. ``mask``:
+        the grammar's, each node's row masked with the state after its path (a node the
+        grammar forbids gets probability 0 at its parent's row: never accepted)."""
         from kvflow.spec_decode.tree_verify import move_kv
 
         sample, builder = inputs.sample, self.step_builder
-        logits = self.model.compute_logits(hidden[sample.logits_indices])  # [N, V]
+        logits = self._masked(self.model.compute_logits(
+            hidden[sample.logits_indices]), mask)  # [N, V]
         tokens, logprobs, out = self.spec.verify_tree(
             logits, builder.sampling_metadata(inputs), sample.num_draft,
             sample.draft_token_ids, builder.min_tokens_left(inputs))
