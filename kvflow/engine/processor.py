@@ -118,8 +118,6 @@ class InputProcessor:
         why = None
         if self.tokenizer is None or cfg.model.tokenizer is None:
             why = "needs the model's tokenizer (this model has none)"
-        elif cfg.parallel.pipeline_parallel_size > 1:
-            why = "is not supported with pipeline parallelism yet"
         elif cfg.speculative is not None and cfg.speculative.method == "medusa":
             why = "is not supported with Medusa tree verification yet"
         if why is not None:
