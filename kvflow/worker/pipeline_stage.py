@@ -63,9 +63,11 @@ _LOGPROBS_TAG, _PROMPT_LOGPROBS_TAG = 1, 2
 class PipelineResults:
     """How a pipeline-parallel step's results leave the rank that computed them.
 
-    The first TP rank of the last stage samples. It broadcasts the sampled ids to every
-    rank (each writes them into its persistent batch) and sends logprobs and prompt
-    logprobs, which only rank 0 returns, to rank 0 alone, point to point. The other
+    The first TP rank of the last stage samples (after masking the constrained rows'
+    logits: it keeps the grammar matchers, as rank 0 does without pipeline parallelism).
+    It broadcasts the sampled ids to every rank (each writes them into its persistent
+    batch) and sends logprobs and prompt logprobs, which only rank 0 returns, to rank 0
+    alone, point to point. The other
     ranks post their receives when they launch the step and wait for them only when the
     step is collected (``StepHandle.result``), so rank 0 can launch the next batch (its
     own stage of it) while the later stages still run this one: that is what keeps
