@@ -114,15 +114,10 @@ class InputProcessor:
         """Refuse a constraint this engine cannot run or must not compile (sizes, parse)."""
         from kvflow.structured_output.check import check_constraint
 
-        cfg = self.config
-        why = None
-        if self.tokenizer is None or cfg.model.tokenizer is None:
-            why = "needs the model's tokenizer (this model has none)"
-        elif cfg.parallel.pipeline_parallel_size > 1:
-            why = "is not supported with pipeline parallelism yet"
-        if why is not None:
-            raise InvalidParameterError(f"structured_outputs {why}",
-                                        param=param or "structured_outputs")
+        if self.tokenizer is None or self.config.model.tokenizer is None:
+            raise InvalidParameterError(
+                "structured_outputs needs the model's tokenizer (this model has none)",
+                param=param or "structured_outputs")
         check_constraint(params.structured_outputs, self.structured_limits, param)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -19,14 +19,13 @@ from kvflow.layers.attention import (AttentionSpec, get_attention_backend,
                                     model_rotary)
 from kvflow.layers.custom_op import use_kernels
 from kvflow.layers.sampler import Sampler, SamplerOutput
-from kvflow.layers.token_bitmask import apply_token_bitmask
 from kvflow.logger import init_logger
 from kvflow.models.loader import load_model
 from kvflow.utils import cdiv
 from kvflow.worker import kv_cache
 from kvflow.worker.block_table import DeviceBlockTable
 from kvflow.worker.input_batch import InputBatch
-from kvflow.worker.sampling_meta import prompt_logprobs_tensors
+from kvflow.worker.sampling_meta import apply_grammar_mask, prompt_logprobs_tensors
 from kvflow.worker.step_builder import StepBuilder
 from kvflow.worker.step_inputs import StepHostOutputs, StepInputs
 from kvflow.worker.transfer import to_device, to_host_async
@@ -307,7 +306,12 @@ class ModelRunner:
     def _start_mask(self, inputs: StepInputs):
         """Start filling the grammar bitmask of the step's constrained rows (None: none).
         A constrained request whose last token is still in flight (overlapped steps)
-        needs it on the host first: the previous step is resolved, only then."""
+        needs it on the host first: the previous step is resolved, only then.
+        Pipeline parallelism: the sampling rank (a rank process) collects a step only
+        after launching the next, so its batch holds the last step's tokens as
+        placeholders; resolving that step there waits for nothing another rank sends
+        (it sampled them itself: its handle has no ``collect``), so it joins no
+        collective and the ranks stay in step."""
         if self.structured is None or not self.structured.reqs:
             return None
         # Drafts are the nodes of a candidate tree (Medusa) or a chain.
@@ -318,14 +322,6 @@ class ModelRunner:
             self._last_handle.result()
             plans = self.structured.plan(inputs, self.step_builder.batch, tree)
         return None if plans is None else self.structured.start(plans)
-
-    def _masked(self, logits: torch.Tensor, mask) -> torch.Tensor:
-        if mask is None:
-            return logits
-        m = mask.result()
-        dev = logits.device
-        return apply_token_bitmask(logits, m.rows.to(dev, non_blocking=True),
-                                   m.bitmask.to(dev, non_blocking=True))
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst := block src in every layer, before the step runs."""
@@ -348,12 +344,12 @@ class ModelRunner:
         if self.spec is not None and self.spec.wants_hidden and hidden is not None:
             host.sample_hidden = hidden[inputs.sample.logits_indices]  # [N, H] (Medusa)
         if self.pipeline_results is not None:  # speculative decoding is one-rank only
-            collect = self.pipeline_results.launch(inputs, hidden, host)
+            collect = self.pipeline_results.launch(inputs, hidden, host, mask)
         elif inputs.sample.num_draft is not None and self.spec.tree is not None:
             self._verify_tree(inputs, hidden, host, mask)
         elif inputs.sample.num_draft is not None:
             sample, builder = inputs.sample, self.step_builder
-            logits = self._masked(self.model.compute_logits(
+            logits = apply_grammar_mask(self.model.compute_logits(
                 hidden[sample.logits_indices]), mask)  # [N, V]
             tokens, logprobs = self.spec.verify(
                 logits, builder.sampling_metadata(inputs), sample.num_draft,
@@ -366,8 +362,7 @@ class ModelRunner:
         elif inputs.sample.num_reqs:
             logits = None if hidden is None else self.model.compute_logits(
                 hidden[inputs.sample.logits_indices])  # only the last pipeline stage has them
-            out = self._sample(self._masked(logits, mask) if logits is not None else logits,
-                               inputs)
+            out = self._sample(apply_grammar_mask(logits, mask), inputs)  # mask: sampler
             host.sampled = to_host_async(out.sampled)
             if out.logprobs is not None:
                 host.logprobs = tuple(to_host_async(t) for t in (
@@ -429,9 +424,10 @@ class ModelRunner:
 def _structured_manager(config: EngineConfig, parallel: ParallelState):
     """The sampling rank's StructuredOutputManager (constrained decoding), or None where
     this rank does not sample or the model has no tokenizer (the input processor then
-    refuses constrained requests)."""
+    refuses constrained requests). The sampling rank is the first tensor-parallel rank of
+    the last pipeline stage: rank 0 without pipeline parallelism."""
     samples = parallel.rank == parallel.world.world_size - parallel.tp.world_size
-    if not samples or parallel.pp.world_size > 1 or config.model.tokenizer is None:
+    if not samples or config.model.tokenizer is None:
         return None
     from kvflow.structured_output.manager import StructuredOutputManager
 

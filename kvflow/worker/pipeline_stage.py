@@ -19,7 +19,7 @@ from torch import nn
 
 from kvflow.distributed.parallel_state import GroupCoordinator, ParallelState
 from kvflow.layers.attention import AttentionMetadata
-from kvflow.worker.sampling_meta import prompt_logprobs_tensors
+from kvflow.worker.sampling_meta import apply_grammar_mask, prompt_logprobs_tensors
 from kvflow.worker.step_inputs import StepHostOutputs, StepInputs
 from kvflow.worker.transfer import to_host_async
 
@@ -63,9 +63,11 @@ _LOGPROBS_TAG, _PROMPT_LOGPROBS_TAG = 1, 2
 class PipelineResults:
     """How a pipeline-parallel step's results leave the rank that computed them.
 
-    The first TP rank of the last stage samples. It broadcasts the sampled ids to every
-    rank (each writes them into its persistent batch) and sends logprobs and prompt
-    logprobs, which only rank 0 returns, to rank 0 alone, point to point. The other
+    The first TP rank of the last stage samples (after masking the constrained rows'
+    logits: it keeps the grammar matchers, as rank 0 does without pipeline parallelism).
+    It broadcasts the sampled ids to every rank (each writes them into its persistent
+    batch) and sends logprobs and prompt logprobs, which only rank 0 returns, to rank 0
+    alone, point to point. The other
     ranks post their receives when they launch the step and wait for them only when the
     step is collected (``StepHandle.result``), so rank 0 can launch the next batch (its
     own stage of it) while the later stages still run this one: that is what keeps
@@ -88,9 +90,10 @@ class PipelineResults:
         self.sampler_rank = parallel.world.world_size - parallel.tp.world_size
 
     def launch(self, inputs: StepInputs, hidden: torch.Tensor | None,
-               host: StepHostOutputs) -> Callable[[], None] | None:
+               host: StepHostOutputs, mask=None) -> Callable[[], None] | None:
         """Sample (on the sampling rank) or post the receives (elsewhere); fills ``host``
-        now, or returns what fills it when the step is collected."""
+        now, or returns what fills it when the step is collected. ``mask``: the grammar
+        mask of the step's constrained rows (only the sampling rank keeps matchers)."""
         p, builder = self.parallel, self.builder
         sample, plan = inputs.sample, inputs.prompt_logprobs
         logits = prompt = None
@@ -101,6 +104,7 @@ class PipelineResults:
                 prompt = prompt_logprobs_tensors(plan, hidden, self.model.compute_logits)
         if p.rank == self.sampler_rank:
             if sample.num_reqs:
+                logits = apply_grammar_mask(logits, mask)
                 out = self.sampler(logits, builder.sampling_metadata(inputs))
                 p.world.broadcast(out.sampled, src=self.sampler_rank)
                 host.sampled = to_host_async(out.sampled)

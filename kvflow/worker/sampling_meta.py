@@ -1,5 +1,6 @@
-"""Per-step SamplingMetadata from the persistent batch's sampling parameters, and the
-prompt-logprobs tensors of a step's prompt rows (the runner's and a pipeline stage's)."""
+"""Per-step SamplingMetadata from the persistent batch's sampling parameters, the
+prompt-logprobs tensors of a step's prompt rows and a grammar mask applied to the sample
+rows' logits (the runner's and a pipeline stage's)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 
 from kvflow.layers.sampler import SamplingMetadata, gather_logprobs
+from kvflow.layers.token_bitmask import apply_token_bitmask
 from kvflow.worker.input_batch import InputBatch
 from kvflow.worker.step_inputs import PLACEHOLDER, PendingTokens, PromptLogprobsPlan
 from kvflow.worker.transfer import to_device
@@ -161,3 +163,15 @@ def prompt_logprobs_tensors(plan: PromptLogprobsPlan, hidden: torch.Tensor,
     k_max = max(span.num_logprobs for span in plan.spans)
     return gather_logprobs(logits.log_softmax(dim=-1),
                            to_device(plan.targets, dev, torch.int64), k_max)
+
+
+def apply_grammar_mask(logits: torch.Tensor, mask) -> torch.Tensor:
+    """Forbid what the step's grammars forbid in its constrained rows of ``logits`` [N, V]
+    (in place); ``mask``: the future of the StepMask the structured-output manager fills
+    (``start``), or None where no row is constrained."""
+    if mask is None:
+        return logits
+    m = mask.result()
+    dev = logits.device
+    return apply_token_bitmask(logits, m.rows.to(dev, non_blocking=True),
+                               m.bitmask.to(dev, non_blocking=True))
