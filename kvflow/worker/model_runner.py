@@ -393,7 +393,7 @@ class ModelRunner:
         from kvflow.spec_decode.tree_verify import move_kv
 
         sample, builder = inputs.sample, self.step_builder
-        logits = self._masked(self.model.compute_logits(
+        logits = apply_grammar_mask(self.model.compute_logits(
             hidden[sample.logits_indices]), mask)  # [N, V]
         tokens, logprobs, out = self.spec.verify_tree(
             logits, builder.sampling_metadata(inputs), sample.num_draft,
