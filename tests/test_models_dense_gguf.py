@@ -24,6 +24,7 @@ from kvflow.models.registry import PRESETS  # noqa: E402
 
 from test_models_dense import check  # noqa: E402
 from test_models_hf import save_hf_model  # noqa: E402
+from tiny_gguf import add_shape  # noqa: E402
 
 ARCH = {"Gemma2ForCausalLM": gguf.MODEL_ARCH.GEMMA2,
         "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3, "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3}
@@ -35,18 +36,7 @@ def write_gguf(hf, cfg: dict, path: str) -> None:
     gemma = arch != gguf.MODEL_ARCH.PHI3
     w = gguf.GGUFWriter(path, name)
     n = cfg["num_hidden_layers"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(n)
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_vocab_size(cfg["vocab_size"])
+    add_shape(w, cfg, n)
     w.add_sliding_window(cfg["sliding_window"])
     if arch == gguf.MODEL_ARCH.GEMMA2:
         w.add_float32(f"{name}.attn_logit_softcapping", cfg["attn_logit_softcapping"])

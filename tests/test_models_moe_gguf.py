@@ -32,7 +32,7 @@ from kvflow.plan.cli import stored_bytes_per_param  # noqa: E402
 
 from test_models_dense import check  # noqa: E402
 from test_models_moe import save_hf_model  # noqa: E402
-from tiny_gguf import _permute  # noqa: E402
+from tiny_gguf import _permute, add_shape  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 ARCH = {"MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
@@ -98,18 +98,7 @@ def write_gguf(hf, cfg: dict, path: str, qtype=Q.F32, per_expert: bool = False,
     GGUF tensor kind (``ffn_down_exps``) -> its own type, as Q4_K_M files mix them."""
     a = ARCH[cfg["architectures"][0]]
     w = gguf.GGUFWriter(path, a)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_vocab_size(cfg["vocab_size"])
+    add_shape(w, cfg)
     w.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     if a != "llama":

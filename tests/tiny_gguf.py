@@ -15,6 +15,23 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, r // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def add_shape(w, cfg: dict, num_layers: int | None = None) -> None:
+    """The attention/MLP shape keys llama.cpp writes for a transformers ``config.json``
+    (``cfg``) on GGUFWriter ``w``; ``num_layers`` overrides the block count."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(num_layers or cfg["num_hidden_layers"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_vocab_size(cfg["vocab_size"])
+
+
 def write_tiny_gguf(path: str, special_ids: dict[str, int] | None = None) -> str:
     """``special_ids``: extra ``tokenizer.ggml.<name>`` fields, e.g. {"eos_token_id": 2}."""
     import gguf

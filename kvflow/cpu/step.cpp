@@ -354,18 +354,24 @@ at::Tensor linear(const at::Tensor& x, const Linear& l, at::Tensor& buf) {
 template <typename T>
 inline T round_to(float v) { return static_cast<T>(v); }
 
+// 1 / sqrt(mean(x^2) + eps) over one row of width e, in float32.
+template <typename T>
+inline float inv_rms(const T* xr, int64_t e, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < e; ++i) {
+    float v = static_cast<float>(xr[i]);
+    ss += v * v;
+  }
+  return 1.f / std::sqrt(ss / static_cast<float>(e) + eps);
+}
+
 // out = norm(x) * w, as the eager RMSNorm: normalize in float32, round to the model
 // dtype, then scale in the model dtype. Rows of width e.
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t e, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * e;
-    float ss = 0.f;
-    for (int64_t i = 0; i < e; ++i) {
-      float v = static_cast<float>(xr[i]);
-      ss += v * v;
-    }
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(e) + eps);
+    const float inv = inv_rms(xr, e, eps);
     T* o = out + r * e;
     for (int64_t i = 0; i < e; ++i) {
       T normed = round_to<T>(static_cast<float>(xr[i]) * inv);
@@ -380,12 +386,7 @@ template <typename T>
 void gemma_norm_rows(const T* x, const float* w1, T* out, int64_t rows, int64_t e, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * e;
-    float ss = 0.f;
-    for (int64_t i = 0; i < e; ++i) {
-      float v = static_cast<float>(xr[i]);
-      ss += v * v;
-    }
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(e) + eps);
+    const float inv = inv_rms(xr, e, eps);
     T* o = out + r * e;
     for (int64_t i = 0; i < e; ++i) o[i] = round_to<T>(static_cast<float>(xr[i]) * inv * w1[i]);
   }
