@@ -430,3 +430,33 @@ def test_batched_fill_equals_one_matcher_per_row():
         assert torch.equal(m.bitmask[r], want)
     assert m.bitmask[first_rows[3]].nonzero().flatten().tolist() == [0]  # "ok": EOS only
     mgr.shutdown()
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_grammar_that_fails_to_compile_on_a_pipeline_rank_ends_its_request(isolate):
+    """A grammar whose compile fails (or times out) raises in the step on the engine's own
+    rank (fault isolation then fails that request alone); on a pipeline's sampling rank,
+    whose exception would end every rank, the request's rows allow only the end of
+    sequence instead, beside a healthy constrained request filled as usual."""
+    from concurrent.futures import Future
+
+    from kvflow.models.registry import embedded_model_path
+    from kvflow.structured_output.manager import StructuredOutputManager, _Req, _RowPlan
+
+    mgr = StructuredOutputManager(embedded_model_path("smollm2-135m"), 49152, [2],
+                                  inline_fill=True, isolate_failures=isolate)
+    bad: Future = Future()
+    bad.set_exception(TimeoutError())
+    good = _Req(mgr.compiler.submit(SO(choice=["yes", "no"])), [2])
+    plans = [_RowPlan(_Req(bad, [2]), "bad", [], 0, 1, []),
+             _RowPlan(good, "good", [], 1, 1, [])]
+    if not isolate:
+        with pytest.raises(TimeoutError):
+            mgr._fill(plans)
+        return
+    mask = mgr._fill(plans)
+    allowed = unpack_bitmask(mask.bitmask, 49152)
+    assert mask.rows.tolist() == [0, 1]
+    assert allowed[0].nonzero().flatten().tolist() == [2]
+    assert allowed[1, 10407] and allowed[1, 4607] and allowed[1].sum() < 100  # yes / no
+    assert plans[0].req.failed and mgr._fill(plans[:1]).bitmask.equal(mask.bitmask[:1])

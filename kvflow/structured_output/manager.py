@@ -67,6 +67,7 @@ class _Req:
     matcher: object | None = None  # xgrammar GrammarMatcher, once compiled
     num_fed: int = 0  # output tokens the matcher has accepted
     broken: bool = False  # it was handed a token it refuses: no longer masked
+    failed: bool = False  # its grammar did not compile (pipeline sampling rank): ends
     # start_after: its token ids, until they appear in the output (then None: constrained
     # from the token after them on).
     start_ids: list[int] | None = None
@@ -100,7 +101,7 @@ class StepMask:
 class StructuredOutputManager:
     def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int],
                  *, fill_threads: int = 1, pin_memory: bool = False,
-                 inline_fill: bool = False) -> None:
+                 inline_fill: bool = False, isolate_failures: bool = False) -> None:
         """``fill_threads``: threads xgrammar fills one step's rows with (1 on a CPU
         engine, whose cores run the forward meanwhile); ``pin_memory``: the bitmask in
         page-locked memory, so that its copy to a GPU is asynchronous (a copy from
@@ -110,6 +111,7 @@ class StructuredOutputManager:
         preempts the step's own threads; batch 1 on the embedded model cost +9.3%
         with the thread and +4.5% inline, three alternated runs each)."""
         self._inline = inline_fill
+        self._isolate = isolate_failures  # a pipeline's sampling rank: see _matcher
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.mask_vocab_size = vocab_size  # the grammar's token ids (set with the compiler)
@@ -225,6 +227,12 @@ class StructuredOutputManager:
         rejected = 0
         for p in plans:
             m = self._matcher(p)
+            rows[k:k + p.count] = torch.arange(p.first_row, p.first_row + p.count)
+            if m is None:  # its grammar did not compile on this rank: end it (_matcher)
+                for _ in range(p.count):
+                    _allow_only(bitmask[k], p.req.eos_token_ids)
+                    k += 1
+                continue
             for t in p.new_tokens:
                 if not m.accept_token(t):
                     # Only a token the mask allowed is ever sampled; if that breaks, the
@@ -234,7 +242,6 @@ class StructuredOutputManager:
                     p.req.broken = True
                     break
                 p.req.num_fed += 1
-            rows[k:k + p.count] = torch.arange(p.first_row, p.first_row + p.count)
             if p.count == 1 and not p.req.broken and not m.is_terminated():
                 batch_matchers.append(m)
                 batch_rows.append(k)
@@ -318,10 +325,24 @@ class StructuredOutputManager:
         return rejected
 
     def _matcher(self, p: _RowPlan):
-        if p.req.matcher is None:
+        """The request's matcher, made once its grammar is compiled (waiting at most
+        COMPILE_TIMEOUT_S). Where the grammar fails or times out, the step raises and the
+        engine's fault isolation fails that request alone; on a pipeline's sampling rank
+        (``isolate_failures``), a process of its own whose exception would end every
+        rank, the request instead gets None: its rows allow only the end of sequence, so
+        it finishes at once with what it has, and the error is logged."""
+        if p.req.matcher is None and not p.req.failed:
             import xgrammar as xgr
 
-            compiled = p.req.grammar.result(timeout=COMPILE_TIMEOUT_S)
+            try:
+                compiled = p.req.grammar.result(timeout=COMPILE_TIMEOUT_S)
+            except Exception as e:
+                if not self._isolate:
+                    raise
+                logger.error("request %s: its grammar did not compile (%s); it ends now",
+                             p.req_id, describe_compile_error(e))
+                p.req.failed = True
+                return None
             p.req.matcher = xgr.GrammarMatcher(compiled,
                                                override_stop_tokens=p.req.eos_token_ids)
         return p.req.matcher
@@ -342,6 +363,12 @@ class StructuredOutputManager:
             self._fill_pool.shutdown(wait=False, cancel_futures=True)
         if self._compiler is not None:
             self._compiler.shutdown()
+
+
+def describe_compile_error(e: Exception) -> str:
+    if isinstance(e, TimeoutError):
+        return f"took longer than {COMPILE_TIMEOUT_S:g} s"
+    return f"{type(e).__name__}: {e}"
 
 
 def _find_end(out: np.ndarray, ids: list[int]) -> int | None:

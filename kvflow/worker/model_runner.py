@@ -438,7 +438,8 @@ def _structured_manager(config: EngineConfig, parallel: ParallelState):
     return StructuredOutputManager(config.model.tokenizer, config.model.arch.vocab_size,
                                    list(config.model.arch.eos_token_ids),
                                    fill_threads=min(8, (os.cpu_count() or 2) // 2)
-                                   if cuda else 1, pin_memory=cuda, inline_fill=not cuda)
+                                   if cuda else 1, pin_memory=cuda, inline_fill=not cuda,
+                                   isolate_failures=parallel.pp.world_size > 1)
 
 
 def _kernels_available() -> bool:
