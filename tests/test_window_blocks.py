@@ -146,3 +146,30 @@ def test_plan_understands_windows():
     assert gemma.model.held_tokens(32768, 16) == 32768
     assert gemma.model.attended_context(32768) == (40 * 1024 + 8 * 32768) / 48
     assert any("40 of 48 layers local (window 1024)" in n for n in gemma.notes)
+
+
+def test_admission_counts_the_window_not_the_length():
+    """A request longer than the whole cache is admitted when every layer is windowed (it
+    holds at most its window plus one step's tokens) and runs to its end inside that
+    cache; without a window, or with a step too large for the cache, it is refused."""
+    import pytest
+
+    from kvflow.core import check_request_fits
+    from kvflow.errors import PromptTooLongError
+
+    # window 8 + chunks of 8: at most 15 tokens over 5 blocks of 4; 60 tokens need 15
+    assert check_request_fits(40, 20, 128, BS, 5, WINDOW, 8) == 20
+    with pytest.raises(PromptTooLongError):
+        check_request_fits(40, 20, 128, BS, 5)  # no window: all 15 blocks
+    with pytest.raises(PromptTooLongError):
+        check_request_fits(40, 20, 128, BS, 5, WINDOW, None)  # the prompt in one step
+    s = windowed_scheduler(num_blocks=5, budget=8)
+    s.add_request(req("a", 40, max_tokens=20))
+    a = s.requests["a"]
+    for _ in range(80):
+        run_step(s)
+        if a.is_finished():
+            break
+        assert len(live(s, "a")) + s.kv.num_free_blocks == 5
+    assert a.is_finished() and a.num_output_tokens == 20
+    assert s.num_preemptions == 0 and s.kv.num_free_blocks == 5

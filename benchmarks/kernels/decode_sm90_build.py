@@ -115,21 +115,25 @@ def main() -> int:
             "kn_ptr": "*bf16", "vn_ptr": "*bf16", "stride_knt": "i32", "stride_knh": "i32",
             "stride_vnt": "i32", "stride_vnh": "i32", "slot_ptr": "*i64", "n_slots": "i32",
             "split_tokens": "i32"}
-    for rope, fixed in ((False, False), (True, False), (False, True)):
+    # (rope, fixed splits, window, soft cap): the window/cap pair is Gemma 2's local layer
+    for rope, fixed, window, cap in ((False, False, 0, 0.0), (True, False, 0, 0.0),
+                                     (False, True, 0, 0.0), (False, False, 4096, 50.0)):
         rows.append(_build("paged_attn decode split" + (" rope" if rope else "")
-                           + (" fixed" if fixed else ""),
+                           + (" fixed" if fixed else "") + (" window cap" if window else ""),
                            paged_attention._paged_attn_kernel, asig,
                            dict(GROUP=4, G_PAD=16, BLOCK_Q=1, BLOCK_N=64, BLOCK_SIZE=16,
                                 HEAD_DIM=128, D_PAD=128, SPLIT=True, DOT_PREC="tf32",
                                 UPCAST=False, QUANT=0, TREE=False, ROPE=rope,
-                                FIXED_SPLIT=fixed, ALL_MASKED=False), 4, 3))
+                                FIXED_SPLIT=fixed, ALL_MASKED=False, WINDOW=window,
+                                SOFTCAP=cap), 4, 3))
     msig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
             "qsl_ptr": "*i32", "num_splits": "i32", "stride_ot": "i32", "stride_oh": "i32",
             "seq_lens_ptr": "*i32", "split_tokens": "i32"}
     for fixed in (False, True):
         rows.append(_build("merge_splits" + (" fixed" if fixed else ""),
                            paged_attention._merge_splits_kernel, msig,
-                           dict(HEAD_DIM=128, D_PAD=128, S_PAD=16, FIXED_SPLIT=fixed), 4, 1))
+                           dict(HEAD_DIM=128, D_PAD=128, S_PAD=16, FIXED_SPLIT=fixed,
+                                WINDOW=0), 4, 1))
     bsig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
             "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32",
             "stride_wn": "i32", "stride_wk": "i32", "stride_ym": "i32", "stride_yn": "i32"}

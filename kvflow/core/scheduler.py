@@ -42,10 +42,14 @@ from kvflow.utils import cdiv
 
 
 def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                       block_size: int, num_blocks: int) -> int:
+                       block_size: int, num_blocks: int, sliding_window: int | None = None,
+                       max_chunk: int | None = None) -> int:
     """Refuse what can never run; return the resolved max_tokens.
 
-    ``max_tokens=None`` means "up to the context length".
+    ``max_tokens=None`` means "up to the context length". ``sliding_window``: the window
+    behind which a request's blocks are freed (``freeable_window``), so it needs at most
+    the blocks of its window plus one step's tokens (``max_chunk``: the most prompt tokens
+    a step computes, the whole prompt without chunked prefill), not its whole length.
     """
     if num_prompt_tokens == 0:
         raise InvalidParameterError("the prompt is empty; give at least one token",
@@ -63,10 +67,18 @@ def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, max_model
             f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the "
             f"prompt, {max_tokens} for max_tokens); lower max_tokens to at most "
             f"{max_model_len - num_prompt_tokens} or shorten the prompt", param="max_tokens")
-    needed = cdiv(num_prompt_tokens + max_tokens, block_size)
+    held = num_prompt_tokens + max_tokens
+    needed = cdiv(held, block_size)
+    if sliding_window is not None:
+        # a step computing tokens c..c+n-1 holds keys from c - window + 1 on: window - 1 +
+        # n tokens, over at most one block more than they fill (the window's first block
+        # is partly behind it)
+        chunk = num_prompt_tokens if max_chunk is None else min(num_prompt_tokens, max_chunk)
+        held = min(held, sliding_window - 1 + max(chunk, 1))
+        needed = min(needed, cdiv(held, block_size) + 1)
     if needed > num_blocks:
         raise PromptTooLongError(
-            f"the request needs up to {num_prompt_tokens + max_tokens} tokens "
+            f"the request needs up to {held} tokens "
             f"({needed} KV blocks) but the whole KV cache holds {num_blocks * block_size} "
             f"tokens ({num_blocks} blocks); lower max_tokens or give the cache more memory",
             param="max_tokens")
@@ -194,7 +206,9 @@ class Scheduler:
         else:
             request.max_tokens = check_request_fits(
                 request.num_prompt_tokens, request.sampling_params.max_tokens,
-                self.config.max_model_len, self.block_size, self.kv.num_blocks)
+                self.config.max_model_len, self.block_size, self.kv.num_blocks,
+                self.kv.sliding_window, self.config.max_num_batched_tokens
+                if self.config.enable_chunked_prefill else None)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         parent = request.fork_parent

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvflow.config import EngineConfig
 from kvflow.core.sched_output import EngineCoreRequest
+from kvflow.core.kv_cache_manager import freeable_window
 from kvflow.core.scheduler import check_request_fits
 from kvflow.errors import InvalidParameterError
 from kvflow.pooling.params import PoolingParams, check_pooling_fits
@@ -179,7 +180,9 @@ class InputProcessor:
         if capped and params.max_tokens is not None and 0 < room < params.max_tokens:
             params = params.clone(max_tokens=room)  # as without a cap: up to the context
         check_request_fits(len(ids), params.max_tokens, cfg.model.max_model_len,
-                           cfg.cache.block_size, self.num_blocks)
+                           cfg.cache.block_size, self.num_blocks, freeable_window(cfg),
+                           cfg.scheduler.max_num_batched_tokens
+                           if cfg.scheduler.enable_chunked_prefill else None)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         n = params.n
         core = []

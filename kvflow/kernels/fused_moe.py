@@ -214,9 +214,11 @@ def moe_align_fast(topk_ids: torch.Tensor, num_experts: int, block_m: int
 def _load_w(ptrs, mask, a, W_FP8: tl.constexpr):
     """A [BK, BN] weight tile in a's dtype, zero where masked. Float8 tiles take no
     ``other`` (a constant does not cast to float8): converted first, masked lanes zeroed."""
-    if W_FP8:
-        return tl.where(mask, tl.load(ptrs, mask=mask).to(a.dtype), 0.0).to(a.dtype)
-    return tl.load(ptrs, mask=mask, other=0).to(a.dtype)
+    if W_FP8:  # if/else, not an early return: see _dequant_w4
+        w = tl.where(mask, tl.load(ptrs, mask=mask).to(a.dtype), 0.0).to(a.dtype)
+    else:
+        w = tl.load(ptrs, mask=mask, other=0).to(a.dtype)
+    return w
 
 
 @triton.jit
@@ -227,23 +229,28 @@ def _dequant_w4(w, shift, s_ptrs, o_ptrs, col_ok, stride_sg, k_left,
     down K; else BLOCK_K / W4_GROUP rows, each over its group of K rows (those past the
     ``k_left`` inputs left are not read)."""
     v = ((w.to(tl.int32) >> shift) & 15).to(tl.float32)
+    # if/else, not an early return: the compiler (unlike the interpreter) builds the code
+    # after a constexpr branch's return too, where tl.arange(0, 0) does not compile
     if BLOCK_K <= W4_GROUP:
         s = tl.load(s_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_OFFSET:
-            return v * s + tl.load(o_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        return (v - 8.0) * s
-    GROUPS: tl.constexpr = BLOCK_K // W4_GROUP
-    gi = tl.arange(0, GROUPS)[:, None]  # [G, 1]
-    g = gi * stride_sg
-    g_ok = (gi * W4_GROUP < k_left) & col_ok[None, :]
-    s = tl.load(s_ptrs[None, :] + g, mask=g_ok, other=0.0).to(tl.float32)
-    v3 = tl.reshape(v, (GROUPS, W4_GROUP, v.shape[1]))  # [G, group, BN]
-    if HAS_OFFSET:
-        o = tl.load(o_ptrs[None, :] + g, mask=g_ok, other=0.0).to(tl.float32)
-        w3 = v3 * s[:, None, :] + o[:, None, :]
+            out = v * s + tl.load(o_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            out = (v - 8.0) * s
     else:
-        w3 = (v3 - 8.0) * s[:, None, :]
-    return tl.reshape(w3, (BLOCK_K, v.shape[1]))
+        GROUPS: tl.constexpr = BLOCK_K // W4_GROUP
+        gi = tl.arange(0, GROUPS)[:, None]  # [G, 1]
+        g = gi * stride_sg
+        g_ok = (gi * W4_GROUP < k_left) & col_ok[None, :]
+        s3 = tl.load(s_ptrs[None, :] + g, mask=g_ok, other=0.0).to(tl.float32)
+        v3 = tl.reshape(v, (GROUPS, W4_GROUP, v.shape[1]))  # [G, group, BN]
+        if HAS_OFFSET:
+            o = tl.load(o_ptrs[None, :] + g, mask=g_ok, other=0.0).to(tl.float32)
+            w3 = v3 * s3[:, None, :] + o[:, None, :]
+        else:
+            w3 = (v3 - 8.0) * s3[:, None, :]
+        out = tl.reshape(w3, (BLOCK_K, v.shape[1]))
+    return out
 
 
 # num_pairs (T*k) only bounds a mask: not specialized, so one compile serves every batch

@@ -26,9 +26,12 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
     ("fp8_sm90_build.py", 5),  # FP8 W8A8 GEMM (its tensor-core promotion) and the quantize
     # batch-1 decode kernels: GEMVs, norm GEMVs, split-KV attention, norms, rotary; the
     # deterministic mode's fixed-split attention, its merge and the batch-invariant matmul
-    ("decode_sm90_build.py", 19),
+    ("decode_sm90_build.py", 20),
     # low-bit decode GEMVs (their inline PTX assembles), three with balanced rows
     ("woq_gemv_sm90_build.py", 13),
+    # the fused MoE grouped GEMM per expert form: bf16, int8, int4 (one group a tile and
+    # several), float8; gated and not
+    ("moe_sm90_build.py", 10),
 ])
 def test_default_configs_build_for_sm90_without_spills(script, configs):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
