@@ -67,11 +67,10 @@ class PipelineResults:
     logits: it keeps the grammar matchers, as rank 0 does without pipeline parallelism).
     It broadcasts the sampled ids to every rank (each writes them into its persistent
     batch) and sends logprobs and prompt logprobs, which only rank 0 returns, to rank 0
-    alone, point to point. The other
-    ranks post their receives when they launch the step and wait for them only when the
-    step is collected (``StepHandle.result``), so rank 0 can launch the next batch (its
-    own stage of it) while the later stages still run this one: that is what keeps
-    several batches in flight. With ``defer`` off (one batch at a time) they wait at
+    alone, point to point. The other ranks post their receives when they launch the step
+    and wait for them only when the step is collected (``StepHandle.result``), so rank 0
+    can launch the next batch (its own stage of it) while the later stages still run
+    this one: that is what keeps several batches in flight. With ``defer`` off (one batch at a time) they wait at
     once, as overlapped steps need the tokens before the next step is built.
 
     Built from what it reads, as the CUDA graph runner is: the rank's process groups,
