@@ -109,3 +109,16 @@ def test_the_step_needs_the_window(tmp_path, monkeypatch):
     llm = _engine(tmp_path)
     assert isinstance(llm.engine.core.executor.runner.graphs, cpu_step.CppDecodeStep)
     assert _greedy(llm, prompts) != eager
+
+
+def test_a_request_longer_than_the_cache_runs_in_its_window(tmp_path):
+    """Window-aware admission through the public entry: a 37-token prompt plus 10 tokens
+    needs 12 blocks of 4, the cache has 6; every layer's window is 8 and steps take 8
+    tokens, so it holds at most 5 blocks at a time. It is admitted and its tokens equal
+    those of an engine whose cache holds it whole."""
+    hf = save_hf_model("tiny-mistral-window", tmp_path, shard=False)
+    prompt = [list(range(3, 40))]
+    want = _greedy(_engine(tmp_path, max_num_batched_tokens=8), prompt)
+    small = _engine(tmp_path, max_num_batched_tokens=8, num_gpu_blocks_override=6)
+    assert _greedy(small, prompt) == want
+    del hf

@@ -41,6 +41,22 @@ from kvflow.pooling.params import check_pooling_fits
 from kvflow.utils import cdiv
 
 
+def peak_kv(num_tokens: int, num_prompt_tokens: int, block_size: int,
+            sliding_window: int | None = None, max_chunk: int | None = None
+            ) -> tuple[int, int]:
+    """(tokens, blocks) a request of ``num_tokens`` in all holds at its peak. Without a
+    freeing window, all of them. With one (``freeable_window``), a step computing tokens
+    c..c+n-1 holds keys from c - window + 1 on: window - 1 + n tokens (n at most
+    ``max_chunk`` prompt tokens, the whole prompt without chunked prefill), over at most
+    one block more than they fill (the window's first block is partly behind it)."""
+    held, blocks = num_tokens, cdiv(num_tokens, block_size)
+    if sliding_window is not None:
+        chunk = num_prompt_tokens if max_chunk is None else min(num_prompt_tokens, max_chunk)
+        held = min(held, sliding_window - 1 + max(chunk, 1))
+        blocks = min(blocks, cdiv(held, block_size) + 1)
+    return held, blocks
+
+
 def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
                        block_size: int, num_blocks: int, sliding_window: int | None = None,
                        max_chunk: int | None = None) -> int:
@@ -67,15 +83,8 @@ def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, max_model
             f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the "
             f"prompt, {max_tokens} for max_tokens); lower max_tokens to at most "
             f"{max_model_len - num_prompt_tokens} or shorten the prompt", param="max_tokens")
-    held = num_prompt_tokens + max_tokens
-    needed = cdiv(held, block_size)
-    if sliding_window is not None:
-        # a step computing tokens c..c+n-1 holds keys from c - window + 1 on: window - 1 +
-        # n tokens, over at most one block more than they fill (the window's first block
-        # is partly behind it)
-        chunk = num_prompt_tokens if max_chunk is None else min(num_prompt_tokens, max_chunk)
-        held = min(held, sliding_window - 1 + max(chunk, 1))
-        needed = min(needed, cdiv(held, block_size) + 1)
+    held, needed = peak_kv(num_prompt_tokens + max_tokens, num_prompt_tokens, block_size,
+                           sliding_window, max_chunk)
     if needed > num_blocks:
         raise PromptTooLongError(
             f"the request needs up to {held} tokens "

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from kvflow.config import DTYPE_BYTES, GiB, EngineConfig, torch_dtype
+from kvflow.core.kv_cache_manager import freeable_window
+from kvflow.core.scheduler import peak_kv
 from kvflow.cpu.memory import zeroed_host_tensor
 from kvflow.errors import InvalidParameterError, OutOfMemoryError
 from kvflow.layers.attention import Attention, KVQuant
@@ -94,9 +96,13 @@ def allocate_host_cache(config: EngineConfig, num_blocks: int,
 
 
 def check_capacity(config: EngineConfig, num_blocks: int) -> None:
-    """The cache must hold at least one sequence of max_model_len tokens."""
+    """The cache must hold at least one sequence of max_model_len tokens (of a model whose
+    every layer is windowed: its window and one step's tokens, ``peak_kv``)."""
     bs = config.cache.block_size
-    need = cdiv(config.model.max_model_len, bs)
+    sched = config.scheduler
+    need = peak_kv(config.model.max_model_len, config.model.max_model_len, bs,
+                   freeable_window(config), sched.max_num_batched_tokens
+                   if sched.enable_chunked_prefill else None)[1]
     if num_blocks < need:
         per_token = block_bytes(config) // bs
         raise OutOfMemoryError(
