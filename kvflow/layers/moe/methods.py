@@ -16,6 +16,9 @@ shaped like linear layers' methods: ``create_weights``, ``process_weights_after_
   activations stay in the model dtype): on CUDA (compute capability 8.9+) the same
   kernel reading float8 tiles, channel scales in its epilogue; on CPU each active
   expert's weights are dequantized for its matmul (no float8 matmul there).
+  A pre-quantized fp8 checkpoint's experts (``Fp8CheckpointMoEMethod``) load into the
+  same layout as stored (per-tensor scales broadcast to channels); its ``input_scale``
+  is ignored, the experts being weight-only.
 - gguf (a GGUF file's expert blocks, kept: ``GGUFMoEMethod``): each expert converted
   from its GGML blocks to ``Int4Groups`` (exact for Q4_0/Q4_1/Q4_K; Q8_0 exact as two
   nibbles over a doubled input; other types requantized to that 8-bit form, as for
@@ -23,9 +26,9 @@ shaped like linear layers' methods: ``create_weights``, ``process_weights_after_
   CUDA, 4-bit experts go to the int4 layout of the fused kernel, others are dequantized
   to the model dtype.
 
-Refused at load with the reason named: pre-quantized experts (GPTQ/AWQ/compressed-
-tensors, and fp8 checkpoints: their expert scales have no loader) and fp8-block.
-"""
+Refused at load with the reason named: pre-quantized int experts (GPTQ/AWQ/compressed-
+tensors pack-quantized), block-wise fp8 (``fp8-block``, and checkpoints with
+``weight_block_size``)."""
 
 from __future__ import annotations
 
