@@ -55,7 +55,7 @@ def _scores(folder, ps, method: str, device: str = "cpu"
     """(logprob of each prompt token, the top-1 token at each position), teacher-forced."""
     llm = LLM(str(folder), device=device, kv_cache_memory="64MiB", max_model_len=512,
               block_size=4, quantization=method,
-              **({} if method == "none" else {"lm_head_quantization": "none"}))
+              **({} if method in ("none", "auto") else {"lm_head_quantization": "none"}))
     lps, top = [], []
     for p, out in zip(ps, llm.generate(ps, PARAMS, use_tqdm=False)):
         for i, pos in enumerate(out.prompt_logprobs[1:]):
@@ -158,19 +158,101 @@ def test_unsupported_expert_methods_refused(qwen3_moe, method, message):
         LLM(str(folder), kv_cache_memory="64MiB", max_model_len=512, quantization=method)
 
 
-def test_prequantized_fp8_moe_checkpoint_refused(qwen3_moe, tmp_path):
-    """An fp8 checkpoint's experts (per-expert weight_scale tensors) have no loader: the
-    refusal says so and names the way that works."""
+def _fp8_copy(folder, dst, quant: dict | None) -> None:
+    """``dst``: ``folder``'s checkpoint with every expert projection as float8 (even
+    experts one scale per tensor, odd ones per output channel, as [N] for gate/up and
+    [N, 1] for down; a per-tensor ``input_scale`` each, which weight-only experts
+    ignore) with ``quantization_config`` ``quant``; None: the float checkpoint whose
+    experts are those float8 values dequantized (the reference)."""
+    import re
     import shutil
 
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    out, moe_layers = {}, set()
+    for name, w in tensors.items():
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight$", name)
+        if not m:
+            out[name] = w
+            continue
+        moe_layers.add(int(m.group(1)))
+        per_tensor = int(m.group(2)) % 2 == 0
+        amax = w.abs().amax() if per_tensor else w.abs().amax(dim=1, keepdim=True)
+        scale = (amax / 448.0).float()
+        q = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        if quant is None:
+            out[name] = q.float() * scale
+            continue
+        out[name] = q
+        stem = name[:-len("weight")]
+        out[stem + "weight_scale"] = (scale.reshape(()) if per_tensor else
+                                      scale if m.group(3) == "down" else scale.reshape(-1))
+        out[stem + "input_scale"] = torch.tensor(0.02)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    if quant is not None:
+        layers = cfg["num_hidden_layers"]
+        # attention and the dense MLPs stay float: only the experts are pre-quantized
+        quant["ignored_layers"] = [f"model.layers.{i}.self_attn" for i in range(layers)] + [
+            f"model.layers.{i}.mlp" for i in range(layers) if i not in moe_layers]
+        cfg["quantization_config"] = quant
+    (dst / "config.json").write_text(json.dumps(cfg))
+    assert moe_layers
+
+
+def test_prequantized_fp8_moe_checkpoint_loads(qwen3_moe, tmp_path):
+    """An fp8 checkpoint's experts load as stored (no re-quantization; per-tensor scales
+    broadcast to channels; input_scale ignored): the model's prompt logprobs equal, to
+    1e-4 nats (both runs multiply the same float32 weights, so only summation order
+    may differ), those of the float model whose experts are the dequantized float8
+    values, which themselves differ visibly from the original float model's."""
+    folder, ps, dense = qwen3_moe
+    _fp8_copy(folder, tmp_path / "fp8", {"quant_method": "fp8",
+                                          "activation_scheme": "static"})
+    _fp8_copy(folder, tmp_path / "ref", None)
+    got, want = _scores(tmp_path / "fp8", ps, "auto"), _scores(tmp_path / "ref", ps, "none")
+    assert (got[0] - want[0]).abs().max() < 1e-4, (got[0] - want[0]).abs().max()
+    assert got[1] == want[1]
+    assert (want[0] - dense[0]).abs().max() > 1e-3  # the fp8 rounding is in the numbers
+
+
+def test_prequantized_fp8_moe_experts_stored_as_loaded(qwen3_moe, tmp_path):
+    """The experts keep the checkpoint's float8 bytes and scales (per-tensor broadcast)."""
+    from safetensors.torch import load_file
+
     folder, _, _ = qwen3_moe
-    shutil.copytree(folder, tmp_path / "m")
-    cfg_path = tmp_path / "m" / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    cfg_path.write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="pre-quantized fp8 MoE.*--quantization fp8"):
-        LLM(str(tmp_path / "m"), kv_cache_memory="64MiB", max_model_len=512)
+    _fp8_copy(folder, tmp_path / "fp8", {"quant_method": "fp8",
+                                          "activation_scheme": "dynamic"})
+    llm = LLM(str(tmp_path / "fp8"), device="cpu", kv_cache_memory="64MiB",
+              max_model_len=512)
+    model = llm.engine.core.executor.runner.model
+    ck = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    layer = model.get_submodule("model.layers.1.mlp.experts")
+    assert type(layer.quant_method).__name__ == "Fp8CheckpointMoEMethod"
+    for e in (0, 1):
+        stem = f"model.layers.1.mlp.experts.{e}."
+        gate, up = ck[stem + "gate_proj.weight"], ck[stem + "up_proj.weight"]
+        i = gate.shape[0]
+        assert torch.equal(layer.w13_q[e].view(torch.uint8),
+                           torch.cat([gate, up]).view(torch.uint8))
+        assert torch.equal(layer.w2_q[e].view(torch.uint8),
+                           ck[stem + "down_proj.weight"].view(torch.uint8))
+        s = ck[stem + "gate_proj.weight_scale"].reshape(-1).expand(i)
+        assert torch.equal(layer.w13_scale[e, :i], s)
+        s2 = ck[stem + "down_proj.weight_scale"].reshape(-1)
+        assert torch.equal(layer.w2_scale[e], s2.expand(layer.w2_scale.shape[1]))
+
+
+def test_block_quantized_fp8_moe_checkpoint_refused(qwen3_moe, tmp_path):
+    """Block-wise scales (weight_block_size) have no expert layout: refused, saying so."""
+    folder, _, _ = qwen3_moe
+    _fp8_copy(folder, tmp_path / "m", {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                        "weight_block_size": [128, 128]})
+    with pytest.raises(ModelLoadError, match="block-wise scales.*weight_block_size.*MoE "
+                                             "experts"):
+        LLM(str(tmp_path / "m"), device="cpu", kv_cache_memory="64MiB", max_model_len=512)
 
 
 # --- the real kernels -----------------------------------------------------------------

@@ -34,9 +34,11 @@ from kvflow.models.llama import STACKED_PARAMS, LlamaAttention, LlamaMLP, model_
 # experts.{e}.<name>.weight -> the expert shard kind FusedMoE's loader takes
 _EXPERT_KINDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2",
                  "w1": "w1", "w3": "w3", "w2": "w2"}
-# (GGUF blocks kept: ``qweight_type`` then ``qweight`` per expert, for GGUFMoEMethod)
+# (GGUF blocks kept: ``qweight_type`` then ``qweight`` per expert, for GGUFMoEMethod;
+# fp8 checkpoints: ``weight_scale`` to the experts' scales, ``input_scale`` ignored, as
+# the experts are weight-only: Fp8CheckpointMoEMethod)
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
-                         r"\.(?:weight|qweight|qweight_type)$")
+                         r"\.(weight|qweight|qweight_type|weight_scale|input_scale)$")
 # transformers' own stacked layout: experts.gate_up_proj [E, 2I, H], experts.down_proj
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 
@@ -166,7 +168,10 @@ class QwenMoeForCausalLM(nn.Module):
                 continue
             if m := _PER_EXPERT.match(name):
                 kind = _EXPERT_KINDS[m.group(3)]
-                target = f"{m.group(1)}.{'w2' if kind == 'w2' else 'w13'}_weight"
+                if m.group(4) == "input_scale":  # static W8A8 scales: weight-only experts
+                    continue
+                suffix = "_weight_scale" if m.group(4) == "weight_scale" else "_weight"
+                target = f"{m.group(1)}.{'w2' if kind == 'w2' else 'w13'}{suffix}"
                 if target in params:
                     params[target].weight_loader(params[target], tensor,
                                                  (int(m.group(2)), kind))
@@ -200,8 +205,9 @@ class QwenMoeForCausalLM(nn.Module):
         for name in params:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            if name.endswith(("experts.w13_weight", "experts.w2_weight")):
-                kinds = ("w2",) if name.endswith("w2_weight") else ("w1", "w3")
+            if name.endswith(("experts.w13_weight", "experts.w2_weight",
+                              "experts.w13_weight_scale", "experts.w2_weight_scale")):
+                kinds = ("w2",) if ".experts.w2_" in name else ("w1", "w3")
                 moe = self.get_submodule(name.rsplit(".", 1)[0])
                 want = [f"{name}:{moe.expert_start + e}:{k}"
                         for e in range(moe.num_local_experts) for k in kinds]

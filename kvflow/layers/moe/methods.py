@@ -16,6 +16,9 @@ shaped like linear layers' methods: ``create_weights``, ``process_weights_after_
   activations stay in the model dtype): on CUDA (compute capability 8.9+) the same
   kernel reading float8 tiles, channel scales in its epilogue; on CPU each active
   expert's weights are dequantized for its matmul (no float8 matmul there).
+  A pre-quantized fp8 checkpoint's experts (``Fp8CheckpointMoEMethod``) load into the
+  same layout as stored (per-tensor scales broadcast to channels); its ``input_scale``
+  is ignored, the experts being weight-only.
 - gguf (a GGUF file's expert blocks, kept: ``GGUFMoEMethod``): each expert converted
   from its GGML blocks to ``Int4Groups`` (exact for Q4_0/Q4_1/Q4_K; Q8_0 exact as two
   nibbles over a doubled input; other types requantized to that 8-bit form, as for
@@ -23,9 +26,9 @@ shaped like linear layers' methods: ``create_weights``, ``process_weights_after_
   CUDA, 4-bit experts go to the int4 layout of the fused kernel, others are dequantized
   to the model dtype.
 
-Refused at load with the reason named: pre-quantized experts (GPTQ/AWQ/compressed-
-tensors, and fp8 checkpoints: their expert scales have no loader) and fp8-block.
-"""
+Refused at load with the reason named: pre-quantized int experts (GPTQ/AWQ/compressed-
+tensors pack-quantized), block-wise fp8 (``fp8-block``, and checkpoints with
+``weight_block_size``)."""
 
 from __future__ import annotations
 
@@ -199,12 +202,7 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
 
         for pname in ("w13", "w2"):
             w = getattr(layer, f"{pname}_weight").data  # [E, N, K]
-            if w.is_cuda and torch.cuda.get_device_capability(w.device) < (8, 9):
-                major, minor = torch.cuda.get_device_capability(w.device)
-                raise ModelLoadError(
-                    f"{layer.prefix}: fp8 experts need a GPU with float8 support (compute "
-                    f"capability 8.9 or newer); this one is {major}.{minor}: use "
-                    f"--quantization int8 or int4")
+            _check_fp8_device(layer, w)
             delattr(layer, f"{pname}_weight")
             parts = [quantize_fp8_rows(w[e]) for e in range(w.shape[0])]  # per expert:
             # a float32 copy of one expert at a time, not of the whole stack
@@ -225,6 +223,87 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
         return routed_experts(x, weights, ids, layer.num_local_experts,
                               lambda e, r: F.linear(_silu_mul(F.linear(
                                   r, deq(q13[e], s13[e], r.dtype))), deq(q2[e], s2[e], r.dtype)))
+
+
+def _check_fp8_device(layer, w: torch.Tensor) -> None:
+    if w.is_cuda and torch.cuda.get_device_capability(w.device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(w.device)
+        raise ModelLoadError(
+            f"{layer.prefix}: fp8 experts need a GPU with float8 support (compute "
+            f"capability 8.9 or newer); this one is {major}.{minor}: use "
+            f"--quantization int8 or int4")
+
+
+class Fp8CheckpointMoEMethod(Fp8MoEMethod):
+    """A pre-quantized fp8 checkpoint's experts (config.json ``quantization_config``
+    ``quant_method: fp8``, or compressed-tensors float-quantized), kept as stored: each
+    expert's ``{gate,up,down}_proj.weight`` (float8_e4m3fn) and its ``weight_scale``, per
+    output channel ([N] or [N, 1]) or per tensor (one number, broadcast to its rows), go
+    into ``Fp8MoEMethod``'s layout (fp8 [E, N, K], float32 [E, N]) without re-quantizing;
+    gate and up keep their own scales in their rows of w13. A checkpoint's
+    ``input_scale`` (static activation scales, W8A8) is ignored: the experts are
+    weight-only, their activations stay in the model dtype. Block-wise scales
+    (``weight_block_size``) are refused in ``moe_method``."""
+
+    def create_weights(self, layer, dtype: torch.dtype) -> None:
+        e, i, h = layer.num_local_experts, layer.local_intermediate, layer.hidden_size
+        for pname, (n, k) in (("w13", (2 * i, h)), ("w2", (h, i))):
+            w = nn.Parameter(torch.empty(e, n, k, dtype=torch.float8_e4m3fn),
+                             requires_grad=False)
+            w.weight_loader = lambda p, t, shard_id: self._load_weight(layer, p, t, shard_id)
+            layer.register_parameter(f"{pname}_weight", w)
+            # NaN until loaded: a missing scale is caught after loading
+            s = nn.Parameter(torch.full((e, n), float("nan"), dtype=torch.float32),
+                             requires_grad=False)
+            s.weight_loader = lambda p, t, shard_id: self._load_scale(layer, p, t, shard_id)
+            layer.register_parameter(f"{pname}_weight_scale", s)
+
+    @staticmethod
+    def _load_weight(layer, param, t: torch.Tensor, shard_id) -> None:
+        if t.dtype != torch.float8_e4m3fn:
+            raise ModelLoadError(f"{layer.prefix}: fp8 checkpoint expert weight has dtype "
+                                 f"{t.dtype} (supported: float8_e4m3fn)")
+        # FusedMoE's own placement (tensor-parallel slices, expert-parallel ranks) on byte
+        # views: CPU copies of float8 tensors into narrowed views are not all implemented
+        layer.weight_loader(nn.Parameter(param.data.view(torch.uint8), requires_grad=False),
+                            t.view(torch.uint8), shard_id)
+
+    @staticmethod
+    def _load_scale(layer, param, t: torch.Tensor, shard_id) -> None:
+        expert, kind = shard_id
+        if expert is None or kind not in ("w1", "w3", "w2"):
+            raise ModelLoadError(f"{layer.prefix}: fp8 expert scales load one expert and "
+                                 f"projection at a time (w1, w3, w2), got {kind!r}")
+        e = layer.local_expert(expert)
+        if e is None:
+            return
+        i, s, h = layer.local_intermediate, layer.inter_start, layer.hidden_size
+        n = h if kind == "w2" else layer.intermediate_size  # the checkpoint's output rows
+        t = t.float().reshape(-1)
+        if t.numel() not in (1, n):
+            raise ModelLoadError(
+                f"{layer.prefix}: expert {expert} {kind} weight_scale has {t.numel()} "
+                f"values; fp8 experts take one per output channel ({n}) or one per tensor "
+                f"(block-wise scales: quantization_config weight_block_size, not supported)")
+        if kind == "w2":  # output channels = hidden: whole on every rank
+            param.data[e].copy_(t.expand(n))
+            return
+        rows = slice(0, i) if kind == "w1" else slice(i, 2 * i)
+        piece = t.expand(n)[s:s + i]  # this rank's slice of the intermediate rows
+        param.data[e, rows].copy_(piece)
+
+    def process_weights_after_loading(self, layer) -> None:
+        for pname in ("w13", "w2"):
+            w = getattr(layer, f"{pname}_weight").data
+            s = getattr(layer, f"{pname}_weight_scale").data
+            _check_fp8_device(layer, w)
+            if not bool(torch.isfinite(s).all()) or bool((s <= 0).any()):
+                raise ModelLoadError(f"{layer.prefix}: {pname} expert weight_scale must be "
+                                     f"positive and finite (missing from the checkpoint?)")
+            delattr(layer, f"{pname}_weight")
+            delattr(layer, f"{pname}_weight_scale")
+            _set(layer, f"{pname}_q", w)  # fp8 [E, N, K]
+            _set(layer, f"{pname}_scale", s)  # f32 [E, N]
 
 FOUR_BIT = (2, 3, 12)  # GGML Q4_0, Q4_1, Q4_K: affine 4-bit per 32, exact as Int4Groups
 PACK_VALUES = 1 << 24  # weight values converted before one pack call (an int32 copy: 64 MB)
@@ -431,17 +510,18 @@ def moe_method(config, prefix: str) -> UnquantizedMoEMethod:
         return Int4MoEMethod(config.group_size, config.symmetric)
     if kind == "gguf":
         return GGUFMoEMethod()
-    if kind == "fp8" and config.prequantized:
-        raise ModelLoadError(
-            f"pre-quantized fp8 MoE checkpoints are not supported ({prefix}: the experts' "
-            f"weight_scale tensors have no loader yet); load the float checkpoint with "
-            f"--quantization fp8, which quantizes the experts at load")
     if kind == "fp8" and config.weight_block is not None:
+        if config.prequantized:
+            raise ModelLoadError(
+                f"fp8 checkpoints with block-wise scales (quantization_config "
+                f"weight_block_size {list(config.weight_block)}) are not supported for MoE "
+                f"experts ({prefix}); per-tensor or per-channel fp8 checkpoints load, or "
+                f"load the float checkpoint with --quantization fp8")
         raise ModelLoadError(f"quantization fp8-block (block-wise scales) is not supported "
                              f"for MoE experts ({prefix}); use --quantization fp8 "
                              f"(per-channel experts)")
     if kind == "fp8":
-        return Fp8MoEMethod()
+        return Fp8CheckpointMoEMethod() if config.prequantized else Fp8MoEMethod()
     raise ModelLoadError(f"quantization {kind!r} is not supported for MoE experts "
                          f"({prefix}); use --quantization int8, int4, fp8, gguf (GGUF "
                          f"files) or none")
