@@ -305,6 +305,7 @@ class Fp8CheckpointMoEMethod(Fp8MoEMethod):
             _set(layer, f"{pname}_q", w)  # fp8 [E, N, K]
             _set(layer, f"{pname}_scale", s)  # f32 [E, N]
 
+
 FOUR_BIT = (2, 3, 12)  # GGML Q4_0, Q4_1, Q4_K: affine 4-bit per 32, exact as Int4Groups
 PACK_VALUES = 1 << 24  # weight values converted before one pack call (an int32 copy: 64 MB)
 
