@@ -41,6 +41,7 @@ from torch import nn
 
 from kvflow.errors import ModelLoadError
 from kvflow.logger import init_logger
+from kvflow.layers.quantization.fp8 import channel_scales
 from kvflow.layers.quantization.packed import (CPU_ACT_DTYPE, Int4Groups, PackedInt4, int4_mm,
                                                int8_mm, quantize_int4, quantize_int8)
 
@@ -225,6 +226,16 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
                                   r, deq(q13[e], s13[e], r.dtype))), deq(q2[e], s2[e], r.dtype)))
 
 
+def _local_expert(layer, shard_id: tuple[int | None, str], what: str) -> int | None:
+    """This rank's index of the expert a per-expert, per-projection load is for (None:
+    another rank's expert, dropped); ``what`` names the loader in its error."""
+    expert, kind = shard_id
+    if expert is None or kind not in ("w1", "w3", "w2"):
+        raise ModelLoadError(f"{layer.prefix}: {what} load one expert and projection at "
+                             f"a time (w1, w3, w2), got {kind!r}")
+    return layer.local_expert(expert)
+
+
 def _check_fp8_device(layer, w: torch.Tensor) -> None:
     if w.is_cuda and torch.cuda.get_device_capability(w.device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(w.device)
@@ -270,27 +281,18 @@ class Fp8CheckpointMoEMethod(Fp8MoEMethod):
 
     @staticmethod
     def _load_scale(layer, param, t: torch.Tensor, shard_id) -> None:
-        expert, kind = shard_id
-        if expert is None or kind not in ("w1", "w3", "w2"):
-            raise ModelLoadError(f"{layer.prefix}: fp8 expert scales load one expert and "
-                                 f"projection at a time (w1, w3, w2), got {kind!r}")
-        e = layer.local_expert(expert)
+        e = _local_expert(layer, shard_id, "fp8 expert scales")
         if e is None:
             return
+        expert, kind = shard_id
         i, s, h = layer.local_intermediate, layer.inter_start, layer.hidden_size
         n = h if kind == "w2" else layer.intermediate_size  # the checkpoint's output rows
-        t = t.float().reshape(-1)
-        if t.numel() not in (1, n):
-            raise ModelLoadError(
-                f"{layer.prefix}: expert {expert} {kind} weight_scale has {t.numel()} "
-                f"values; fp8 experts take one per output channel ({n}) or one per tensor "
-                f"(block-wise scales: quantization_config weight_block_size, not supported)")
+        t = channel_scales(t, n, f"{layer.prefix}: expert {expert} {kind}")
         if kind == "w2":  # output channels = hidden: whole on every rank
-            param.data[e].copy_(t.expand(n))
+            param.data[e].copy_(t)
             return
         rows = slice(0, i) if kind == "w1" else slice(i, 2 * i)
-        piece = t.expand(n)[s:s + i]  # this rank's slice of the intermediate rows
-        param.data[e, rows].copy_(piece)
+        param.data[e, rows].copy_(t[s:s + i])  # this rank's slice of the intermediate rows
 
     def process_weights_after_loading(self, layer) -> None:
         for pname in ("w13", "w2"):
@@ -315,14 +317,10 @@ def _record_gguf_expert(layer, loaded: torch.Tensor, shard_id: tuple[int | None,
     """Keep what the GGUF loader sends for one expert's projection: its GGML type (0-d)
     or its block rows (uint8 [rows, row_bytes], a view of the mapped file: read when
     converted). Other ranks' experts are dropped unread."""
-    expert, kind = shard_id
-    if expert is None or kind not in ("w1", "w3", "w2"):
-        raise ModelLoadError(f"{layer.prefix}: GGUF experts load one expert and projection "
-                             f"at a time (w1, w3, w2), got {kind!r}")
-    e = layer.local_expert(expert)
+    e = _local_expert(layer, shard_id, "GGUF experts")
     if e is None:
         return
-    entry = layer._gguf_experts.setdefault((e, kind), {})
+    entry = layer._gguf_experts.setdefault((e, shard_id[1]), {})
     if loaded.dim() == 0:
         entry["type"] = int(loaded)
     elif loaded.dtype != torch.uint8 or loaded.dim() != 2:

@@ -64,6 +64,19 @@ def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor
     return xq, scale.reshape(1).expand(x.shape[0])
 
 
+def channel_scales(t: torch.Tensor, n: int, where: str) -> torch.Tensor:
+    """A checkpoint's ``weight_scale`` for ``n`` output channels as float32 [n]: one per
+    channel, or one per tensor broadcast; anything else (block-wise scales) is refused,
+    ``where`` naming the weight."""
+    t = t.float().reshape(-1)
+    if t.numel() not in (1, n):
+        raise ModelLoadError(
+            f"{where} weight_scale has {t.numel()} values; fp8 weights take one per output "
+            f"channel ({n}) or one per tensor (block-wise scales: quantization_config "
+            f"weight_block_size, not supported)")
+    return t.expand(n)
+
+
 def fp8_mm_ref(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor:
     """The reference W8A8 product: xq [M, K], wq [N, K] fp8, sx [M], sw [N] -> [M, N]."""
@@ -409,13 +422,7 @@ class Fp8CheckpointLinearMethod(LinearMethod):
 
     def _load_scale(self, layer, param, t: torch.Tensor, shard) -> None:
         start, size = shard_rows(layer, shard)
-        t = t.float().reshape(-1)
-        if t.numel() not in (1, size):
-            raise ModelLoadError(
-                f"{layer.prefix}: weight_scale has {t.numel()} values; an fp8 layer takes one "
-                f"per output channel ({size}) or one per tensor (block-wise scales: "
-                f"quantization_config weight_block_size)")
-        param.data.narrow(0, start, size).copy_(t.expand(size))
+        param.data.narrow(0, start, size).copy_(channel_scales(t, size, f"{layer.prefix}:"))
 
     @staticmethod
     def _load_input_scale(layer, param, t: torch.Tensor, shard) -> None:
