@@ -208,6 +208,12 @@ class SchedulerConfig:
     its other samples wait while later requests are admitted. None: max_num_seqs // 8,
     at least 16 (or max_num_seqs if smaller)."""
 
+    @property
+    def max_prompt_chunk(self) -> int | None:
+        """The most prompt tokens one step computes for a request: the step budget with
+        chunked prefill, else None (the whole prompt at once)."""
+        return self.max_num_batched_tokens if self.enable_chunked_prefill else None
+
     def __post_init__(self) -> None:
         require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         require(self.batching in ("continuous", "static"), "batching",

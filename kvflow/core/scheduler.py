@@ -216,8 +216,7 @@ class Scheduler:
             request.max_tokens = check_request_fits(
                 request.num_prompt_tokens, request.sampling_params.max_tokens,
                 self.config.max_model_len, self.block_size, self.kv.num_blocks,
-                self.kv.sliding_window, self.config.max_num_batched_tokens
-                if self.config.enable_chunked_prefill else None)
+                self.kv.sliding_window, self.config.max_prompt_chunk)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         parent = request.fork_parent

@@ -86,6 +86,7 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.num_blocks = num_blocks
+        self.window = freeable_window(config)  # requests hold only its blocks (admission)
         eos = set(config.model.arch.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -180,9 +181,8 @@ class InputProcessor:
         if capped and params.max_tokens is not None and 0 < room < params.max_tokens:
             params = params.clone(max_tokens=room)  # as without a cap: up to the context
         check_request_fits(len(ids), params.max_tokens, cfg.model.max_model_len,
-                           cfg.cache.block_size, self.num_blocks, freeable_window(cfg),
-                           cfg.scheduler.max_num_batched_tokens
-                           if cfg.scheduler.enable_chunked_prefill else None)
+                           cfg.cache.block_size, self.num_blocks, self.window,
+                           cfg.scheduler.max_prompt_chunk)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         n = params.n
         core = []

@@ -99,10 +99,8 @@ def check_capacity(config: EngineConfig, num_blocks: int) -> None:
     """The cache must hold at least one sequence of max_model_len tokens (of a model whose
     every layer is windowed: its window and one step's tokens, ``peak_kv``)."""
     bs = config.cache.block_size
-    sched = config.scheduler
     need = peak_kv(config.model.max_model_len, config.model.max_model_len, bs,
-                   freeable_window(config), sched.max_num_batched_tokens
-                   if sched.enable_chunked_prefill else None)[1]
+                   freeable_window(config), config.scheduler.max_prompt_chunk)[1]
     if num_blocks < need:
         per_token = block_bytes(config) // bs
         raise OutOfMemoryError(
