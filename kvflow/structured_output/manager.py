@@ -255,10 +255,8 @@ class StructuredOutputManager:
             for r in range(p.count):
                 if p.req.broken:
                     bitmask[k].fill_(-1)
-                elif m.is_terminated():
-                    _allow_only(bitmask[k], p.req.eos_token_ids)
                 else:
-                    m.fill_next_token_bitmask(bitmask, k)
+                    _fill_row(m, bitmask, k, p.req.eos_token_ids)
                 k += 1
                 if walking and r < len(p.drafts):
                     if not p.req.broken and not m.is_terminated() \
@@ -297,10 +295,7 @@ class StructuredOutputManager:
             children[par + 1].append(n)
 
         def fill(r: int) -> None:  # row r: the matcher's current state
-            if m.is_terminated():
-                _allow_only(rows[r], p.req.eos_token_ids)
-            else:
-                m.fill_next_token_bitmask(bitmask, k + r)
+            _fill_row(m, bitmask, k + r, p.req.eos_token_ids)
 
         rejected = 0
         fill(0)
@@ -340,7 +335,7 @@ class StructuredOutputManager:
                 if not self._isolate:
                     raise
                 logger.error("request %s: its grammar did not compile (%s); it ends now",
-                             p.req_id, describe_compile_error(e))
+                             p.req_id, _describe_compile_error(e))
                 p.req.failed = True
                 return None
             p.req.matcher = xgr.GrammarMatcher(compiled,
@@ -365,7 +360,16 @@ class StructuredOutputManager:
             self._compiler.shutdown()
 
 
-def describe_compile_error(e: Exception) -> str:
+def _fill_row(m, bitmask: torch.Tensor, row: int, eos_token_ids: list[int]) -> None:
+    """Bitmask row ``row``: what the matcher's current state allows (only the end of
+    sequence once its grammar is finished)."""
+    if m.is_terminated():
+        _allow_only(bitmask[row], eos_token_ids)
+    else:
+        m.fill_next_token_bitmask(bitmask, row)
+
+
+def _describe_compile_error(e: Exception) -> str:
     if isinstance(e, TimeoutError):
         return f"took longer than {COMPILE_TIMEOUT_S:g} s"
     return f"{type(e).__name__}: {e}"
